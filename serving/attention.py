@@ -1,0 +1,154 @@
+"""Attention backends in plain torch: dense causal attention (training) and paged attention (the engine).
+
+Paged attention reads K/V through block tables from a pool of fixed-size blocks. Sequences with short
+queries (decode, verification of a few drafts) run as one padded batch; longer queries (prefill chunks)
+run one at a time. Everything derived from the block tables is built once per step in
+`PagedMetadata.build` and shared by every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+MAX_BATCHED_QUERY_LEN = 16
+
+
+def sdpa_gqa(q, k, v, mask=None, is_causal=False):
+    """q: [B, Q, H, D]; k, v: [B, C, KV, D]; mask: [B, Q, C] bool (True attends) -> [B, Q, H, D].
+    Grouped-query attention without repeating K/V: the query heads sharing a KV head are stacked on the query axis."""
+    batch, num_q, num_heads, head_dim = q.shape
+    num_kv = k.shape[2]
+    group = num_heads // num_kv
+    qg = q.view(batch, num_q, num_kv, group, head_dim).permute(0, 2, 3, 1, 4).reshape(batch, num_kv, group * num_q, head_dim)
+    if is_causal and group > 1:
+        mask = torch.ones(num_q, k.shape[1], dtype=torch.bool, device=q.device).tril(k.shape[1] - num_q)[None]
+        is_causal = False
+    if mask is not None:
+        mask = mask.unsqueeze(1).repeat(1, 1, group, 1)  # [B, 1, group * Q, C]
+    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=is_causal)
+    return out.view(batch, num_kv, group, num_q, head_dim).permute(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, head_dim)
+
+
+class DenseCausalAttention:
+    """Causal attention over [B, S] sequences; `padding_mask` [B, S] (True for real tokens) hides padded keys."""
+
+    def __init__(self, padding_mask: torch.Tensor | None = None):
+        self.mask = None
+        if padding_mask is not None:
+            seq = padding_mask.shape[1]
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=padding_mask.device).tril()
+            self.mask = causal[None] & padding_mask[:, None, :]
+            self.mask[..., 0] |= ~self.mask.any(-1)  # fully padded rows attend somewhere, never NaN
+
+    def __call__(self, layer_idx, q, k, v):
+        return sdpa_gqa(q, k, v, self.mask, is_causal=self.mask is None)
+
+
+class KVCache:
+    """One allocation for every layer: k and v are [num_layers, num_blocks * block_size, num_kv_heads, head_dim]."""
+
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device="cpu"):
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class _Single:
+    start: int
+    end: int
+    key_slots: torch.Tensor | None  # [context]; None when the chunk is the whole sequence so far
+    mask: torch.Tensor | None  # [1, query, context]
+
+
+@dataclass
+class _Batched:
+    query_index: torch.Tensor  # [B, Qmax] rows of the flat batch (padding repeats a valid row)
+    key_slots: torch.Tensor  # [B, Cmax]
+    mask: torch.Tensor  # [B, Qmax, Cmax]
+    valid: torch.Tensor  # [B * Qmax] bool: which padded rows are real
+    rows: torch.Tensor  # [num real rows] their rows in the flat batch
+
+
+@dataclass
+class PagedMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] where each scheduled token's K/V is written
+    singles: list[_Single]
+    batched: _Batched | None
+
+    @classmethod
+    def build(cls, query_lens, context_lens, block_tables, block_size, device="cpu"):
+        """query_lens[i] tokens of sequence i are scheduled; context_lens[i] = tokens with K/V after this step."""
+        slot_parts, singles, short = [], [], []
+        start = 0
+        for query_len, context_len, table in zip(query_lens, context_lens, block_tables):
+            positions = torch.arange(context_len)
+            slots = torch.tensor(table, dtype=torch.long)[positions // block_size] * block_size + positions % block_size
+            slot_parts.append(slots[context_len - query_len:])
+            if query_len > MAX_BATCHED_QUERY_LEN:
+                if query_len == context_len:
+                    singles.append(_Single(start, start + query_len, None, None))
+                else:
+                    mask = torch.ones(query_len, context_len, dtype=torch.bool).tril(context_len - query_len)[None]
+                    singles.append(_Single(start, start + query_len, slots.to(device), mask.to(device)))
+            else:
+                short.append((start, query_len, context_len, slots))
+            start += query_len
+        batched = cls._batch(short, device) if short else None
+        return cls(torch.cat(slot_parts).to(device), singles, batched)
+
+    @staticmethod
+    def _batch(short, device):
+        max_q = max(q for _, q, _, _ in short)
+        max_c = max(c for _, _, c, _ in short)
+        num = len(short)
+        query_index = torch.zeros(num, max_q, dtype=torch.long)
+        key_slots = torch.zeros(num, max_c, dtype=torch.long)
+        limit = torch.zeros(num, max_q, dtype=torch.long)  # last key position each query row may see
+        valid = torch.zeros(num, max_q, dtype=torch.bool)
+        for i, (start, query_len, context_len, slots) in enumerate(short):
+            query_index[i, :query_len] = torch.arange(start, start + query_len)
+            query_index[i, query_len:] = start
+            key_slots[i, :context_len] = slots
+            limit[i, :query_len] = torch.arange(context_len - query_len, context_len)
+            valid[i, :query_len] = True
+        mask = torch.arange(max_c)[None, None, :] <= limit[:, :, None]
+        valid = valid.flatten()
+        return _Batched(query_index.to(device), key_slots.to(device), mask.to(device), valid.to(device),
+                        query_index.flatten()[valid].to(device))
+
+
+class PagedAttention:
+    """Writes this step's K/V into the pool, then attends over each sequence's blocks."""
+
+    def __init__(self, cache: KVCache, meta: PagedMetadata):
+        self.cache, self.meta = cache, meta
+
+    def __call__(self, layer_idx, q, k, v):
+        k_pool, v_pool, meta = self.cache.k[layer_idx], self.cache.v[layer_idx], self.meta
+        k_pool.index_copy_(0, meta.slot_mapping, k)
+        v_pool.index_copy_(0, meta.slot_mapping, v)
+        if meta.batched is not None and not meta.singles:
+            b = meta.batched
+            if b.query_index.shape[1] == 1 and b.rows.numel() == q.shape[0]:
+                out = sdpa_gqa(q[b.query_index], k_pool[b.key_slots], v_pool[b.key_slots], b.mask)
+                return out.view(q.shape)
+        out = torch.empty_like(q)
+        for s in self.meta.singles:
+            if s.key_slots is None:
+                o = sdpa_gqa(q[None, s.start:s.end], k[None, s.start:s.end], v[None, s.start:s.end], is_causal=True)
+            else:
+                o = sdpa_gqa(q[None, s.start:s.end], k_pool[s.key_slots][None], v_pool[s.key_slots][None], s.mask)
+            out[s.start:s.end] = o[0]
+        if meta.batched is not None:
+            b = meta.batched
+            o = sdpa_gqa(q[b.query_index], k_pool[b.key_slots], v_pool[b.key_slots], b.mask)
+            out.index_copy_(0, b.rows, o.flatten(0, 1)[b.valid])
+        return out

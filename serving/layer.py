@@ -1,0 +1,93 @@
+"""The one decoder layer (Llama family: Llama, Qwen2, Qwen3, Mistral) with its attention injected.
+
+The target in the engine, the EAGLE layers and the MTP blocks all run this layer. Attention is a
+callable `attention(layer_idx, q, k, v) -> out` over `[..., heads, head_dim]` tensors: dense causal
+attention in training, paged attention in the engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serving.rope import apply_rope
+
+
+@dataclass
+class LayerConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    head_dim: int = 0  # 0 derives hidden_size // num_heads
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
+    attention_input_size: int = 0  # 0 means hidden_size; EAGLE-3 attends over 2 * hidden
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        self.head_dim = self.head_dim or self.hidden_size // self.num_heads
+        self.attention_input_size = self.attention_input_size or self.hidden_size
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "LayerConfig":
+        return cls(
+            hidden_size=config["hidden_size"],
+            num_heads=config["num_attention_heads"],
+            num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            intermediate_size=config["intermediate_size"],
+            head_dim=config.get("head_dim") or 0,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            qkv_bias=config.get("attention_bias", config.get("model_type") == "qwen2"),
+            qk_norm=config.get("model_type") == "qwen3",
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the dtype, as the reference implementations do.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LayerConfig, layer_idx: int = 0, input_norm: bool = True):
+        super().__init__()
+        c = config
+        self.config, self.layer_idx = c, layer_idx
+        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.input_norm = RMSNorm(c.attention_input_size, c.rms_norm_eps) if input_norm else nn.Identity()
+        self.qkv = nn.Linear(c.attention_input_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.o = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, hidden, cos, sin, attention, attention_input=None):
+        """hidden: [..., hidden]; attention_input replaces input_norm(hidden) when the caller builds it
+        (EAGLE-3 concatenates two normed streams)."""
+        c = self.config
+        x = self.input_norm(hidden) if attention_input is None else attention_input
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.unflatten(-1, (c.num_heads, c.head_dim))
+        k = k.unflatten(-1, (c.num_kv_heads, c.head_dim))
+        v = v.unflatten(-1, (c.num_kv_heads, c.head_dim))
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        hidden = hidden + self.o(attention(self.layer_idx, q, k, v).flatten(-2))
+        gate, up = self.gate_up(self.post_norm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down(F.silu(gate) * up)

@@ -1,0 +1,162 @@
+"""The target model: a stack of `DecoderLayer`s loaded from a Hugging Face folder's safetensors files
+through an explicit name map, run over one flattened batch of every scheduled token."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from serving.layer import DecoderLayer, LayerConfig, RMSNorm
+from serving.rope import Rope
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+
+# Hugging Face name -> (our name, shard index inside a fused tensor or None); `{}` is the layer index.
+WEIGHT_MAP = {
+    "model.embed_tokens.weight": ("embed.weight", None),
+    "model.norm.weight": ("norm.weight", None),
+    "lm_head.weight": ("lm_head.weight", None),
+    "model.layers.{}.input_layernorm.weight": ("layers.{}.input_norm.weight", None),
+    "model.layers.{}.post_attention_layernorm.weight": ("layers.{}.post_norm.weight", None),
+    "model.layers.{}.self_attn.q_proj.weight": ("layers.{}.qkv.weight", 0),
+    "model.layers.{}.self_attn.k_proj.weight": ("layers.{}.qkv.weight", 1),
+    "model.layers.{}.self_attn.v_proj.weight": ("layers.{}.qkv.weight", 2),
+    "model.layers.{}.self_attn.q_proj.bias": ("layers.{}.qkv.bias", 0),
+    "model.layers.{}.self_attn.k_proj.bias": ("layers.{}.qkv.bias", 1),
+    "model.layers.{}.self_attn.v_proj.bias": ("layers.{}.qkv.bias", 2),
+    "model.layers.{}.self_attn.q_norm.weight": ("layers.{}.q_norm.weight", None),
+    "model.layers.{}.self_attn.k_norm.weight": ("layers.{}.k_norm.weight", None),
+    "model.layers.{}.self_attn.o_proj.weight": ("layers.{}.o.weight", None),
+    "model.layers.{}.mlp.gate_proj.weight": ("layers.{}.gate_up.weight", 0),
+    "model.layers.{}.mlp.up_proj.weight": ("layers.{}.gate_up.weight", 1),
+    "model.layers.{}.mlp.down_proj.weight": ("layers.{}.down.weight", None),
+}
+
+
+def _map_name(hf_name: str):
+    parts = hf_name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            pattern = ".".join(parts[:i] + ["{}"] + parts[i + 1:])
+            if pattern in WEIGHT_MAP:
+                ours, shard = WEIGHT_MAP[pattern]
+                return ours.format(part), shard
+    return WEIGHT_MAP.get(hf_name, (None, None))
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    num_layers: int
+    vocab_size: int
+    layer: LayerConfig
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_folder(cls, folder) -> "ModelConfig":
+        folder = Path(folder)
+        config = json.loads((folder / "config.json").read_text())
+        architecture = (config.get("architectures") or ["?"])[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"{folder}: architecture {architecture} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        theta = config.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        eos = config.get("eos_token_id")
+        generation = folder / "generation_config.json"
+        if generation.exists():
+            eos = json.loads(generation.read_text()).get("eos_token_id", eos)
+        return cls(
+            architecture=architecture,
+            num_layers=config["num_hidden_layers"],
+            vocab_size=config["vocab_size"],
+            layer=LayerConfig.from_hf(config),
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        )
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None  # [num_logits_rows, vocab]
+    hidden: torch.Tensor | None  # [num_tokens, hidden] after the final norm, when asked
+    aux: dict[int, torch.Tensor]  # layer id -> [num_tokens, hidden], the input of that layer
+
+
+class Model(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.config = c
+        self.embed = nn.Embedding(c.vocab_size, c.layer.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c.layer, i) for i in range(c.num_layers))
+        self.norm = RMSNorm(c.layer.hidden_size, c.layer.rms_norm_eps)
+        self.lm_head = nn.Linear(c.layer.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rope = Rope(c.layer.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
+
+    @classmethod
+    def from_folder(cls, folder, dtype=torch.float32, device="cpu") -> "Model":
+        folder = Path(folder)
+        model = cls(ModelConfig.from_folder(folder))
+        model.load_safetensors(folder)
+        model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        model.rope.to(torch.float32, device)
+        return model
+
+    def load_safetensors(self, folder: Path):
+        shards: dict[str, dict[int, torch.Tensor]] = {}
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{folder} has no *.safetensors weights")
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for hf_name in f.keys():
+                    ours, shard = _map_name(hf_name)
+                    if ours is None:
+                        raise ValueError(f"{file.name}: unexpected tensor {hf_name} (not in serving.model.WEIGHT_MAP)")
+                    shards.setdefault(ours, {})[shard or 0] = f.get_tensor(hf_name)
+        own = dict(self.named_parameters(remove_duplicate=False))
+        expected = {n for n in own if not (self.config.tie_word_embeddings and n == "lm_head.weight")}
+        missing = expected - shards.keys()
+        if missing:
+            raise ValueError(f"{folder}: missing weights for {sorted(missing)[:5]}")
+        with torch.no_grad():
+            for name, parts in shards.items():
+                if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                    continue
+                tensor = torch.cat([parts[i] for i in sorted(parts)]) if len(parts) > 1 else parts[0]
+                if own[name].shape != tensor.shape:
+                    raise ValueError(f"{folder}: {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
+                own[name].copy_(tensor)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, attention, logits_rows=None, return_hidden=False, aux_layers=()):
+        """input_ids, positions: [num_tokens]; logits_rows: rows that need logits (None: all)."""
+        hidden = self.embed(input_ids)  # [num_tokens, hidden]
+        cos, sin = self.rope.tables(positions)
+        cos, sin = cos.to(hidden.dtype), sin.to(hidden.dtype)
+        aux = {}
+        for layer in self.layers:
+            if layer.layer_idx in aux_layers:
+                aux[layer.layer_idx] = hidden
+            hidden = layer(hidden, cos, sin, attention)
+        if return_hidden:
+            hidden = self.norm(hidden)
+            selected = hidden if logits_rows is None else hidden[logits_rows]
+        else:
+            selected = self.norm(hidden if logits_rows is None else hidden[logits_rows])
+        logits = self.lm_head(selected).float() if logits_rows is None or len(logits_rows) else None
+        return ModelOutput(logits, hidden if return_hidden else None, aux)

@@ -1,0 +1,135 @@
+"""A request's sampling parameters, its state inside the engine, and what it returns."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 is greedy
+    top_k: int = 0  # 0 keeps the whole vocabulary
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: bool = False
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        def bad(name, value, allowed):
+            raise ValueError(f"SamplingParams.{name}={value!r} is invalid: must be {allowed}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not self.temperature >= 0:
+            bad("temperature", self.temperature, ">= 0 (0 means greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", self.top_k, "an integer >= 0 (0 disables top-k)")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", self.top_p, "in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", self.min_p, "in [0, 1]")
+        if not self.repetition_penalty > 0:
+            bad("repetition_penalty", self.repetition_penalty, "> 0 (1 disables it)")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and not (
+            isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop)
+        ):
+            bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
+            bad("stop_token_ids", self.stop_token_ids, "a list of integer token ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_history(self) -> bool:
+        """Penalties, biases and logprobs make a step depend on more than the target's distribution."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+            or self.logprobs
+        )
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """One sequence in the engine. `token_ids` holds the prompt then every emitted token;
+    `num_computed_tokens` of them have their K/V in the cache (the last emitted token never does
+    until the next step computes it). `spec_token_ids` are drafts scheduled behind it for verification."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids=()):
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = set(eos_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hits at the last admission
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        self.spec_token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.logprobs: list[float] = []
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.token_ids) + len(self.spec_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    finished: bool
+    logprobs: list[float] | None = None
+    metrics: dict = field(default_factory=dict)  # timings, and acceptance counts when speculating

@@ -1,0 +1,47 @@
+"""Rotary position embedding: the inverse frequencies of the default and llama3 variants, and their application."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)  # [head_dim // 2]
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type != "llama3":
+        raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, llama3)")
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class Rope:
+    """Precomputed cos/sin tables indexed by position; `apply` rotates [tokens, heads, head_dim] tensors."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float = 10000.0, scaling: dict | None = None):
+        inv_freq = inv_frequencies(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def to(self, dtype: torch.dtype, device=None) -> "Rope":
+        self.cos, self.sin = self.cos.to(device=device, dtype=dtype), self.sin.to(device=device, dtype=dtype)
+        return self
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [tokens, 1, head_dim]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
