@@ -1,0 +1,227 @@
+"""The engine: requests in, tokens out. Each step the scheduler picks tokens, the model runs them as one
+flattened batch over the paged K/V pool, and the step's second half turns logits into tokens."""
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import torch
+
+from serving import targets
+from serving.attention import KVCache, PagedAttention
+from serving.batch import Batch
+from serving.blocks import BlockManager
+from serving.model import Model
+from serving.request import Request, RequestOutput, RequestStatus, SamplingParams
+from serving.sampler import make_generator, next_token
+from serving.scheduler import Scheduler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def available_memory_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+class Engine:
+    def __init__(self, target: str = targets.DEFAULT_TARGET, *, dtype: str = "float32", block_size: int = 16,
+                 num_blocks: int | None = None, kv_cache_memory_gib: float = 1.0, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, capture_hidden: bool = False, aux_layers=(),
+                 num_threads: int | None = None):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.folder = targets.resolve(target)
+        self.dtype = DTYPES[dtype]
+        self.model = Model.from_folder(self.folder, self.dtype)
+        config = self.model.config
+        self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        self.tokenizer = _load_tokenizer(self.folder)
+        layer = config.layer
+        bytes_per_block = KVCache.bytes_per_block(config.num_layers, block_size, layer.num_kv_heads, layer.head_dim, self.dtype)
+        if num_blocks is None:
+            num_blocks = max(int(kv_cache_memory_gib * 2**30) // bytes_per_block, -(-self.max_model_len // block_size))
+        available = available_memory_bytes()
+        if num_blocks * bytes_per_block > 0.9 * available:
+            fits = int(0.9 * available) // bytes_per_block
+            raise ValueError(f"num_blocks={num_blocks} needs {num_blocks * bytes_per_block / 2**30:.1f} GiB of K/V cache but "
+                             f"only {available / 2**30:.1f} GiB is available: at most {fits} blocks of {block_size} tokens fit")
+        self.block_size = block_size
+        self.cache = KVCache(config.num_layers, num_blocks, block_size, layer.num_kv_heads, layer.head_dim, self.dtype)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens)
+        self.capture_hidden = capture_hidden
+        self.aux_layers = tuple(aux_layers)
+        self.requests: dict[str, Request] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self.num_steps = 0
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def encode(self, prompt) -> list[int]:
+        """A prompt is token ids, a string, or chat messages (rendered by the target's chat template)."""
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            if self.tokenizer is None or not self.tokenizer.chat_template:
+                raise ValueError(f"target {self.folder} has no chat template: pass a string or token ids")
+            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"target {self.folder} has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                             f"shorten the prompt to at most {self.max_model_len - 1} tokens")
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        eos = () if params.ignore_eos else self.model.config.eos_token_ids
+        request = Request(request_id, ids, params, eos)
+        request.captured = []
+        self.requests[request_id] = request
+        if not params.is_greedy:
+            self.generators[request_id] = make_generator(params.seed)
+        self.scheduler.add(request)
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns the outputs of requests that finished in it."""
+        scheduled = self.scheduler.schedule()
+        for request in scheduled.preempted:
+            request.captured = []
+        if not scheduled.scheduled:
+            if self.scheduler.running or self.scheduler.waiting:
+                raise RuntimeError("the K/V pool is too small to schedule any request: raise num_blocks")
+            return []
+        batch = Batch.build(scheduled.scheduled, self.block_size)
+        out = self.model(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.meta), batch.logits_rows,
+                         return_hidden=self.capture_hidden, aux_layers=self.aux_layers)
+        self.num_steps += 1
+        finished = []
+        for i, (request, num) in enumerate(scheduled.scheduled):
+            if self.capture_hidden:
+                rows = slice(batch.token_start[i], batch.token_start[i] + num)
+                request.captured.append((out.hidden[rows], {k: v[rows] for k, v in out.aux.items()}))
+            request.num_computed_tokens += num
+            if batch.logits_start[i] >= 0:
+                token, logprob = next_token(out.logits[batch.logits_start[i]], request, self.generators.get(request.request_id))
+                self._append(request, [token], [logprob])
+            self.block_manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+            if request.finish_reason:
+                self.scheduler.finish(request, request.finish_reason)
+                finished.append(self.output(request))
+        return finished
+
+    def _append(self, request: Request, tokens: list[int], logprobs: list) -> None:
+        """Appends emitted tokens, stopping at the first that ends the request."""
+        p = request.params
+        if request.first_token_time is None:
+            request.first_token_time = time.perf_counter()
+        for token, logprob in zip(tokens, logprobs):
+            request.token_ids.append(token)
+            if logprob is not None:
+                request.logprobs.append(logprob)
+            if token in request.eos_token_ids or (p.stop_token_ids and token in p.stop_token_ids):
+                request.finish_reason = "stop"
+            elif p.stop and self._hits_stop_string(request):
+                request.finish_reason = "stop"
+            elif request.num_output_tokens >= p.max_tokens or request.num_tokens >= self.max_model_len:
+                request.finish_reason = "length"
+            if request.finish_reason:
+                request.finish_time = time.perf_counter()
+                return
+
+    def _hits_stop_string(self, request: Request) -> bool:
+        tail = self.tokenizer.decode(request.output_token_ids[-32:], skip_special_tokens=True)
+        return any(s in tail for s in request.params.stop)
+
+    def output(self, request: Request) -> RequestOutput:
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            if request.params.stop and request.finish_reason == "stop":
+                cuts = [text.find(s) for s in request.params.stop if s in text]
+                text = text[:min(cuts)] if cuts else text
+        end = request.finish_time or time.perf_counter()
+        metrics = {
+            "num_prompt_tokens": request.num_prompt_tokens,
+            "num_output_tokens": request.num_output_tokens,
+            "num_cached_tokens": request.num_cached_tokens,
+            "num_preemptions": request.num_preemptions,
+            "time_to_first_token_s": (request.first_token_time or end) - request.arrival_time,
+            "latency_s": end - request.arrival_time,
+        }
+        return RequestOutput(request.request_id, request.token_ids[:request.num_prompt_tokens], request.output_token_ids,
+                             text, request.finish_reason, request.is_finished,
+                             request.logprobs if request.params.logprobs else None, metrics)
+
+    # ---- offline generation ---------------------------------------------------------------------------
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Generates for every prompt (strings, token id lists or chat message lists); outputs in prompt order.
+        Every prompt is validated before any work starts."""
+        prompts = list(prompts)
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        encoded = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids = self.encode(prompt)
+                if not ids or len(ids) >= self.max_model_len:
+                    raise ValueError(f"has {len(ids)} tokens; it needs 1 to {self.max_model_len - 1} (max_model_len)")
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            encoded.append(ids)
+        ids = [self.add_request(p, sp) for p, sp in zip(encoded, params_list)]
+        results: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids), progress)
+        while self.has_unfinished():
+            for output in self.step():
+                results[output.request_id] = output
+                self.requests.pop(output.request_id, None)
+                self.generators.pop(output.request_id, None)
+                bar.update(1)
+        bar.close()
+        return [results[i] for i in ids]
+
+
+def _load_tokenizer(folder: Path):
+    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc="requests", unit="req")

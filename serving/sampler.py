@@ -1,0 +1,71 @@
+"""Turning logits into tokens: penalties and biases, then the filtered target distribution
+(temperature, top-k, top-p, min-p), then greedy or seeded sampling.
+
+`target_probs` is the one definition of a request's sampling law; speculative verification
+samples from the same function, so a request's output law is the same with and without speculation.
+"""
+from __future__ import annotations
+
+import torch
+
+from serving.request import Request, SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    """logits: [vocab] float32 for the request's next token; returns a new tensor."""
+    p = request.params
+    logits = logits.clone()
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long, device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if p.presence_penalty or p.frequency_penalty:
+        output = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(output, minlength=logits.shape[-1]).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    if p.logit_bias:
+        for token, bias in p.logit_bias.items():
+            logits[int(token)] += bias
+    return logits
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [rows, vocab] float32 -> probabilities [rows, vocab] after temperature, top-k, top-p, min-p."""
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_k and params.top_k < probs.shape[-1]:
+        kth = probs.topk(params.top_k, dim=-1).values[..., -1:]
+        probs = torch.where(probs >= kth, probs, 0.0)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        total = sorted_probs.sum(-1, keepdim=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        keep_sorted = mass_before < params.top_p * total  # the most likely token is always kept
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, 0.0)
+    if params.min_p > 0:
+        probs = torch.where(probs >= params.min_p * probs.max(-1, keepdim=True).values, probs, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    generator = torch.Generator()
+    generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    return generator
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """probs: [vocab]."""
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+
+
+def next_token(logits: torch.Tensor, request: Request, generator: torch.Generator | None) -> tuple[int, float | None]:
+    """One token for one request from its logits row [vocab]; also its logprob when asked."""
+    p = request.params
+    if p.needs_history:
+        logits = apply_penalties(logits, request)
+    if p.is_greedy:
+        token = int(logits.argmax())
+    else:
+        token = sample(target_probs(logits[None], p)[0], generator)
+    logprob = float(torch.log_softmax(logits, -1)[token]) if p.logprobs else None
+    return token, logprob
