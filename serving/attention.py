@@ -1,6 +1,6 @@
-"""Attention backends in plain torch: dense causal attention (training) and paged attention (the engine).
+"""Paged attention in plain torch, the engine's reference backend.
 
-Paged attention reads K/V through block tables from a pool of fixed-size blocks. Sequences with short
+It reads K/V through block tables from a pool of fixed-size blocks. Sequences with short
 queries (decode, verification of a few drafts) run as one padded batch; longer queries (prefill chunks)
 run one at a time. Everything derived from the block tables is built once per step in
 `PagedMetadata.build` and shared by every layer.
@@ -10,40 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from heads.attention import sdpa_gqa
 
 MAX_BATCHED_QUERY_LEN = 16
-
-
-def sdpa_gqa(q, k, v, mask=None, is_causal=False):
-    """q: [B, Q, H, D]; k, v: [B, C, KV, D]; mask: [B, Q, C] bool (True attends) -> [B, Q, H, D].
-    Grouped-query attention without repeating K/V: the query heads sharing a KV head are stacked on the query axis."""
-    batch, num_q, num_heads, head_dim = q.shape
-    num_kv = k.shape[2]
-    group = num_heads // num_kv
-    qg = q.view(batch, num_q, num_kv, group, head_dim).permute(0, 2, 3, 1, 4).reshape(batch, num_kv, group * num_q, head_dim)
-    if is_causal and group > 1:
-        mask = torch.ones(num_q, k.shape[1], dtype=torch.bool, device=q.device).tril(k.shape[1] - num_q)[None]
-        is_causal = False
-    if mask is not None:
-        mask = mask.unsqueeze(1).repeat(1, 1, group, 1)  # [B, 1, group * Q, C]
-    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=is_causal)
-    return out.view(batch, num_kv, group, num_q, head_dim).permute(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, head_dim)
-
-
-class DenseCausalAttention:
-    """Causal attention over [B, S] sequences; `padding_mask` [B, S] (True for real tokens) hides padded keys."""
-
-    def __init__(self, padding_mask: torch.Tensor | None = None):
-        self.mask = None
-        if padding_mask is not None:
-            seq = padding_mask.shape[1]
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=padding_mask.device).tril()
-            self.mask = causal[None] & padding_mask[:, None, :]
-            self.mask[..., 0] |= ~self.mask.any(-1)  # fully padded rows attend somewhere, never NaN
-
-    def __call__(self, layer_idx, q, k, v):
-        return sdpa_gqa(q, k, v, self.mask, is_causal=self.mask is None)
 
 
 class KVCache:

@@ -57,7 +57,8 @@ class Engine:
                              f"only {available / 2**30:.1f} GiB is available: at most {fits} blocks of {block_size} tokens fit")
         self.block_size = block_size
         self.cache = KVCache(config.num_layers, num_blocks, block_size, layer.num_kv_heads, layer.head_dim, self.dtype)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        # Prefix-cache hits skip the forward, so a capturing engine would miss those hidden states.
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching and not capture_hidden)
         self.scheduler = Scheduler(self.block_manager, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens)
         self.capture_hidden = capture_hidden
@@ -98,7 +99,7 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         eos = () if params.ignore_eos else self.model.config.eos_token_ids
         request = Request(request_id, ids, params, eos)
-        request.captured = []
+        request.captured = []  # (hidden rows, {layer: rows}) per computed chunk, in token order
         self.requests[request_id] = request
         if not params.is_greedy:
             self.generators[request_id] = make_generator(params.seed)
@@ -129,13 +130,17 @@ class Engine:
                 rows = slice(batch.token_start[i], batch.token_start[i] + num)
                 request.captured.append((out.hidden[rows], {k: v[rows] for k, v in out.aux.items()}))
             request.num_computed_tokens += num
-            if batch.logits_start[i] >= 0:
+            if batch.logits_start[i] >= 0 and not request.finish_reason:
                 token, logprob = next_token(out.logits[batch.logits_start[i]], request, self.generators.get(request.request_id))
                 self._append(request, [token], [logprob])
             self.block_manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
-            if request.finish_reason:
+            # A capturing request runs one more step over its last token, so every token has its hidden state.
+            is_capture_pending = self.capture_hidden and request.num_computed_tokens < request.num_tokens
+            if request.finish_reason and not is_capture_pending:
                 self.scheduler.finish(request, request.finish_reason)
                 finished.append(self.output(request))
+                del self.requests[request.request_id]
+                self.generators.pop(request.request_id, None)
         return finished
 
     def _append(self, request: Request, tokens: list[int], logprobs: list) -> None:
@@ -177,9 +182,13 @@ class Engine:
             "time_to_first_token_s": (request.first_token_time or end) - request.arrival_time,
             "latency_s": end - request.arrival_time,
         }
-        return RequestOutput(request.request_id, request.token_ids[:request.num_prompt_tokens], request.output_token_ids,
-                             text, request.finish_reason, request.is_finished,
-                             request.logprobs if request.params.logprobs else None, metrics)
+        output = RequestOutput(request.request_id, request.token_ids[:request.num_prompt_tokens], request.output_token_ids,
+                               text, request.finish_reason, request.is_finished,
+                               request.logprobs if request.params.logprobs else None, metrics)
+        if self.capture_hidden and request.is_finished:
+            output.hidden = torch.cat([hidden for hidden, _ in request.captured])
+            output.aux = {layer: torch.cat([aux[layer] for _, aux in request.captured]) for layer in self.aux_layers}
+        return output
 
     # ---- offline generation ---------------------------------------------------------------------------
 
@@ -206,8 +215,6 @@ class Engine:
         while self.has_unfinished():
             for output in self.step():
                 results[output.request_id] = output
-                self.requests.pop(output.request_id, None)
-                self.generators.pop(output.request_id, None)
                 bar.update(1)
         bar.close()
         return [results[i] for i in ids]

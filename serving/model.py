@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from serving.layer import DecoderLayer, LayerConfig, RMSNorm
-from serving.rope import Rope
+from heads.layer import DecoderLayer, LayerConfig, RMSNorm
+from heads.rope import Rope
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 

@@ -264,3 +264,15 @@ def jsonl_row(line: str, number: int) -> dict:
             raise ValueError(f'"{key}" must be a string or an integer')
     category = str(record.get("category", "custom"))
     return {"id": str(record.get("id", number)), "category": category, "messages": messages}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--source", required=True,
+                        help=f"one of {', '.join(SOURCES)}, or a JSONL file of {{\"messages\": [...]}} or {{\"prompt\": ...}} lines")
+    parser.add_argument("--limit", type=int, default=None, help="keep the first N prompts (default: all)")
+
+
+def run(args) -> None:
+    import sys
+
+    to_jsonl(load_prompts(args.source, args.limit), sys.stdout)

@@ -133,3 +133,5 @@ class RequestOutput:
     finished: bool
     logprobs: list[float] | None = None
     metrics: dict = field(default_factory=dict)  # timings, and acceptance counts when speculating
+    hidden: object = None  # [prompt + output tokens, hidden] final hidden states (after the final norm), when captured
+    aux: dict = field(default_factory=dict)  # layer id -> [prompt + output tokens, hidden], the input of that layer

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serving.rope import apply_rope
+from heads.rope import apply_rope
 
 
 @dataclass

@@ -1,0 +1,128 @@
+"""The scheduler: which requests run this step, and how many of their tokens.
+
+Prefill and decode are one thing: a request wants every token it has that is not computed yet
+(the rest of its prompt, the last emitted token, and any drafts behind it), and each step grants
+wanted tokens under a token budget, running requests first, in order. A prompt longer than the
+budget left is computed in chunks over several steps. When the pool runs out of blocks, the last
+running request is preempted by recompute: it gives back its blocks and drafts and waits at the
+front of the queue to start over from its prefix cache hits. Waiting requests are admitted in
+arrival order while budget, sequence slots and blocks last, and never in a step that preempted.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from serving.blocks import BlockManager
+from serving.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # running first, then admitted
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(num_tokens for _, num_tokens in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_model_len: int, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens={max_num_batched_tokens} must be >= 1")
+        num_pool_tokens = block_manager.num_blocks * block_manager.block_size
+        if max_model_len > num_pool_tokens:
+            # A request longer than the pool could never run, even alone.
+            raise ValueError(f"max_model_len={max_model_len} exceeds the K/V pool ({num_pool_tokens} tokens)")
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache at admission
+        self.num_prefix_hit_tokens = 0
+
+    def add(self, request: Request) -> None:
+        assert request.num_tokens <= self.max_model_len, f"request {request.request_id} exceeds max_model_len"
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        num_budget_tokens = self.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and num_budget_tokens > 0:
+            request = self.running[index]
+            num_new = min(self._num_wanted(request), num_budget_tokens)
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                output.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                output.scheduled.append((request, num_new))
+                num_budget_tokens -= num_new
+                index += 1
+
+        while (self.waiting and num_budget_tokens > 0 and len(self.running) < self.max_num_seqs
+               and not output.preempted):
+            request = self.waiting[0]
+            assert request.num_computed_tokens == 0 and not request.spec_token_ids
+            request.num_computed_tokens = request.num_cached_tokens = self.block_manager.get_computed_tokens(request)
+            num_new = min(self._num_wanted(request), num_budget_tokens)
+            if not self.block_manager.allocate_slots(request, num_new):
+                self.block_manager.free(request)
+                request.num_computed_tokens = request.num_cached_tokens = 0
+                break
+            self.waiting.popleft()
+            self.num_prefix_query_tokens += request.num_tokens
+            self.num_prefix_hit_tokens += request.num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.scheduled.append((request, num_new))
+            num_budget_tokens -= num_new
+        return output
+
+    def fit_drafts(self, request: Request, num_drafts: int) -> int:
+        """How many of `num_drafts` drafts the running `request` can carry this step: those that fit
+        in the token budget and the free blocks left once every running request, with the drafts it
+        already holds, is served. Speculation never preempts or delays another request."""
+        assert request.status is RequestStatus.RUNNING, f"request {request.request_id} is not running"
+        num_base = request.num_tokens - request.num_computed_tokens
+        num_spare_tokens = self.max_num_batched_tokens
+        num_spare_blocks = self.block_manager.num_free_blocks
+        for other in self.running:
+            num_wanted = num_base if other is request else self._num_wanted(other)
+            num_new = min(num_wanted, num_spare_tokens)
+            if other is request and num_new < num_base:
+                return 0  # a prefill chunk that does not reach the end verifies nothing
+            num_spare_tokens -= num_new
+            num_spare_blocks -= self.block_manager.num_new_blocks(other, num_new)
+        num_blocks = len(request.block_ids) + self.block_manager.num_new_blocks(request, num_base) + max(0, num_spare_blocks)
+        num_spare_slots = num_blocks * self.block_manager.block_size - request.num_tokens
+        return max(0, min(num_drafts, num_spare_tokens, num_spare_slots, self.max_model_len - request.num_tokens))
+
+    def finish(self, request: Request, reason: str) -> None:
+        (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    def _num_wanted(self, request: Request) -> int:
+        assert request.num_tokens_with_spec <= self.max_model_len, f"request {request.request_id} exceeds max_model_len"
+        return request.num_tokens_with_spec - request.num_computed_tokens
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
