@@ -24,7 +24,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[int, int] = {}  # block hash -> block id
-        self.block_hashes: dict[int, int] = {}  # block id -> block hash, for registered blocks
+        self.cached_hashes: dict[int, int] = {}  # block id -> block hash, for registered blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -75,7 +75,7 @@ class BlockManager:
             return False
         for _ in range(num_new_blocks):
             block_id, _ = self.free_queue.popitem(last=False)
-            block_hash = self.block_hashes.pop(block_id, None)
+            block_hash = self.cached_hashes.pop(block_id, None)
             if block_hash is not None:
                 del self.cached_blocks[block_hash]
             self.ref_counts[block_id] = 1
@@ -98,7 +98,7 @@ class BlockManager:
             if block_hash not in self.cached_blocks:
                 block_id = request.block_ids[index]
                 self.cached_blocks[block_hash] = block_id
-                self.block_hashes[block_id] = block_hash
+                self.cached_hashes[block_id] = block_hash
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Keep only the blocks holding the first `num_tokens` positions of `request` (rolls back
@@ -107,8 +107,8 @@ class BlockManager:
         num_full_blocks = num_tokens // self.block_size
         for index in range(num_full_blocks, min(num_kept, len(request.block_hashes))):
             block_id = request.block_ids[index]
-            if self.block_hashes.get(block_id) == request.block_hashes[index]:
-                del self.cached_blocks[self.block_hashes.pop(block_id)]
+            if self.cached_hashes.get(block_id) == request.block_hashes[index]:
+                del self.cached_blocks[self.cached_hashes.pop(block_id)]
         del request.block_hashes[num_full_blocks:]
         self._release(request.block_ids[num_kept:])
         del request.block_ids[num_kept:]
@@ -122,7 +122,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every registered prefix; blocks in use keep their contents."""
         self.cached_blocks.clear()
-        self.block_hashes.clear()
+        self.cached_hashes.clear()
 
     def _release(self, block_ids: list[int]) -> None:
         # The tail of a sequence goes back first, so it is evicted before the prefix other requests may share.
