@@ -269,7 +269,7 @@ def jsonl_row(line: str, number: int) -> dict:
 def add_arguments(parser) -> None:
     parser.add_argument("--source", required=True,
                         help=f"one of {', '.join(SOURCES)}, or a JSONL file of {{\"messages\": [...]}} or {{\"prompt\": ...}} lines")
-    parser.add_argument("--limit", type=int, default=None, help="keep the first N prompts (default: all)")
+    parser.add_argument("--limit", type=int, default=None, help="keep the first N prompts (all when omitted)")
 
 
 def run(args) -> None:

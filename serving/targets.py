@@ -133,7 +133,8 @@ def build_tiny_model(
     settings = dict(_TINY_DEFAULTS, tie_word_embeddings=_TINY_TIED[arch])
     if tokenizer_from is not None:
         source = _config(Path(tokenizer_from))
-        settings.update({k: source[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id") if k in source})
+        inherited = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+        settings.update({key: source[key] for key in inherited if key in source})
     settings.update(overrides)
     settings.setdefault("head_dim", settings["hidden_size"] // settings["num_attention_heads"])
     config = AutoConfig.for_model(arch, **settings)
@@ -230,7 +231,10 @@ def _local(path: Path) -> Path:
 def _from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
-    offline_flags = [v for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if os.environ.get(v, "").lower() in ("1", "true", "yes", "on")]
+    offline_flags = [
+        flag for flag in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+        if os.environ.get(flag, "").lower() in ("1", "true", "yes", "on")
+    ]
     online = os.environ.get("DRAFTHEADS_ONLINE") == "1" and not offline_flags
     try:
         path = Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES, local_files_only=not online))
@@ -256,7 +260,10 @@ def _vocab_hash(folder: Path, vocab_size: int) -> str:
         data = json.loads(tokenizer_file.read_text())
         vocab = data["model"]["vocab"]
         # BPE and WordPiece map token -> id; Unigram lists [token, score] in id order.
-        pairs = [(i, t) for t, i in vocab.items()] if isinstance(vocab, dict) else [(i, e[0]) for i, e in enumerate(vocab)]
+        if isinstance(vocab, dict):
+            pairs = [(i, token) for token, i in vocab.items()]
+        else:
+            pairs = [(i, entry[0]) for i, entry in enumerate(vocab)]
         pairs += [(t["id"], t["content"]) for t in data.get("added_tokens", [])]
         text = json.dumps(sorted(set(pairs)), ensure_ascii=False)
     else:
@@ -279,3 +286,12 @@ def _has_chat_template(folder: Path) -> bool:
         return True
     tokenizer_config = folder / "tokenizer_config.json"
     return tokenizer_config.is_file() and bool(json.loads(tokenizer_config.read_text()).get("chat_template"))
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help=f"a built-in name ({', '.join(BUILTIN_TARGETS)}), a local Hugging Face folder, or a hub id when online")
+
+
+def run(args) -> None:
+    print(json.dumps(target_info(args.target), indent=2))

@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny seeded random float32 Hugging Face model folders (no tokenizer; tests pass token ids).
+
+All share hidden 64, 4 layers, 4 query heads over 2 KV heads, intermediate 128, vocab 256, 512 positions,
+rope theta 10000; see `serving.targets.build_tiny_model`.
+"""
+from __future__ import annotations
+
+import pytest
+
+from serving.targets import build_tiny_model
+
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """Llama, untied embeddings."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_rope3(tmp_path_factory):
+    """Llama with llama3 rope scaling (original context 64, so positions past 64 feel the scaling)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama_rope3"), "llama", rope_scaling=LLAMA3_ROPE_SCALING)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    """Qwen2: q/k/v biases, tied embeddings."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    """Qwen3: per-head q/k RMSNorm, untied embeddings."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")
