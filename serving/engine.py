@@ -16,6 +16,8 @@ from serving.model import Model
 from serving.request import Request, RequestOutput, RequestStatus, SamplingParams
 from serving.sampler import make_generator, next_token
 from serving.scheduler import Scheduler
+from serving.spec.config import SpeculativeConfig
+from serving.spec.step import Speculator, StepOutputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,7 +37,7 @@ class Engine:
                  num_blocks: int | None = None, kv_cache_memory_gib: float = 1.0, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, capture_hidden: bool = False, aux_layers=(),
-                 num_threads: int | None = None):
+                 speculative_config: SpeculativeConfig | str | dict | None = None, num_threads: int | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
         if num_threads:
@@ -67,6 +69,11 @@ class Engine:
         self.generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
         self._ids = itertools.count()
+        if isinstance(speculative_config, (str, dict)):
+            speculative_config = SpeculativeConfig.from_json(speculative_config)
+        if speculative_config is not None and capture_hidden:
+            raise ValueError("capture_hidden and speculative decoding cannot be combined: capture with plain decoding")
+        self.speculator = Speculator(self, speculative_config) if speculative_config else None
 
     # ---- requests -------------------------------------------------------------------------------------
 
@@ -116,23 +123,25 @@ class Engine:
         scheduled = self.scheduler.schedule()
         for request in scheduled.preempted:
             request.captured = []
+            if self.speculator:
+                self.speculator.reset(request)
         if not scheduled.scheduled:
             if self.scheduler.running or self.scheduler.waiting:
                 raise RuntimeError("the K/V pool is too small to schedule any request: raise num_blocks")
             return []
         batch = Batch.build(scheduled.scheduled, self.block_size)
         out = self.model(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.meta), batch.logits_rows,
-                         return_hidden=self.capture_hidden, aux_layers=self.aux_layers)
+                         return_hidden=self.capture_hidden or self.speculator is not None, aux_layers=self.aux_layers)
         self.num_steps += 1
-        finished = []
+        finished, num_accepted = [], {}
         for i, (request, num) in enumerate(scheduled.scheduled):
             if self.capture_hidden:
                 rows = slice(batch.token_start[i], batch.token_start[i] + num)
                 request.captured.append((out.hidden[rows], {k: v[rows] for k, v in out.aux.items()}))
             request.num_computed_tokens += num
-            if batch.logits_start[i] >= 0 and not request.finish_reason:
-                token, logprob = next_token(out.logits[batch.logits_start[i]], request, self.generators.get(request.request_id))
-                self._append(request, [token], [logprob])
+            row = batch.logits_start[i]
+            if row >= 0 and not request.finish_reason:
+                self._emit(request, out.logits[row:row + 1 + len(request.spec_token_ids)], num_accepted)
             self.block_manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
             # A capturing request runs one more step over its last token, so every token has its hidden state.
             is_capture_pending = self.capture_hidden and request.num_computed_tokens < request.num_tokens
@@ -141,7 +150,26 @@ class Engine:
                 finished.append(self.output(request))
                 del self.requests[request.request_id]
                 self.generators.pop(request.request_id, None)
+                if self.speculator:
+                    self.speculator.reset(request)
+        if self.speculator:
+            self.speculator.propose(self, StepOutputs(batch, out, num_accepted))
         return finished
+
+    def _emit(self, request: Request, logits: torch.Tensor, num_accepted: dict) -> None:
+        """logits: [1 + drafts, vocab]. Plain decoding samples one token; speculation verifies and rolls back."""
+        is_decode = request.num_output_tokens > 0
+        if self.speculator is None or not self.speculator.can_speculate(request):
+            token, logprob = next_token(logits[0], request, self.generators.get(request.request_id))
+            self._append(request, [token], [logprob])
+            return
+        num_drafts = len(request.spec_token_ids)
+        accepted, tokens = self.speculator.verify(self, request, logits)
+        num_before = request.num_tokens
+        self._append(request, tokens, [None] * len(tokens))
+        num_accepted[request.request_id] = accepted
+        if is_decode:
+            self.speculator.record(request, num_drafts, accepted, request.num_tokens - num_before)
 
     def _append(self, request: Request, tokens: list[int], logprobs: list) -> None:
         """Appends emitted tokens, stopping at the first that ends the request."""
@@ -182,6 +210,8 @@ class Engine:
             "time_to_first_token_s": (request.first_token_time or end) - request.arrival_time,
             "latency_s": end - request.arrival_time,
         }
+        if hasattr(request, "spec_stats"):
+            metrics["spec"] = request.spec_stats.to_dict()
         output = RequestOutput(request.request_id, request.token_ids[:request.num_prompt_tokens], request.output_token_ids,
                                text, request.finish_reason, request.is_finished,
                                request.logprobs if request.params.logprobs else None, metrics)

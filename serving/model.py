@@ -143,13 +143,15 @@ class Model(nn.Module):
                 own[name].copy_(tensor)
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, attention, logits_rows=None, return_hidden=False, aux_layers=()):
-        """input_ids, positions: [num_tokens]; logits_rows: rows that need logits (None: all)."""
+    def forward(self, input_ids, positions, attention, logits_rows=None, return_hidden=False, aux_layers=(),
+                num_layers=None):
+        """input_ids, positions: [num_tokens]; logits_rows: rows that need logits (None: all);
+        num_layers: run only the first layers, then the final norm and LM head (early-exit drafting)."""
         hidden = self.embed(input_ids)  # [num_tokens, hidden]
         cos, sin = self.rope.tables(positions)
         cos, sin = cos.to(hidden.dtype), sin.to(hidden.dtype)
         aux = {}
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             if layer.layer_idx in aux_layers:
                 aux[layer.layer_idx] = hidden
             hidden = layer(hidden, cos, sin, attention)

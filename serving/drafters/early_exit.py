@@ -1,0 +1,34 @@
+"""Early-exit self-drafting: the target's first `num_layers` layers, then its final norm and LM head.
+
+Those layers are the target's own, so the K/V they need for every accepted token is already in the
+target's pool, written by the verify pass: nothing to catch up. Drafting writes K/V for the newest token
+and the drafts into the same slots the next verify pass overwrites with identical or corrected values."""
+from __future__ import annotations
+
+from serving.drafters.runner import paged_forward
+
+
+class EarlyExitDrafter:
+    def __init__(self, engine, config):
+        num_target_layers = engine.model.config.num_layers
+        if config.num_layers >= num_target_layers:
+            raise ValueError(f"early_exit num_layers={config.num_layers} must be below the target's {num_target_layers} layers")
+        self.num_layers = config.num_layers
+        self.draft_probs = {}
+
+    def propose(self, engine, requests, budgets, step=None):
+        drafts = {r.request_id: [] for r in requests}
+        chunks = [([r.token_ids[-1]], r.num_tokens - 1, r.block_ids) for r in requests]
+        active = list(requests)
+        for i in range(max(budgets.values())):
+            logits = paged_forward(engine.model, engine.cache, engine.block_size, chunks, num_layers=self.num_layers)
+            for r, token in zip(active, logits.argmax(-1).tolist()):
+                drafts[r.request_id].append(token)
+            active = [r for r in active if budgets[r.request_id] > i + 1]
+            chunks = [([drafts[r.request_id][-1]], r.num_tokens + i, r.block_ids) for r in active]
+            if not active:
+                break
+        return drafts
+
+    def reset(self, request):
+        pass

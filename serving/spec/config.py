@@ -1,0 +1,55 @@
+"""`SpeculativeConfig`: which drafter, how many drafts, configured like vLLM's `--speculative-config` JSON."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+METHODS = ("ngram", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp")
+NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1  # ngram: shortest suffix to look up
+    prompt_lookup_max: int = 3  # ngram: longest suffix to look up
+    model: str | None = None  # draft_model: a target name or folder; medusa/eagle/eagle3/mtp: a head folder
+    num_layers: int | None = None  # early_exit: how many of the target's layers draft
+    draft_temperature: float | None = None  # draft_model: sample drafts (supplying q) instead of greedy drafting
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is unknown; choose one of {', '.join(METHODS)}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be an integer >= 1")
+        if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max={self.prompt_lookup_max} "
+                             "must satisfy 1 <= min <= max")
+        if self.method in NEEDS_MODEL and not self.model:
+            raise ValueError(f"speculative method {self.method!r} needs \"model\": "
+                             + ("a draft target name or folder" if self.method == "draft_model" else "a head folder"))
+        if self.method == "early_exit" and (not isinstance(self.num_layers, int) or self.num_layers < 1):
+            raise ValueError(f"early_exit needs \"num_layers\" >= 1 (got {self.num_layers!r})")
+        if self.draft_temperature is not None and self.draft_temperature < 0:
+            raise ValueError(f"draft_temperature={self.draft_temperature} must be >= 0")
+
+    @classmethod
+    def from_json(cls, text: str | dict) -> "SpeculativeConfig":
+        try:
+            values = json.loads(text) if isinstance(text, str) else dict(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative config is not valid JSON ({e}): {text!r}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {text!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown}; known keys: {', '.join(sorted(known))}")
+        if "method" not in values:
+            raise ValueError(f"speculative config needs \"method\" (one of {', '.join(METHODS)})")
+        return cls(**values)
+
+    def label(self) -> str:
+        return f"{self.method} k={self.num_speculative_tokens}"

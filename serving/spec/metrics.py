@@ -1,0 +1,80 @@
+"""Acceptance counts, as DESIGN.md "Measuring acceptance" defines them.
+
+For every verify step with d drafts, positions 1..d: `proposed_i` (d >= i), `reached_i` (every draft
+before i accepted), `accepted_i`. Conditional acceptance is accepted_i / reached_i, survival is
+accepted_i / steps, the acceptance rate is sum(accepted) / sum(proposed), and the mean acceptance
+length tau is emitted tokens / verify steps (1.0 for plain decoding).
+"""
+from __future__ import annotations
+
+
+class AcceptanceStats:
+    def __init__(self, num_positions: int = 0):
+        self.num_steps = 0
+        self.num_emitted = 0
+        self.num_drafts = 0  # steps that carried at least one draft (vLLM's spec_decode_num_drafts)
+        self.proposed = [0] * num_positions
+        self.reached = [0] * num_positions
+        self.accepted = [0] * num_positions
+
+    def _grow(self, size: int):
+        for counts in (self.proposed, self.reached, self.accepted):
+            counts.extend([0] * (size - len(counts)))
+
+    def record(self, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
+        """One verify step: `num_drafts` proposed, the first `num_accepted` accepted, `num_emitted` tokens kept."""
+        self._grow(num_drafts)
+        self.num_steps += 1
+        self.num_emitted += num_emitted
+        self.num_drafts += num_drafts > 0
+        for i in range(num_drafts):
+            self.proposed[i] += 1
+            if i <= num_accepted:
+                self.reached[i] += 1
+            if i < num_accepted:
+                self.accepted[i] += 1
+
+    def merge(self, other: "AcceptanceStats") -> None:
+        self._grow(len(other.proposed))
+        self.num_steps += other.num_steps
+        self.num_emitted += other.num_emitted
+        self.num_drafts += other.num_drafts
+        for mine, theirs in ((self.proposed, other.proposed), (self.reached, other.reached), (self.accepted, other.accepted)):
+            for i, n in enumerate(theirs):
+                mine[i] += n
+
+    @property
+    def tau(self) -> float:
+        return self.num_emitted / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        proposed = sum(self.proposed)
+        return sum(self.accepted) / proposed if proposed else 0.0
+
+    def per_position(self) -> list[dict]:
+        return [
+            {
+                "position": i + 1,
+                "proposed": self.proposed[i],
+                "reached": self.reached[i],
+                "accepted": self.accepted[i],
+                "conditional": self.accepted[i] / self.reached[i] if self.reached[i] else 0.0,
+                "survival": self.accepted[i] / self.num_steps if self.num_steps else 0.0,
+            }
+            for i in range(len(self.proposed))
+        ]
+
+    def to_dict(self) -> dict:
+        """The summary, with vLLM's metric names where the meaning matches."""
+        return {
+            "tau": self.tau,
+            "acceptance_rate": self.acceptance_rate,
+            "num_verify_steps": self.num_steps,
+            "num_emitted_tokens": self.num_emitted,
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": sum(self.proposed),
+            "spec_decode_num_accepted_tokens": sum(self.accepted),
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted),
+            "per_position": self.per_position(),
+        }

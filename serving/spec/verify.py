@@ -1,0 +1,42 @@
+"""Verification of drafts against the target.
+
+Greedy: accept while the target's argmax equals the draft. Sampled: exact rejection sampling
+(Leviathan et al. 2023; Chen et al. 2023): accept draft d with probability min(1, p(d) / q(d)); on
+rejection sample from max(p - q, 0) renormalised; when every draft is accepted, sample a bonus token
+from the next distribution. Deterministic drafts are q = one-hot: accept with probability p(d), on
+rejection sample from p with d removed. Either way the emitted tokens follow p exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+from serving.sampler import sample
+
+
+def verify_greedy(target_tokens: list[int], drafts: list[int]) -> tuple[int, list[int]]:
+    """target_tokens: the target's argmax at each of 1 + len(drafts) rows. Returns (accepted, emitted)."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == target_tokens[accepted]:
+        accepted += 1
+    return accepted, drafts[:accepted] + [target_tokens[accepted]]
+
+
+def verify_sampled(probs: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
+                   generator: torch.Generator) -> tuple[int, list[int]]:
+    """probs: [1 + len(drafts), vocab] the target's filtered distributions; draft_probs: [len(drafts), vocab]
+    or None for deterministic drafts."""
+    for i, token in enumerate(drafts):
+        p = probs[i]
+        q_token = 1.0 if draft_probs is None else float(draft_probs[i, token])
+        ratio = min(1.0, float(p[token]) / q_token) if q_token > 0 else 0.0
+        if float(torch.rand((), generator=generator)) < ratio:
+            continue
+        if draft_probs is None:
+            residual = p.clone()
+            residual[token] = 0.0
+        else:
+            residual = (p - draft_probs[i]).clamp_min(0.0)
+        total = float(residual.sum())
+        correction = sample(residual / total, generator) if total > 0 else int(p.argmax())
+        return i, drafts[:i] + [correction]
+    return len(drafts), drafts + [sample(probs[len(drafts)], generator)]
