@@ -69,11 +69,18 @@ class Engine:
         self.generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
         self._ids = itertools.count()
-        if isinstance(speculative_config, (str, dict)):
-            speculative_config = SpeculativeConfig.from_json(speculative_config)
-        if speculative_config is not None and capture_hidden:
+        self.speculator = None
+        self.set_speculative_config(speculative_config)
+
+    def set_speculative_config(self, config: SpeculativeConfig | str | dict | None) -> None:
+        """Switches drafting on (or off with None) for the requests added from now on; the target stays loaded."""
+        if self.has_unfinished():
+            raise RuntimeError("change the speculative config only while the engine is idle")
+        if isinstance(config, (str, dict)):
+            config = SpeculativeConfig.from_json(config)
+        if config is not None and self.capture_hidden:
             raise ValueError("capture_hidden and speculative decoding cannot be combined: capture with plain decoding")
-        self.speculator = Speculator(self, speculative_config) if speculative_config else None
+        self.speculator = Speculator(self, config) if config else None
 
     # ---- requests -------------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""Prompt lookup (n-gram) drafting: find the most recent earlier occurrence of the sequence's last n
-tokens (longest n first, from prompt_lookup_max down to prompt_lookup_min) and propose what followed it."""
+"""Prompt lookup (n-gram) drafting: find an earlier occurrence of the sequence's last n tokens (longest n
+first, from prompt_lookup_max down to prompt_lookup_min) and propose what followed it: the most recent
+occurrence followed by a full run of drafts, else the one followed by the longest run."""
 from __future__ import annotations
 
 
@@ -15,9 +16,15 @@ class NgramDrafter:
         num_tokens = len(tokens)
         for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
             suffix = tokens[num_tokens - n:]
+            best = []
             for start in range(num_tokens - n - 1, -1, -1):
                 if tokens[start:start + n] == suffix:
-                    return tokens[start + n:start + n + num_drafts]
+                    follow = tokens[start + n:start + n + num_drafts]
+                    if len(follow) == num_drafts:
+                        return follow
+                    best = max(best, follow, key=len)
+            if best:
+                return best
         return []
 
     def reset(self, request):

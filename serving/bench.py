@@ -1,0 +1,174 @@
+"""`draftheads bench`: plain decoding and each speculative config side by side on the same prompts,
+in one run, with transformers' `generate` as an optional baseline.
+
+Every row reports tokens/s and, for speculative rows, tau, the acceptance rate, per-position acceptance,
+speedup over plain decoding in the same run, and whether greedy outputs are identical to plain decoding.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import time
+
+import torch
+
+from serving.request import SamplingParams
+from serving.spec.config import SpeculativeConfig
+from serving.spec.metrics import AcceptanceStats
+
+
+def add_arguments(parser) -> None:
+    from serving.targets import DEFAULT_TARGET
+
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="target name or folder (see `draftheads info`)")
+    parser.add_argument("--prompts", default="mt-bench", help="prompt source: mt-bench, humaneval, sharegpt-heldout, or a JSONL file")
+    parser.add_argument("--num-prompts", type=int, default=8, help="first N prompts of the source (first turns)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples (exact rejection sampling)")
+    parser.add_argument("--seed", type=int, default=0, help="per-request seeds are seed + index")
+    parser.add_argument("--speculative-config", action="append", default=[], metavar="JSON",
+                        help='a speculative config, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; repeat for more rows')
+    parser.add_argument("--baseline", choices=["hf"], default=None, help="also time transformers' generate on the same prompts")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
+    parser.add_argument("--block-size", type=int, default=16, help="K/V block size in tokens")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+
+
+def run(args) -> None:
+    from serving.engine import Engine
+    from serving.prompts import first_turn, load_prompts
+
+    configs = [SpeculativeConfig.from_json(text) for text in args.speculative_config]
+    dataset = load_prompts(args.prompts, args.num_prompts)
+    messages = [first_turn(m) for m in dataset["messages"]]
+    engine = Engine(args.target, dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.concurrency)
+    result = run_bench(engine, messages, list(dataset["category"]), configs, args.max_new_tokens, args.concurrency,
+                       args.temperature, args.seed, baseline=args.baseline)
+    print(to_markdown(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency, temperature=0.0, seed=0,
+              baseline=None) -> dict:
+    params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i) for i in range(len(prompts))]
+    engine.scheduler.max_num_seqs = concurrency
+    engine.generate([prompts[0]], SamplingParams(max_tokens=4))  # warm-up
+    rows, plain_outputs = [], None
+    for config in [None, *configs]:
+        engine.set_speculative_config(config)
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        num_tokens = sum(len(o.token_ids) for o in outputs)
+        row = {"method": config.method if config else "plain",
+               "num_speculative_tokens": config.num_speculative_tokens if config else 0,
+               "config": config.__dict__ if config else None,
+               "tokens_per_s": num_tokens / elapsed, "num_tokens": num_tokens, "seconds": elapsed}
+        if config is None:
+            plain_outputs, plain_rate = outputs, row["tokens_per_s"]
+            row.update(tau=1.0, acceptance_rate=None, per_position=[], speedup=1.0, identical_to_plain=True)
+        else:
+            stats, per_category = AcceptanceStats(), {}
+            for output, category in zip(outputs, categories):
+                request_stats = AcceptanceStats()
+                spec = output.metrics.get("spec")
+                if spec:
+                    _merge_summary(request_stats, spec)
+                stats.merge(request_stats)
+                per_category.setdefault(category, AcceptanceStats()).merge(request_stats)
+            summary = stats.to_dict()
+            row.update(tau=summary["tau"], acceptance_rate=summary["acceptance_rate"], per_position=summary["per_position"],
+                       speedup=row["tokens_per_s"] / plain_rate,
+                       identical_to_plain=all(a.token_ids == b.token_ids for a, b in zip(outputs, plain_outputs)),
+                       per_category={c: {"tau": s.tau, "acceptance_rate": s.acceptance_rate} for c, s in sorted(per_category.items())})
+            if temperature > 0:
+                row["identical_to_plain"] = None  # sampled outputs agree in law, not token by token
+        rows.append(row)
+    engine.set_speculative_config(None)
+    result = {"target": str(engine.folder), "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+              "concurrency": concurrency, "temperature": temperature, "dtype": str(engine.dtype).replace("torch.", ""),
+              "threads": torch.get_num_threads(), "rows": rows}
+    if baseline == "hf":
+        hf_rate, hf_outputs = hf_generate(engine, prompts, max_new_tokens, concurrency)
+        result["hf_tokens_per_s"] = hf_rate
+        result["speed_vs_hf"] = rows[0]["tokens_per_s"] / hf_rate
+        result["identical_to_hf"] = all(a.token_ids == b for a, b in zip(plain_outputs, hf_outputs)) if temperature == 0 else None
+        for row in rows:
+            row["speed_vs_hf"] = row["tokens_per_s"] / hf_rate
+    result.update(bandwidth_floor(engine, rows[0]))
+    result["peak_memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return result
+
+
+def _merge_summary(stats: AcceptanceStats, spec: dict) -> None:
+    stats.num_steps, stats.num_emitted = spec["num_verify_steps"], spec["num_emitted_tokens"]
+    stats.num_drafts = spec["spec_decode_num_drafts"]
+    stats.proposed = [p["proposed"] for p in spec["per_position"]]
+    stats.reached = [p["reached"] for p in spec["per_position"]]
+    stats.accepted = [p["accepted"] for p in spec["per_position"]]
+
+
+def hf_generate(engine, prompts, max_new_tokens, batch_size) -> tuple[float, list[list[int]]]:
+    """transformers' generate, greedy, static batches of `batch_size` with left padding."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(engine.folder, dtype=engine.dtype).eval()
+    encoded = [engine.encode(p) for p in prompts]
+    pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
+    eos = engine.model.config.eos_token_ids
+    outputs, num_tokens = [], 0
+    with torch.inference_mode():
+        model.generate(torch.tensor([encoded[0]]), max_new_tokens=2, do_sample=False, pad_token_id=pad)
+        start = time.perf_counter()
+        for i in range(0, len(encoded), batch_size):
+            chunk = encoded[i:i + batch_size]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk])
+            mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk])
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+            for row in out[:, width:].tolist():
+                cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+                outputs.append(row[:cut])
+                num_tokens += cut
+        elapsed = time.perf_counter() - start
+    return num_tokens / elapsed, outputs
+
+
+def bandwidth_floor(engine, plain_row) -> dict:
+    """Bytes of weights read per decode step over the measured copy bandwidth: the fastest a step can be."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    source = torch.empty(64 * 2**20, dtype=torch.float32)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    start = time.perf_counter()
+    for _ in range(5):
+        target.copy_(source)
+    bandwidth = 5 * 2 * source.numel() * 4 / (time.perf_counter() - start)  # read + write
+    floor_s = weight_bytes / bandwidth
+    return {"weight_bytes": weight_bytes, "copy_bandwidth_gbs": bandwidth / 1e9, "step_floor_ms": floor_s * 1e3,
+            "plain_step_ms": 1e3 / plain_row["tokens_per_s"] if plain_row["tokens_per_s"] else None}
+
+
+def to_markdown(result: dict) -> str:
+    lines = [f"target {result['target']} | {result['num_prompts']} prompts x {result['max_new_tokens']} tokens | "
+             f"concurrency {result['concurrency']} | temperature {result['temperature']} | {result['dtype']}, "
+             f"{result['threads']} threads", "",
+             "| method | k | tau | accept rate | per-position conditional | tokens/s | speedup | identical |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        conditional = " ".join(f"{p['conditional']:.2f}" for p in row["per_position"]) or "-"
+        rate = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.2f}"
+        identical = {True: "yes", False: "NO", None: "n/a"}[row["identical_to_plain"]]
+        lines.append(f"| {row['method']} | {row['num_speculative_tokens'] or '-'} | {row['tau']:.2f} | {rate} | "
+                     f"{conditional} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | {identical} |")
+    if "hf_tokens_per_s" in result:
+        lines += ["", f"transformers generate: {result['hf_tokens_per_s']:.1f} tokens/s; engine plain / transformers = "
+                  f"{result['speed_vs_hf']:.2f}x; identical to transformers: {result['identical_to_hf']}"]
+    lines += ["", f"bandwidth floor: {result['weight_bytes'] / 1e6:.0f} MB of weights at {result['copy_bandwidth_gbs']:.1f} GB/s "
+              f"= {result['step_floor_ms']:.1f} ms per step; plain decoding takes {result['plain_step_ms']:.1f} ms per token "
+              f"per sequence; peak memory {result['peak_memory_gib']:.2f} GiB"]
+    return "\n".join(lines)
