@@ -81,6 +81,8 @@ class Engine:
         if config is not None and self.capture_hidden:
             raise ValueError("capture_hidden and speculative decoding cannot be combined: capture with plain decoding")
         self.speculator = Speculator(self, config) if config else None
+        if not self.capture_hidden:
+            self.aux_layers = self.speculator.aux_layers if self.speculator else ()
 
     # ---- requests -------------------------------------------------------------------------------------
 
@@ -138,7 +140,7 @@ class Engine:
             return []
         batch = Batch.build(scheduled.scheduled, self.block_size)
         out = self.model(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.meta), batch.logits_rows,
-                         return_hidden=self.capture_hidden or self.speculator is not None, aux_layers=self.aux_layers)
+                         return_hidden=self.capture_hidden or bool(self.speculator and self.speculator.needs_hidden), aux_layers=self.aux_layers)
         self.num_steps += 1
         finished, num_accepted = [], {}
         for i, (request, num) in enumerate(scheduled.scheduled):

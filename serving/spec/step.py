@@ -28,11 +28,16 @@ class StepOutputs:
     out: object  # serving.model.ModelOutput
     num_accepted: dict[str, int]  # request id -> drafts accepted this step
 
+    def __post_init__(self):
+        self.index = {r.request_id: i for i, r in enumerate(self.batch.requests)}  # request id -> its place in the batch
+
 
 class Speculator:
     def __init__(self, engine, config: SpeculativeConfig):
         self.config = config
         self.drafter = make_drafter(engine, config)
+        self.aux_layers = getattr(self.drafter, "aux_layers", ())
+        self.needs_hidden = config.method in ("medusa", "eagle", "eagle3", "mtp")
         self.stats = AcceptanceStats(config.num_speculative_tokens)
 
     @staticmethod

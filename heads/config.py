@@ -1,0 +1,106 @@
+"""What every head checkpoint records in config.json: its kind, the format version, the target's sizes and
+decoder-layer settings (so a head is built without the target folder), the target's fingerprint and free
+training metadata. Each head kind subclasses `HeadConfig` with its own fields."""
+from __future__ import annotations
+
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import ClassVar
+
+from heads.layer import LayerConfig
+from heads.rope import Rope
+
+FORMAT_VERSION = 1
+SIZE_FIELDS = {"hidden_size": "hidden_size", "vocab_size": "vocab_size", "num_layers": "num_target_layers"}
+
+
+@dataclass
+class HeadConfig:
+    kind: ClassVar[str] = ""
+
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    num_target_layers: int
+    max_position_embeddings: int
+    head_dim: int = 0  # 0 derives hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    qk_norm: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    target_fingerprint: dict = field(default_factory=dict)
+    metadata: dict = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self):
+        for name in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                     "num_target_layers", "max_position_embeddings"):
+            require_positive_int(self, name)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        if not isinstance(self.target_fingerprint, dict) or not isinstance(self.metadata, dict):
+            raise ValueError("target_fingerprint and metadata must be JSON objects (dicts)")
+        recorded = self.mismatches(self.target_fingerprint)
+        if recorded:
+            raise ValueError(f"target_fingerprint disagrees with the head's own sizes: {'; '.join(recorded)}")
+
+    @classmethod
+    def from_target(cls, parts, **kind_fields) -> "HeadConfig":
+        """The config of a new head for target `parts` (heads.TargetParts); `kind_fields` are the kind's own."""
+        layer = parts.layer
+        return cls(
+            hidden_size=layer.hidden_size, vocab_size=parts.vocab_size, num_attention_heads=layer.num_heads,
+            num_key_value_heads=layer.num_kv_heads, intermediate_size=layer.intermediate_size,
+            num_target_layers=parts.num_layers, max_position_embeddings=parts.max_position_embeddings,
+            head_dim=layer.head_dim, rms_norm_eps=layer.rms_norm_eps, attention_bias=layer.qkv_bias,
+            qk_norm=layer.qk_norm, rope_theta=parts.rope_theta, rope_scaling=parts.rope_scaling,
+            target_fingerprint=dict(parts.fingerprint or {}), **kind_fields,
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "HeadConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(data.keys() - known - {"kind"})
+        if unknown:
+            raise ValueError(f"unknown {cls.kind} config field(s) {unknown}; known fields: {sorted(known)}")
+        missing = [f.name for f in fields(cls)
+                   if f.default is MISSING and f.default_factory is MISSING and f.name not in data]
+        if missing:
+            raise ValueError(f"missing {cls.kind} config field(s) {missing}")
+        return cls(**{key: value for key, value in data.items() if key != "kind"})
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, **asdict(self)}
+
+    def layer_config(self, attention_input_size: int = 0) -> LayerConfig:
+        return LayerConfig(
+            hidden_size=self.hidden_size, num_heads=self.num_attention_heads, num_kv_heads=self.num_key_value_heads,
+            intermediate_size=self.intermediate_size, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            qkv_bias=self.attention_bias, qk_norm=self.qk_norm, attention_input_size=attention_input_size,
+        )
+
+    def rope(self) -> Rope:
+        return Rope(self.head_dim, self.max_position_embeddings, self.rope_theta, self.rope_scaling)
+
+    def mismatches(self, target: dict) -> list[str]:
+        """How `target` (a fingerprint, or TargetParts.describe()) differs from the target this head was made
+        for: its recorded fingerprint field by field, then its own sizes."""
+        recorded = self.target_fingerprint
+        differing = [key for key in sorted(recorded.keys() & target.keys()) if key != "id" and recorded[key] != target[key]]
+        if not differing and recorded.get("id", target.get("id")) != target.get("id", recorded.get("id")):
+            differing = ["id"]
+        found = [f"{key}: head {recorded[key]!r}, target {target[key]!r}" for key in differing]
+        for key, own in SIZE_FIELDS.items():
+            if key in target and key not in differing and getattr(self, own) != target[key]:
+                found.append(f"{key}: head {getattr(self, own)!r}, target {target[key]!r}")
+        return found
+
+
+def require_positive_int(config, name: str) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{type(config).__name__}.{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,124 @@
+"""EAGLE-3 (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
+Training-Time Test").
+
+EAGLE-3 drops feature prediction and reads low, middle and high target layers instead of the last one. The
+aux states at position t are the inputs of target layers `aux_layers` (default 2, L//2, L-3; Hugging Face's
+`output_hidden_states[i]`); `fc` (3h -> h, no bias) fuses them into g_t. One decoder layer attends over
+`concat(input_norm(embed(x_{t+1})), hidden_norm(g_t))` (2h wide) with g_t as its residual stream; its output
+goes through the head's own final `norm` and `lm_head` to logits for x_{t+2} over a reduced draft vocabulary.
+The next draft step feeds that output (before the final norm) back in place of g, at position t+1: training
+unrolls the same way (training-time test). Positions are those of g_t, as in EAGLE-3 and vLLM.
+
+The draft vocabulary is stored as EAGLE-3 and vLLM store it: `d2t[draft_id]` is the offset to the target id
+(`target_id = draft_id + d2t[draft_id]`, draft ids in ascending target-id order) and `t2d` marks the target
+ids that are in it. A new head takes its `norm` and its `lm_head` rows from the target's (the rows of the
+draft vocabulary's tokens); the fused embedding stays the target's, frozen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from heads.config import HeadConfig, require_positive_int
+from heads.draft_head import DraftHead
+from heads.layer import DecoderLayer, RMSNorm
+
+
+@dataclass
+class Eagle3Config(HeadConfig):
+    kind = "eagle3"
+
+    aux_layers: tuple[int, ...] = ()  # () derives (2, L // 2, L - 3) from the target's L layers
+    draft_vocab_size: int = 0  # 0 means the target's whole vocabulary
+
+    def __post_init__(self):
+        super().__post_init__()
+        num_layers = self.num_target_layers
+        self.aux_layers = tuple(self.aux_layers) or (2, num_layers // 2, num_layers - 3)
+        if not all(isinstance(i, int) and 0 <= i < num_layers for i in self.aux_layers):
+            raise ValueError(f"aux_layers={self.aux_layers} must be target layer ids in [0, {num_layers}); "
+                             "the default (2, L // 2, L - 3) needs a target of at least 3 layers")
+        self.draft_vocab_size = self.draft_vocab_size or self.vocab_size
+        require_positive_int(self, "draft_vocab_size")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} exceeds the target's vocab_size={self.vocab_size}")
+
+
+class Eagle3(DraftHead):
+    config_class = Eagle3Config
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__(config)
+        c = config
+        h = c.hidden_size
+        self.fc = nn.Linear(len(c.aux_layers) * h, h, bias=False)
+        self.input_norm = RMSNorm(h, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, c.rms_norm_eps)
+        self.layer = DecoderLayer(c.layer_config(attention_input_size=2 * h), layer_idx=0, input_norm=False)
+        self.norm = RMSNorm(h, c.rms_norm_eps)
+        self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.arange(c.vocab_size) < c.draft_vocab_size)
+        self.rope = c.rope()
+
+    @classmethod
+    def from_target(cls, parts, draft_token_ids: Sequence[int] | torch.Tensor | None = None, **kind_fields) -> "Eagle3":
+        """A new head for `parts` whose draft vocabulary is `draft_token_ids` (e.g. the most frequent answer
+        tokens), or the first draft_vocab_size target ids when not given."""
+        if draft_token_ids is not None:
+            kind_fields["draft_vocab_size"] = len(draft_token_ids)
+        head = cls(cls.config_class.from_target(parts, **kind_fields)).bind_target(parts)
+        if draft_token_ids is not None:
+            head.set_draft_vocab(draft_token_ids)
+        return head.init_from_target()
+
+    def set_draft_vocab(self, token_ids: Sequence[int] | torch.Tensor) -> None:
+        """Make `token_ids` (distinct target ids, draft_vocab_size of them) the draft vocabulary; call
+        init_from_target afterwards for a new head."""
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).flatten().sort().values
+        c = self.config
+        if len(ids) != c.draft_vocab_size:
+            raise ValueError(f"{len(ids)} draft token ids given, draft_vocab_size is {c.draft_vocab_size}")
+        if len(ids) and (ids[0] < 0 or ids[-1] >= c.vocab_size):
+            raise ValueError(f"draft token ids must lie in [0, {c.vocab_size}), got {ids[0].item()}..{ids[-1].item()}")
+        if ids.unique().numel() != len(ids):
+            raise ValueError("draft token ids must be distinct")
+        self.d2t.copy_(ids - torch.arange(len(ids)))
+        self.t2d.zero_()
+        self.t2d[ids.to(self.t2d.device)] = True
+
+    @property
+    def draft_token_ids(self) -> torch.Tensor:
+        """[draft_vocab] the target id of each draft id, ascending."""
+        return self.to_target_ids(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
+
+    def init_from_target(self) -> "Eagle3":
+        with torch.no_grad():
+            self.norm.weight.copy_(self.target.norm.weight)
+            self.lm_head.weight.copy_(self.target.lm_head.weight[self.draft_token_ids.to(self.target.lm_head.weight.device)])
+        return self
+
+    def fuse(self, aux: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        """aux: the inputs of the target layers aux_layers, in that order, as a sequence of [..., hidden] or
+        already concatenated [..., num_aux * hidden] -> g: [..., hidden]."""
+        if not isinstance(aux, torch.Tensor):
+            aux = torch.cat(list(aux), dim=-1)
+        return self.fc(aux)
+
+    def forward(self, input_ids: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """input_ids: [...] x_{t+1}; g: [..., hidden] fuse(aux) at the first step, the previous output after;
+        positions: [...] t -> out: [..., hidden] (before the final norm)."""
+        embeds = self.input_norm(self.target.embed(input_ids))  # [..., hidden]
+        attention_input = torch.cat([embeds, self.hidden_norm(g)], dim=-1)  # [..., 2 * hidden]
+        cos, sin = self.rope_tables(positions, g.dtype)
+        return self.layer(g, cos, sin, attention, attention_input=attention_input)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """out: [..., hidden] -> [..., draft_vocab] over x_{t+2}; map the chosen ids with to_target_ids."""
+        return self.lm_head(self.norm(out))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]

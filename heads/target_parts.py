@@ -1,0 +1,102 @@
+"""The frozen pieces of a target that draft heads read: token embedding, final norm and LM head, with the
+target's numbers a head copies into its config (layer sizes, rope settings, layer and vocabulary counts).
+
+`load_target_parts` reads only those three tensors and config.json from a Hugging Face folder, so a head can
+train or draft without loading the target's decoder layers.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from heads.layer import LayerConfig, RMSNorm
+
+EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+
+class TargetParts(nn.Module):
+    """`embed`, `norm` and `lm_head` of a target, frozen. A head binds to them without registering them, so
+    they never enter its state_dict or optimizer; move them with `parts.to(...)` beside the head.
+
+    `fingerprint` is the target's identity (serving.targets.fingerprint) when the caller knows it: heads
+    record it and refuse a different target."""
+
+    def __init__(self, layer: LayerConfig, *, num_layers: int, vocab_size: int, max_position_embeddings: int,
+                 rope_theta: float, rope_scaling: dict | None, model_type: str, tie_word_embeddings: bool,
+                 fingerprint: dict | None = None):
+        super().__init__()
+        self.layer, self.num_layers, self.vocab_size = layer, num_layers, vocab_size
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.model_type, self.tie_word_embeddings = model_type, tie_word_embeddings
+        self.fingerprint = fingerprint
+        self.embed = nn.Embedding(vocab_size, layer.hidden_size)
+        self.norm = RMSNorm(layer.hidden_size, layer.rms_norm_eps)
+        self.lm_head = nn.Linear(layer.hidden_size, vocab_size, bias=False)
+        if tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.requires_grad_(False)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    def describe(self) -> dict:
+        """What a head checks itself against: the fingerprint when known, and the sizes always."""
+        return {**(self.fingerprint or {}), "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+                "num_layers": self.num_layers}
+
+
+def load_target_parts(folder, dtype: torch.dtype = torch.float32, device="cpu",
+                      fingerprint: dict | None = None) -> TargetParts:
+    """Embedding, final norm and LM head of the Hugging Face model in `folder`; the LM head is the embedding
+    when config.json ties them or the weights hold no lm_head.weight."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{folder} has no config.json: a target is a Hugging Face model folder")
+    config = json.loads(config_file.read_text())
+    tensors = _read_tensors(folder, (EMBED, NORM, LM_HEAD))
+    for name in (EMBED, NORM):
+        if name not in tensors:
+            raise ValueError(f"{folder}: no tensor {name} in its *.safetensors files")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    is_default_rope = rope.get("rope_type", rope.get("type", "default")) == "default"
+    tie = config.get("tie_word_embeddings", False) or LM_HEAD not in tensors
+    parts = TargetParts(
+        LayerConfig.from_hf(config),
+        num_layers=config["num_hidden_layers"],
+        vocab_size=config["vocab_size"],
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rope_scaling=None if is_default_rope else rope,
+        model_type=config.get("model_type", ""),
+        tie_word_embeddings=tie,
+        fingerprint=fingerprint,
+    )
+    ours = {EMBED: parts.embed.weight, NORM: parts.norm.weight}
+    if not tie:
+        ours[LM_HEAD] = parts.lm_head.weight
+    with torch.no_grad():
+        for name, param in ours.items():
+            if tensors[name].shape != param.shape:
+                raise ValueError(f"{folder}: {name} has shape {tuple(tensors[name].shape)}, "
+                                 f"config.json implies {tuple(param.shape)}")
+            param.copy_(tensors[name])
+    return parts.to(device=device, dtype=dtype)
+
+
+def _read_tensors(folder: Path, names) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} has no *.safetensors weights")
+    found = {}
+    for file in files:
+        with safe_open(file, framework="pt") as weights:
+            for name in set(names) & set(weights.keys()):
+                found[name] = weights.get_tensor(name)
+    return found
