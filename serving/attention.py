@@ -41,8 +41,8 @@ class _Single:
 @dataclass
 class _Batched:
     query_index: torch.Tensor  # [B, Qmax] rows of the flat batch (padding repeats a valid row)
-    key_slots: torch.Tensor  # [B, Cmax]
-    mask: torch.Tensor  # [B, Qmax, Cmax]
+    key_slots: torch.Tensor  # [B * Cmax] flattened, for index_select
+    mask: torch.Tensor | None  # [B, Qmax, Cmax]; None when every row may see every key (decode at equal lengths)
     valid: torch.Tensor  # [B * Qmax] bool: which padded rows are real
     rows: torch.Tensor  # [num real rows] their rows in the flat batch
 
@@ -90,8 +90,9 @@ class PagedMetadata:
             limit[i, :query_len] = torch.arange(context_len - query_len, context_len)
             valid[i, :query_len] = True
         mask = torch.arange(max_c)[None, None, :] <= limit[:, :, None]
+        mask = None if bool(mask.all()) else mask.to(device)
         valid = valid.flatten()
-        return _Batched(query_index.to(device), key_slots.to(device), mask.to(device), valid.to(device),
+        return _Batched(query_index.to(device), key_slots.flatten().to(device), mask, valid.to(device),
                         query_index.flatten()[valid].to(device))
 
 
@@ -107,8 +108,8 @@ class PagedAttention:
         v_pool.index_copy_(0, meta.slot_mapping, v)
         if meta.batched is not None and not meta.singles:
             b = meta.batched
-            if b.query_index.shape[1] == 1 and b.rows.numel() == q.shape[0]:
-                out = sdpa_gqa(q[b.query_index], k_pool[b.key_slots], v_pool[b.key_slots], b.mask)
+            if b.query_index.shape[1] == 1 and b.rows.numel() == q.shape[0]:  # decode only: rows already in order
+                out = sdpa_gqa(q.unsqueeze(1), *self._gather(k_pool, v_pool, b), b.mask)
                 return out.view(q.shape)
         out = torch.empty_like(q)
         for s in self.meta.singles:
@@ -119,6 +120,11 @@ class PagedAttention:
             out[s.start:s.end] = o[0]
         if meta.batched is not None:
             b = meta.batched
-            o = sdpa_gqa(q[b.query_index], k_pool[b.key_slots], v_pool[b.key_slots], b.mask)
+            o = sdpa_gqa(q[b.query_index], *self._gather(k_pool, v_pool, b), b.mask)
             out.index_copy_(0, b.rows, o.flatten(0, 1)[b.valid])
         return out
+
+    @staticmethod
+    def _gather(k_pool, v_pool, b: _Batched):
+        shape = (b.query_index.shape[0], -1, *k_pool.shape[1:])  # [B, Cmax, kv_heads, head_dim]
+        return k_pool.index_select(0, b.key_slots).view(shape), v_pool.index_select(0, b.key_slots).view(shape)
