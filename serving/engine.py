@@ -146,7 +146,7 @@ class Engine:
         for i, (request, num) in enumerate(scheduled.scheduled):
             if self.capture_hidden:
                 rows = slice(batch.token_start[i], batch.token_start[i] + num)
-                request.captured.append((out.hidden[rows], {k: v[rows] for k, v in out.aux.items()}))
+                request.captured.append((out.hidden[rows].clone(), {k: v[rows].clone() for k, v in out.aux.items()}))
             request.num_computed_tokens += num
             row = batch.logits_start[i]
             if row >= 0 and not request.finish_reason:

@@ -1,0 +1,333 @@
+"""`draftheads generate`: the frozen target answers prompts in the paged engine, and the same pass yields the
+hidden states a draft head trains on; both go to a self-distilled store (see store.py).
+
+Conversations run under continuous batching, `concurrency` at a time. With `--turns first` the target answers
+the first user turn; with `--turns all` it answers every user turn in order, each conditioned on its own
+earlier answers (the dataset's answers are dropped). The request for the next turn is the previous request's
+token ids, the generated ids, and the chat template's tokens for the next user turn, concatenated as ids:
+retokenising generated text can change them. The engine captures hidden states for every token of a request,
+so the last request of a conversation carries them for all of it: "last", the final hidden state after the
+final norm, and "eagle3", the input of each aux layer (default 2, L//2, L-3). Finished conversations are
+committed a shard at a time; rerunning the same command skips them and redoes the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+from tqdm.auto import tqdm
+
+from serving import targets
+from serving.attention import KVCache
+from serving.engine import DTYPES, Engine
+from serving.model import ModelConfig
+from serving.prompts import load_prompts
+from serving.request import SamplingParams
+from training.data.store import HIDDEN_DTYPE, LAYERS, StoreWriter, tensor_keys
+
+TURNS = ("first", "all")
+ANSWER = "<draftheads answer>"  # stands for an answer inside a rendered chat template
+HELP = {
+    "config": "YAML file whose keys are these options' names; options given on the command line override it",
+    "target": "target: a built-in name, a local Hugging Face folder or a hub id",
+    "prompts": "prompt source: sharegpt, sharegpt-heldout, mt-bench, humaneval, or a JSONL file",
+    "num_prompts": "answer the first N conversations of the source (default: all)",
+    "max_new_tokens": "most tokens per answer",
+    "temperature": "sampling temperature; 0 is greedy",
+    "top_p": "nucleus sampling mass",
+    "seed": "sampling seed; each request draws from a seed derived from it, the conversation id and the turn",
+    "layers": "hidden states to store, comma-separated: last (after the final norm), eagle3 (three aux layers)",
+    "aux_layers": "EAGLE-3 aux layer ids, comma-separated, low to high, each the input of that layer (default: 2,L//2,L-3)",
+    "turns": "first: answer the first user turn; all: answer every user turn, conditioned on the earlier answers",
+    "concurrency": "conversations answered at once (the engine's max_num_seqs)",
+    "max_model_len": "most tokens in a conversation; a longer first turn is skipped, a longer conversation ends early",
+    "max_num_batched_tokens": "tokens per engine step; longer prompts are prefilled in chunks",
+    "shard_size": "examples per shard of hidden states; a shard is the unit of commit and resume",
+    "dtype": "the target's compute dtype (hidden states are stored in bfloat16)",
+    "out": "the store folder; rerunning into it resumes",
+}
+
+
+@dataclass
+class GenerateConfig:
+    prompts: str
+    out: str
+    target: str = targets.DEFAULT_TARGET
+    num_prompts: int | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    layers: tuple[str, ...] | str = ("last", "eagle3")
+    aux_layers: tuple[int, ...] | str | None = None
+    turns: str = "first"
+    concurrency: int = 16
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 512
+    shard_size: int = 64
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        self.layers = tuple(_listed(self.layers))
+        if self.aux_layers is not None:
+            self.aux_layers = tuple(int(i) for i in _listed(self.aux_layers))
+        if not self.layers or set(self.layers) - set(LAYERS):
+            raise ValueError(f"layers={','.join(self.layers)!r} is invalid: choose some of {', '.join(LAYERS)}")
+        if self.aux_layers is not None and len(self.aux_layers) != 3:
+            raise ValueError(f"aux_layers={self.aux_layers} is invalid: EAGLE-3 fuses exactly three layers (low, middle, high)")
+        if self.turns not in TURNS:
+            raise ValueError(f"turns={self.turns!r} is invalid: choose {' or '.join(TURNS)}")
+        for name in ("max_new_tokens", "concurrency", "max_model_len", "max_num_batched_tokens", "shard_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: it must be >= 1")
+        if self.num_prompts is not None and self.num_prompts < 0:
+            raise ValueError(f"num_prompts={self.num_prompts} is invalid: it must be >= 0, or null for all")
+        SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
+
+    @classmethod
+    def from_options(cls, options: dict) -> "GenerateConfig":
+        """Built-in defaults, overridden by the YAML file in options["config"], overridden by the other options."""
+        values = {}
+        if options.get("config"):
+            values = yaml.safe_load(Path(options["config"]).read_text()) or {}
+            if not isinstance(values, dict):
+                raise ValueError(f"{options['config']} must be a YAML mapping of option names to values")
+            values = {key.replace("-", "_"): value for key, value in values.items()}
+            unknown = set(values) - {f.name for f in fields(cls)}
+            if unknown:
+                raise ValueError(f"{options['config']}: unknown keys {', '.join(sorted(unknown))}; "
+                                 f"known: {', '.join(f.name for f in fields(cls))}")
+        values.update({key: value for key, value in options.items() if key != "config"})
+        for name in ("prompts", "out"):
+            if values.get(name) is None:
+                raise ValueError(f"no {name} given: pass --{name} or set `{name}:` in the --config file")
+        return cls(**values)
+
+
+def _listed(value) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low, middle and high layers, as vLLM and SpecForge choose them."""
+    return 2, num_layers // 2, num_layers - 3
+
+
+def kv_cache_gib(folder: Path, config: GenerateConfig) -> float:
+    """The engine's K/V pool: room for every running conversation at full length, at most 1 GiB."""
+    model = ModelConfig.from_folder(folder)
+    bytes_per_token = KVCache.bytes_per_block(model.num_layers, 1, model.layer.num_kv_heads, model.layer.head_dim,
+                                              DTYPES[config.dtype])
+    return min(1.0, config.concurrency * config.max_model_len * bytes_per_token / 2**30)
+
+
+def user_turns(messages: list[dict], turns: str) -> list[list[dict]]:
+    """The messages that lead to each answer: one user turn with any non-assistant messages before it.
+    The dataset's own answers are dropped; with turns="first" only the first user turn is kept."""
+    found, current = [], []
+    for message in messages:
+        if message["role"] == "assistant":
+            continue
+        current.append(message)
+        if message["role"] == "user":
+            found.append(current)
+            current = []
+    if not found:
+        raise ValueError("the conversation has no user turn")
+    return found[:1] if turns == "first" else found
+
+
+def template_ids_after_answer(tokenizer, history: list[dict], following: list[dict], stop_token: int | None) -> list[int]:
+    """The chat template's token ids from the end of an answer to the start of the next one: the answer's
+    closing, the `following` messages (ending with a user turn) and the generation prompt.
+
+    history: the messages up to the answer. stop_token: the token the answer stopped on, when it did; the
+    target generated it in place of the template's closing text, so that text is not repeated."""
+    messages = history + [{"role": "assistant", "content": ANSWER}] + following
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = text[text.rindex(ANSWER) + len(ANSWER):]
+    if stop_token is not None:
+        stop = tokenizer.decode([stop_token])
+        if text.startswith(stop):
+            text = text[len(stop):]
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def request_seed(seed: int, conversation_id: str, turn: int) -> int:
+    """A request's own seed, so an answer is the same whichever order or run it is generated in."""
+    digest = hashlib.sha256(f"{seed}/{conversation_id}/{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+@dataclass
+class Conversation:
+    id: str
+    category: str
+    turns: list[list[dict]]  # per answer: the messages that lead to it
+    history: list[dict] = field(default_factory=list)  # messages so far, the target's answers as text
+    input_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)  # 1 on the target's own answer tokens
+
+    @property
+    def num_answers(self) -> int:
+        return sum(message["role"] == "assistant" for message in self.history)
+
+
+def generate(config: GenerateConfig, progress: bool = True) -> dict:
+    """Answers the prompts of `config` into the store at config.out, resuming it; returns the summary."""
+    folder = targets.resolve(config.target)
+    fingerprint = targets.fingerprint(folder)
+    num_layers = fingerprint["num_layers"]
+    aux_layers = (config.aux_layers or default_aux_layers(num_layers)) if "eagle3" in config.layers else ()
+    if any(not 0 <= i < num_layers for i in aux_layers):
+        raise ValueError(f"aux layers {aux_layers} do not all lie in [0, {num_layers}) for this {num_layers}-layer "
+                         "target: pass --aux-layers LOW,MID,HIGH")
+    prompt_file = Path(config.prompts)
+    writer = StoreWriter(config.out, {
+        "target": {"name": config.target, "fingerprint": fingerprint, "dtype": config.dtype},
+        "layers": list(config.layers),
+        "aux_layers": list(aux_layers),
+        "hidden_size": fingerprint["hidden_size"],
+        "hidden_dtype": str(HIDDEN_DTYPE).removeprefix("torch."),
+        "sampling": {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
+                     "top_p": config.top_p, "seed": config.seed},
+        "prompts": {"source": str(prompt_file.resolve()) if prompt_file.is_file() else config.prompts,
+                    "turns": config.turns, "max_model_len": config.max_model_len},
+        "num_prompts": config.num_prompts,
+    }, config.shard_size)
+    num_examples_before = writer.counts["num_examples"]
+    generation = Generation(config, folder, aux_layers, writer)
+    is_complete = False
+    try:
+        generation.run(progress)
+        is_complete = True
+    finally:
+        writer.close(is_complete)  # commits the finished conversations even when generation stops early
+    counts = writer.counts
+    keys = tensor_keys(config.layers, aux_layers)
+    return {
+        "out": str(writer.path),
+        **counts,
+        "num_bytes": writer.num_bytes(),
+        "bytes_per_token_per_layer": writer.num_bytes(("hidden-",)) / max(1, counts["num_tokens"] * len(keys)),
+        "num_new_examples": counts["num_examples"] - num_examples_before,
+        "num_skipped": generation.num_skipped,
+        "num_new_answer_tokens": generation.num_answer_tokens,
+        "elapsed_s": generation.elapsed_s,
+        "answer_tokens_per_s": generation.num_answer_tokens / generation.elapsed_s if generation.elapsed_s else 0.0,
+    }
+
+
+class Generation:
+    """One run of the engine over the conversations a store does not hold yet."""
+
+    def __init__(self, config: GenerateConfig, folder: Path, aux_layers: tuple[int, ...], writer: StoreWriter):
+        self.config, self.folder, self.aux_layers, self.writer = config, folder, aux_layers, writer
+        self.keys = tensor_keys(config.layers, aux_layers)
+        self.rows = load_prompts(config.prompts, config.num_prompts)
+        ids = self.rows["id"]
+        if len(set(ids)) != len(ids):
+            duplicate = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"prompt source {config.prompts} has id {duplicate!r} more than once: ids name a store's "
+                             "examples (a resumed run skips those done), so give every conversation its own id")
+        self.todo = [row for row in self.rows if row["id"] not in writer.done_ids]
+        self.active: dict[str, Conversation] = {}  # request id -> its conversation
+        self.num_skipped = self.num_answer_tokens = 0
+        self.elapsed_s = 0.0
+
+    def run(self, progress: bool) -> None:
+        if not self.todo:
+            return
+        config = self.config
+        self.engine = Engine(config.target, dtype=config.dtype, max_num_seqs=config.concurrency,
+                             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+                             kv_cache_memory_gib=kv_cache_gib(self.folder, config), capture_hidden=True,
+                             aux_layers=self.aux_layers)
+        self.tokenizer = self.engine.tokenizer
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError(f"target {config.target} has no tokenizer with a chat template: generate renders chat prompts")
+        self.queue = iter(self.todo)
+        self.bar = tqdm(total=len(self.rows), initial=len(self.rows) - len(self.todo), desc="prompts", unit="prompt",
+                        disable=not progress)
+        start = time.perf_counter()
+        for _ in range(config.concurrency):
+            self.start_next()
+        while self.engine.has_unfinished():
+            for output in self.engine.step():
+                self.answered(self.active.pop(output.request_id), output)
+                self.elapsed_s = time.perf_counter() - start
+                self.bar.set_postfix_str(f"{self.num_answer_tokens / self.elapsed_s:.1f} answer tok/s", refresh=False)
+        self.bar.close()
+
+    def start_next(self) -> None:
+        """Submits the first turn of the next conversation that fits in max_model_len."""
+        for row in self.queue:
+            conversation = Conversation(row["id"], row["category"], user_turns(row["messages"], self.config.turns))
+            prompt_ids = self.engine.encode(conversation.turns[0])
+            if len(prompt_ids) < self.engine.max_model_len:
+                conversation.input_ids, conversation.loss_mask = prompt_ids, [0] * len(prompt_ids)
+                self.submit(conversation, prompt_ids)
+                return
+            self.num_skipped += 1
+            self.bar.update(1)
+
+    def submit(self, conversation: Conversation, prompt_ids: list[int]) -> None:
+        config, turn = self.config, conversation.num_answers
+        params = SamplingParams(max_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
+                                seed=request_seed(config.seed, conversation.id, turn))
+        self.active[self.engine.add_request(prompt_ids, params, request_id=f"{conversation.id}/{turn}")] = conversation
+
+    def answered(self, conversation: Conversation, output) -> None:
+        """Submits the conversation's next turn, or stores the conversation when it is done."""
+        answer = output.token_ids
+        self.num_answer_tokens += len(answer)
+        turn = conversation.num_answers
+        conversation.input_ids = conversation.input_ids + answer
+        conversation.loss_mask = conversation.loss_mask + [1] * len(answer)
+        conversation.history += conversation.turns[turn] + [
+            {"role": "assistant", "content": self.tokenizer.decode(answer, skip_special_tokens=True)}]
+        if turn + 1 < len(conversation.turns):
+            stop_token = answer[-1] if output.finish_reason == "stop" else None
+            template_ids = template_ids_after_answer(self.tokenizer, conversation.history[:-1],
+                                                     conversation.turns[turn + 1], stop_token)
+            prompt_ids = conversation.input_ids + template_ids
+            if len(prompt_ids) < self.engine.max_model_len:
+                conversation.input_ids = prompt_ids
+                conversation.loss_mask = conversation.loss_mask + [0] * len(template_ids)
+                self.submit(conversation, prompt_ids)
+                return
+        # The last request covers the whole conversation, so its hidden states are those of every token.
+        captured = {"last": output.hidden, **{f"aux.{i}": h for i, h in output.aux.items()}}  # [T, hidden] each
+        self.writer.add({"id": conversation.id, "category": conversation.category, "input_ids": conversation.input_ids,
+                         "loss_mask": conversation.loss_mask,
+                         "hidden": {key: captured[key].to(HIDDEN_DTYPE) for key in self.keys}})
+        self.bar.update(1)
+        self.start_next()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = {f.name: f.default for f in fields(GenerateConfig)}
+    types = {"num_prompts": int, "max_new_tokens": int, "temperature": float, "top_p": float, "seed": int,
+             "concurrency": int, "max_model_len": int, "max_num_batched_tokens": int, "shard_size": int}
+    choices = {"turns": TURNS, "dtype": ("float32", "bfloat16", "float16")}
+    for name, help in HELP.items():
+        default = defaults.get(name)
+        if isinstance(default, tuple):
+            default = ",".join(default)
+        shown = "" if name in ("config", "prompts", "out") or default is None else f" (default: {default})"
+        # Unset options stay absent, so that a --config file can fill them.
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=types.get(name, str), choices=choices.get(name),
+                            default=argparse.SUPPRESS, help=help + shown)
+
+
+def run(args: argparse.Namespace) -> None:
+    summary = generate(GenerateConfig.from_options(vars(args)))
+    print(f"store {summary['out']}: {summary['num_examples']} examples, {summary['num_tokens']} tokens, "
+          f"{summary['num_answer_tokens']} answer tokens, {summary['num_bytes'] / 2**20:.1f} MiB on disk, "
+          f"{summary['bytes_per_token_per_layer']:.0f} bytes per token per layer")
+    print(f"this run: {summary['num_new_examples']} examples, {summary['num_new_answer_tokens']} answer tokens in {summary['elapsed_s']:.1f} s "
+          f"({summary['answer_tokens_per_s']:.1f} tok/s); {summary['num_skipped']} prompts longer than max_model_len skipped")
