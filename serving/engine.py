@@ -102,14 +102,7 @@ class Engine:
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         params = params or SamplingParams()
         ids = self.encode(prompt)
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
-                             f"shorten the prompt to at most {self.max_model_len - 1} tokens")
-        vocab = self.model.config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        self._validate(ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
@@ -121,6 +114,20 @@ class Engine:
             self.generators[request_id] = make_generator(params.seed)
         self.scheduler.add(request)
         return request_id
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                             f"shorten the prompt to at most {self.max_model_len - 1} tokens")
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"SamplingParams.stop needs a tokenizer and target {self.folder} has none: use stop_token_ids")
+        if params.logit_bias and not all(0 <= token < vocab for token in params.logit_bias):
+            raise ValueError(f"SamplingParams.logit_bias keys must be token ids in [0, {vocab})")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -240,11 +247,10 @@ class Engine:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         encoded = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, sp) in enumerate(zip(prompts, params_list)):
             try:
                 ids = self.encode(prompt)
-                if not ids or len(ids) >= self.max_model_len:
-                    raise ValueError(f"has {len(ids)} tokens; it needs 1 to {self.max_model_len - 1} (max_model_len)")
+                self._validate(ids, sp or SamplingParams())
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             encoded.append(ids)

@@ -49,6 +49,11 @@ class SamplingParams:
             isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop)
         ):
             bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(token): float(bias) for token, bias in dict(self.logit_bias).items()}
+            except (TypeError, ValueError):
+                bad("logit_bias", self.logit_bias, "a mapping of integer token ids to float biases")
         if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "a list of integer token ids")
 
