@@ -108,7 +108,7 @@ class PagedAttention:
         v_pool.index_copy_(0, meta.slot_mapping, v)
         if meta.batched is not None and not meta.singles:
             b = meta.batched
-            if b.query_index.shape[1] == 1 and b.rows.numel() == q.shape[0]:  # decode only: rows already in order
+            if b.query_index.shape == (q.shape[0], 1):  # decode only: one row per sequence, already in order
                 out = sdpa_gqa(q.unsqueeze(1), *self._gather(k_pool, v_pool, b), b.mask)
                 return out.view(q.shape)
         out = torch.empty_like(q)

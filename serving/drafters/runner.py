@@ -35,6 +35,6 @@ def num_reusable(fed: list[int], start: int, tokens: list[int]) -> int:
     """How many leading tokens of `tokens` a drafter's pool still holds, when it holds every token before
     `start` and last fed the drafts `fed` from there: those drafts count while the target accepted them."""
     num = start
-    while num - start < len(fed) and num < len(tokens) and tokens[num] == fed[num - start]:
+    while num - start < len(fed) and num < len(tokens) - 1 and tokens[num] == fed[num - start]:
         num += 1
-    return num
+    return num  # never past the newest token: its logits give the first draft

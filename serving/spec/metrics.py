@@ -2,7 +2,7 @@
 
 For every verify step with d drafts, positions 1..d: `proposed_i` (d >= i), `reached_i` (every draft
 before i accepted), `accepted_i`. Conditional acceptance is accepted_i / reached_i, survival is
-accepted_i / steps, the acceptance rate is sum(accepted) / sum(proposed), and the mean acceptance
+accepted_i / steps that carried drafts (vLLM's per-position rate), the acceptance rate is sum(accepted) / sum(proposed), and the mean acceptance
 length tau is emitted tokens / verify steps (1.0 for plain decoding).
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ class AcceptanceStats:
                 "reached": self.reached[i],
                 "accepted": self.accepted[i],
                 "conditional": self.accepted[i] / self.reached[i] if self.reached[i] else 0.0,
-                "survival": self.accepted[i] / self.num_steps if self.num_steps else 0.0,
+                "survival": self.accepted[i] / self.num_drafts if self.num_drafts else 0.0,
             }
             for i in range(len(self.proposed))
         ]

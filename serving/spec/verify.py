@@ -37,6 +37,7 @@ def verify_sampled(probs: torch.Tensor, drafts: list[int], draft_probs: torch.Te
         else:
             residual = (p - draft_probs[i]).clamp_min(0.0)
         total = float(residual.sum())
-        correction = sample(residual / total, generator) if total > 0 else int(p.argmax())
-        return i, drafts[:i] + [correction]
+        if total <= 0:  # p == q up to rounding: rejection had probability ~0, so the draft stands
+            continue
+        return i, drafts[:i] + [sample(residual / total, generator)]
     return len(drafts), drafts + [sample(probs[len(drafts)], generator)]
