@@ -6,6 +6,9 @@ tokens are final is registered under a chained hash, hash((parent hash, its toke
 request with the same prefix takes the block instead of recomputing it. A registered block whose
 last user leaves stays registered while it sits in the free queue, and loses its registration only
 when it is handed out again. Only `request.token_ids` are ever hashed: drafts never enter the cache.
+
+With `num_lookahead` > 0 a block's hash also covers the tokens after it, and a block is shared only when
+they match: a drafter whose K/V at position p depends on token p + 1 (EAGLE, MTP) sets it to 1.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[int, int] = {}  # block hash -> block id
         self.cached_hashes: dict[int, int] = {}  # block id -> block hash, for registered blocks
+        self.num_lookahead = 0  # tokens after a block that its hash covers too
 
     @property
     def num_free_blocks(self) -> int:
@@ -51,8 +55,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         parent_hash = None
-        for start in range(0, request.num_tokens - self.block_size, self.block_size):
-            block_hash = hash((parent_hash, tuple(request.token_ids[start:start + self.block_size])))
+        for start in range(0, request.num_tokens - self.block_size - max(self.num_lookahead, 1) + 1, self.block_size):
+            block_hash = self._hash(parent_hash, request.token_ids, start)
             block_id = self.cached_blocks.get(block_hash)
             if block_id is None:
                 break
@@ -88,17 +92,20 @@ class BlockManager:
         (after any rollback). A block whose hash another block already holds stays unregistered."""
         if not self.enable_prefix_caching:
             return
-        num_full_blocks = min(num_tokens, request.num_tokens) // self.block_size
+        num_full_blocks = min(num_tokens, request.num_tokens - self.num_lookahead) // self.block_size
         assert num_full_blocks <= len(request.block_ids), f"request {request.request_id} caches past its blocks"
         for index in range(len(request.block_hashes), num_full_blocks):
             parent_hash = request.block_hashes[-1] if request.block_hashes else None
             start = index * self.block_size
-            block_hash = hash((parent_hash, tuple(request.token_ids[start:start + self.block_size])))
+            block_hash = self._hash(parent_hash, request.token_ids, start)
             request.block_hashes.append(block_hash)
             if block_hash not in self.cached_blocks:
                 block_id = request.block_ids[index]
                 self.cached_blocks[block_hash] = block_id
                 self.cached_hashes[block_id] = block_hash
+
+    def _hash(self, parent_hash, token_ids: list[int], start: int) -> int:
+        return hash((parent_hash, tuple(token_ids[start:start + self.block_size + self.num_lookahead])))
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Keep only the blocks holding the first `num_tokens` positions of `request` (rolls back

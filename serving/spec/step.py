@@ -79,6 +79,8 @@ class Speculator:
                 request.spec_token_ids = [0] * num
                 budgets[request.request_id] = num
                 requests.append(request)
+        if hasattr(self.drafter, "observe"):  # drafters with a pool of their own catch up every step
+            self.drafter.observe(engine, step)
         if not requests:
             return
         proposals = self.drafter.propose(engine, requests, budgets, step)

@@ -1,0 +1,668 @@
+"""The head drafters in the engine (serving/drafters/heads.py): Medusa, EAGLE-1, EAGLE-3 and MTP.
+
+1. Whatever a head proposes, greedy outputs are plain greedy decoding's, token for token: random heads
+   (parameters perturbed, so their drafts are not the target's), concurrency 1 and 8, forced preemption,
+   chunked prefill, Llama and Qwen3 targets.
+2. Paged equals dense: every proposal of the EAGLE-1, EAGLE-3 and MTP drafters, whose K/V live in a pool
+   addressed by the target's block tables and are rebuilt by catch-up every step, equals the same module run
+   densely (heads.attention.DenseCausalAttention) over the pairs (h_p, x_{p+1}) for p in [0, T-2], with h
+   from transformers (final hidden state after the norm; EAGLE-3: hidden_states[i] of its aux layers), then
+   continued autoregressively on its own output features (draft s+1 from the entry (draft s, previous
+   output) at position T-2+s). The same after prefix-cache hits. Medusa: head i on h_{T-2}.
+3. Oracle: heads overfit (plain torch, AdamW) on the target's own greedy continuations must draft them back:
+   every draft accepted, tau close to k + 1. EAGLE-1, EAGLE-3 and MTP train unrolled with the engine's
+   drafting semantics: step s at anchor t feeds (x_{t+1+s}, its previous output) at position t+s, attending
+   to the real positions <= t and to its own earlier steps. Checked by mutating serving/drafters/heads.py:
+   reading Medusa's row one position early gives tau 1.04; a catch-up pairing h_p with x_p instead of
+   x_{p+1} gives MTP tau 1.30, EAGLE-3 2.23 and EAGLE acceptance 0.83 (on greedy data x_{p+1} = argmax
+   lm_head(h_p), so EAGLE's token input is nearly redundant); rope offsets of the catch-up or draft positions
+   leave overfit heads unmoved (rope is relative) and are caught by 2 only.
+4. save -> load -> save drafts identically in the engine.
+5. A head for another target, a method/kind mismatch, too many Medusa drafts, and an MTP head in chain mode
+   are clear errors.
+
+Everything is float32 and single-threaded on tiny targets (2 shared cores).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+import heads
+from heads.attention import DenseCausalAttention, sdpa_gqa
+from serving import targets
+from serving.engine import Engine
+from serving.request import SamplingParams
+from serving.targets import build_tiny_model
+
+K = 3  # drafts per step everywhere
+VOCAB = 256  # the conftest targets' vocabulary
+LENGTHS = (3, 7, 12, 18, 25, 33, 41, 50)  # 8 prompts of different lengths
+MAX_TOKENS = 24
+EAGLE3_AUX = (0, 2, 3)  # hidden_states[0] is the embedding output: the input of layer 0
+KINDS = ("medusa", "eagle", "eagle3", "mtp")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Two shared cores: intra-op threads only add contention for models this small."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+# ---- helpers -----------------------------------------------------------------------------------------
+
+
+def random_prompts(lengths, seed, vocab=VOCAB):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy(max_tokens):
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def make_engine(folder, spec=None, **kwargs) -> Engine:
+    settings = dict(block_size=4, num_blocks=256, max_model_len=128)
+    settings.update(kwargs)
+    return Engine(str(folder), speculative_config=spec, **settings)
+
+
+def spec_config(kind, head_dir, k=K):
+    return {"method": kind, "model": str(head_dir), "num_speculative_tokens": k}
+
+
+_PLAIN: dict = {}
+
+
+def plain_outputs(folder, prompts, max_tokens) -> list[list[int]]:
+    """Greedy outputs of the engine without speculation, roomy pool, default token budget; memoized."""
+    key = (str(folder), tuple(map(tuple, prompts)), max_tokens)
+    if key not in _PLAIN:
+        _PLAIN[key] = [o.token_ids for o in make_engine(folder).generate(prompts, greedy(max_tokens))]
+    return _PLAIN[key]
+
+
+def assert_pool_idle(engine):
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def target_parts(folder):
+    return heads.load_target_parts(folder, fingerprint=targets.fingerprint(folder))
+
+
+def new_head(kind, parts, seed, *, draft_vocab=None, own_lm_head=False):
+    """A new head of `kind` for `parts`, seeded: Medusa with K heads, EAGLE-3 over `draft_vocab` (default: a
+    random half of the vocabulary) with aux layers EAGLE3_AUX, MTP with 2 modules served by module 0."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        if kind == "medusa":
+            return heads.Medusa.from_target(parts, num_heads=K, own_lm_head=own_lm_head)
+        if kind == "eagle":
+            return heads.Eagle.from_target(parts)
+        if kind == "eagle3":
+            if draft_vocab is None:
+                draft_vocab = torch.randperm(parts.vocab_size)[:parts.vocab_size // 2].tolist()
+            return heads.Eagle3.from_target(parts, draft_token_ids=draft_vocab, aux_layers=EAGLE3_AUX)
+        if kind == "mtp":
+            return heads.Mtp.from_target(parts, depth=2, serve_mode="reuse_first")
+    raise AssertionError(kind)
+
+
+@torch.no_grad()
+def perturb(head, seed):
+    """Random weights everywhere, on the scale of a fresh init: Medusa's zero-initialised blocks, EAGLE-3's
+    copied norm and LM head rows, MTP's unit norms all move, so drafts are not the target's."""
+    g = torch.Generator().manual_seed(seed)
+    for param in head.parameters():
+        if param.ndim >= 2:
+            param.add_(torch.randn(param.shape, generator=g) / param.shape[-1] ** 0.5)
+        else:
+            param.add_(0.1 * torch.randn(param.shape, generator=g))
+    return head
+
+
+@dataclass
+class Proposal:
+    request_id: str
+    token_ids: list[int]  # the request's tokens when the drafter proposed
+    budget: int
+    drafts: list[int]
+
+
+def record_proposals(engine) -> list[Proposal]:
+    """Wraps the engine's drafter so that every proposal is recorded with the request's tokens at that time."""
+    records = []
+    drafter = engine.speculator.drafter
+    propose = drafter.propose
+
+    def spy(engine_, requests, budgets, step):
+        before = {r.request_id: list(r.token_ids) for r in requests}
+        proposals = propose(engine_, requests, budgets, step)
+        for r in requests:
+            if r.request_id in proposals:
+                records.append(Proposal(r.request_id, before[r.request_id], budgets[r.request_id],
+                                        list(proposals[r.request_id])))
+        return proposals
+
+    drafter.propose = spy
+    return records
+
+
+# ---- the dense reference --------------------------------------------------------------------------------
+
+
+_HF: dict = {}
+
+
+def hf_model(folder):
+    if str(folder) not in _HF:
+        _HF[str(folder)] = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return _HF[str(folder)]
+
+
+@torch.no_grad()
+def hf_hidden_states(folder, tokens) -> tuple[torch.Tensor, ...]:
+    """transformers' hidden_states over `tokens`: [0] the embeddings, [i] the input of layer i, [-1] the last
+    layer's output after the final norm; each [len(tokens), hidden]."""
+    out = hf_model(folder)(torch.tensor([tokens]), output_hidden_states=True)
+    return tuple(h[0] for h in out.hidden_states)
+
+
+def head_forward(head, ids, features, positions, attention):
+    if head.config.kind == "mtp":
+        return head.forward_module(0, ids, features, positions, attention)
+    return head(ids, features, positions, attention)
+
+
+def head_logits(head, out):
+    """Logits over the head's own vocabulary (EAGLE-3: the draft vocabulary)."""
+    return head.logits(0, out) if head.config.kind == "mtp" else head.logits(out)
+
+
+def to_target_ids(head, ids):
+    return head.to_target_ids(ids) if head.config.kind == "eagle3" else ids
+
+
+def head_features(head, states, num):
+    """The features of positions [0, num): fuse(aux) for EAGLE-3, h after the final norm otherwise."""
+    if head.config.kind == "eagle3":
+        return head.fuse([states[i][:num] for i in head.config.aux_layers])
+    return states[-1][:num]
+
+
+@torch.no_grad()
+def dense_drafts(head, states, tokens, num_drafts):
+    """The drafts after `tokens` (T of them; `states` cover at least T-1 positions): the head over the pairs
+    (h_p, x_{p+1}) at positions p in [0, T-2] with dense causal attention gives draft 1 from its last output;
+    draft s+1 comes from the entry (draft s, the previous output) at position T-2+s. Returns the drafts and the
+    top-2 logit margin of each (near-ties could flip between paged and dense)."""
+    T = len(tokens)
+    features = head_features(head, states, T - 1)  # [T-1, hidden]
+    ids = list(tokens[1:])
+    drafts, margins = [], []
+    for _ in range(num_drafts):
+        num = len(ids)
+        out = head_forward(head, torch.tensor(ids)[None], features[None], torch.arange(num)[None],
+                           DenseCausalAttention())[0]  # [num, hidden]
+        logits = head_logits(head, out[-1])
+        top = logits.topk(2).values
+        margins.append(float(top[0] - top[1]))
+        token = int(to_target_ids(head, logits.argmax(-1)))
+        drafts.append(token)
+        ids.append(token)
+        features = torch.cat([features, out[-1:]])
+    return drafts, margins
+
+
+@torch.no_grad()
+def dense_medusa_drafts(head, states, tokens, num_drafts):
+    """Medusa: head i on h_{T-2}, the newest hidden state the target computed, predicts x_{T+i}."""
+    return head(states[-1][len(tokens) - 2]).argmax(-1)[:num_drafts].tolist()
+
+
+# ---- random heads -------------------------------------------------------------------------------------
+
+
+HEAD_CASES = [("medusa", "tiny_llama"), ("eagle", "tiny_qwen3"), ("eagle3", "tiny_llama"), ("mtp", "tiny_qwen3")]
+SCENARIOS = {
+    # one request at a time; prompts of up to 50 tokens prefill in chunks of 16
+    1: dict(max_num_seqs=1, max_num_batched_tokens=16),
+    # 8 requests that grow to 27-74 tokens in a pool of 40 blocks of 4 (160 slots): preemption by recompute;
+    # a budget of 24 tokens per step chunks the prefills
+    8: dict(max_num_seqs=8, max_num_batched_tokens=24, num_blocks=40, max_model_len=96),
+}
+PROMPTS = random_prompts(LENGTHS, seed=5)
+
+_RANDOM_HEADS: dict = {}
+
+
+def random_head_dir(kind, folder, root) -> str:
+    key = (kind, str(folder))
+    if key not in _RANDOM_HEADS:
+        head = perturb(new_head(kind, target_parts(folder), seed=11), seed=12)
+        _RANDOM_HEADS[key] = str(heads.save(head, root / f"{kind}-{folder.name}"))
+    return _RANDOM_HEADS[key]
+
+
+@pytest.fixture(scope="module")
+def heads_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("heads")
+
+
+@dataclass
+class Run:
+    engine: Engine
+    outputs: list
+    proposals: list[Proposal]
+
+
+_RUNS: dict = {}
+
+
+def spec_run(kind, folder, concurrency, head_dir) -> Run:
+    key = (kind, str(folder), concurrency)
+    if key not in _RUNS:
+        engine = make_engine(folder, spec_config(kind, head_dir), **SCENARIOS[concurrency])
+        proposals = record_proposals(engine)
+        _RUNS[key] = Run(engine, engine.generate(PROMPTS, greedy(MAX_TOKENS)), proposals)
+    return _RUNS[key]
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+@pytest.mark.parametrize("kind, fixture", HEAD_CASES, ids=[f"{k}-{f}" for k, f in HEAD_CASES])
+def test_random_heads_reproduce_plain_greedy(kind, fixture, concurrency, heads_root, request):
+    folder = request.getfixturevalue(fixture)
+    run = spec_run(kind, folder, concurrency, random_head_dir(kind, folder, heads_root))
+    expected = plain_outputs(folder, PROMPTS, MAX_TOKENS)
+    for prompt, out, ref in zip(PROMPTS, run.outputs, expected):
+        assert out.token_ids == ref, f"prompt of {len(prompt)} tokens diverged from plain greedy decoding"
+        assert out.finish_reason == "length" and len(out.token_ids) == MAX_TOKENS
+    assert_pool_idle(run.engine)
+    stats = run.engine.speculator.stats
+    assert sum(stats.proposed) > 0 and run.proposals, "the head never drafted: the case tests nothing"
+    # a head drafter fills every budget it is given
+    assert all(len(p.drafts) == p.budget for p in run.proposals)
+    assert all(0 <= t < VOCAB for p in run.proposals for t in p.drafts)
+    # every request drafted, from its first decode step on
+    assert {p.request_id for p in run.proposals} == {o.request_id for o in run.outputs}
+    assert max(LENGTHS) > SCENARIOS[concurrency]["max_num_batched_tokens"]  # chunked prefill happened
+    if concurrency == 8:
+        assert sum(o.metrics["num_preemptions"] for o in run.outputs) > 0, "no preemption: the pool is too roomy"
+
+
+# ---- paged equals dense ----------------------------------------------------------------------------------
+
+
+def check_against_dense(folder, head, proposals, finals) -> tuple[int, list[str]]:
+    """Every recorded proposal against dense_drafts (dense_medusa_drafts for Medusa); `finals` maps request ids
+    to their final token ids (prompt + output). Returns (number checked, mismatch descriptions)."""
+    states: dict = {}
+    num_checked, mismatches = 0, []
+    for p in proposals:
+        final = finals[p.request_id]
+        assert p.token_ids == final[:len(p.token_ids)], "the proposal's tokens are not a prefix of the output"
+        if p.request_id not in states:
+            states[p.request_id] = hf_hidden_states(folder, final)  # causal: every prefix's states at once
+        if head.config.kind == "medusa":
+            dense, margins = dense_medusa_drafts(head, states[p.request_id], p.token_ids, len(p.drafts)), []
+        else:
+            dense, margins = dense_drafts(head, states[p.request_id], p.token_ids, len(p.drafts))
+        num_checked += 1
+        if dense != p.drafts:
+            mismatches.append(f"request {p.request_id} at T={len(p.token_ids)}: paged {p.drafts}, dense {dense} "
+                              f"(dense top-2 margins {[round(m, 5) for m in margins]})")
+    return num_checked, mismatches
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+@pytest.mark.parametrize("kind, fixture", HEAD_CASES, ids=[f"{k}-{f}" for k, f in HEAD_CASES])
+def test_paged_drafts_equal_dense_drafts(kind, fixture, concurrency, heads_root, request):
+    """Every proposal of the runs of test_random_heads_reproduce_plain_greedy (chunked prefill; at concurrency
+    8 also preemption) against the dense reference. Medusa has no K/V: its proposals are checked against the
+    head on h_{T-2}."""
+    folder = request.getfixturevalue(fixture)
+    head_dir = random_head_dir(kind, folder, heads_root)
+    run = spec_run(kind, folder, concurrency, head_dir)
+    head = heads.load(head_dir, target=target_parts(folder)).eval()
+    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in run.outputs}
+    num_checked, mismatches = check_against_dense(folder, head, run.proposals, finals)
+    assert num_checked >= 8 * 4
+    assert not mismatches, f"{len(mismatches)} of {num_checked} proposals differ:\n" + "\n".join(mismatches[:10])
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
+def test_paged_drafts_equal_dense_drafts_after_prefix_cache_hits(kind, tiny_llama, heads_root):
+    """A first request leaves 3 full blocks (12 tokens) in the prefix cache. The head's entry at position 11
+    pairs h_11 with x_12, so a block is shared only when the token after it matches too: 6 requests that
+    share 12 tokens and continue differently reuse 2 blocks, 6 that share 13 tokens reuse all 3."""
+    head_dir = random_head_dir(kind, tiny_llama, heads_root)
+    shared = random_prompts([12], seed=41)[0]
+    first = shared + random_prompts([3], seed=42)[0]
+    tails = random_prompts((1, 2, 5, 9, 4, 7), seed=43)
+    prompts = [shared + tail for tail in tails] + [first[:13] + tail for tail in tails]
+    engine = make_engine(tiny_llama, spec_config(kind, head_dir))
+    proposals = record_proposals(engine)
+    warm = engine.generate([first], greedy(8))
+    outputs = engine.generate(prompts, greedy(8))
+    assert [o.metrics["num_cached_tokens"] for o in outputs] == [8] * 6 + [12] * 6
+    assert [o.token_ids for o in warm + outputs] == plain_outputs(tiny_llama, [first] + prompts, 8)
+    head = heads.load(head_dir, target=target_parts(tiny_llama)).eval()
+    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in warm + outputs}
+    num_checked, mismatches = check_against_dense(tiny_llama, head, proposals, finals)
+    assert num_checked >= 7 * 2
+    assert not mismatches, f"{len(mismatches)} of {num_checked} proposals differ:\n" + "\n".join(mismatches[:10])
+
+
+def test_paged_drafts_equal_dense_drafts_when_the_prefix_was_cached_before_the_head(tiny_llama, heads_root):
+    """Blocks cached by plain decoding, then set_speculative_config switches an EAGLE head on: the head's pool
+    holds nothing for them, so the switch forgets the prefix cache and the request drafts from K/V it wrote."""
+    head_dir = random_head_dir("eagle", tiny_llama, heads_root)
+    prompt = random_prompts([21], seed=44)[0]
+    engine = make_engine(tiny_llama)
+    engine.generate([prompt[:17]], greedy(4))  # leaves 4 full blocks of the prompt in the prefix cache
+    engine.set_speculative_config(spec_config("eagle", head_dir))
+    proposals = record_proposals(engine)
+    out = engine.generate([prompt], greedy(12))[0]
+    assert out.metrics["num_cached_tokens"] == 0
+    assert out.token_ids == plain_outputs(tiny_llama, [prompt], 12)[0]
+    head = heads.load(head_dir, target=target_parts(tiny_llama)).eval()
+    num_checked, mismatches = check_against_dense(tiny_llama, head, proposals,
+                                                  {out.request_id: out.prompt_token_ids + out.token_ids})
+    assert num_checked >= 3
+    assert not mismatches, f"{len(mismatches)} of {num_checked} proposals differ:\n" + "\n".join(mismatches[:10])
+
+
+# ---- oracle: heads fitted to the target's own continuations draft them back ------------------------------
+
+
+ORACLE_VOCAB = 64
+ORACLE_NEW_TOKENS = 40
+ORACLE_PROMPTS = random_prompts((8, 13), seed=21, vocab=ORACLE_VOCAB)
+
+
+@dataclass
+class Sequence:
+    tokens: torch.Tensor  # [N] prompt + greedy output
+    num_prompt: int
+    hidden: torch.Tensor  # [N, hidden] after the final norm, from the engine's forward
+    aux: dict  # layer -> [N, hidden], the input of that layer
+
+
+@dataclass
+class Oracle:
+    folder: object
+    sequences: list[Sequence]
+    outputs: list[list[int]]  # plain greedy outputs of ORACLE_PROMPTS
+    root: object
+    trained: dict = field(default_factory=dict)  # kind -> (head, head_dir, train accuracy, train seconds)
+    served: dict = field(default_factory=dict)  # kind -> Run
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    """A tiny Llama with a 64-token vocabulary, and its greedy answers to ORACLE_PROMPTS with the hidden states
+    the engine computed for every token (capture_hidden: the same pass that answers). initializer_range 0.3
+    makes the answers varied, text-like (26-28 distinct tokens in 40, no constant runs or short loops), so
+    a draft shifted by one position is wrong: with the default 0.02 a tiny model repeats one token, and a
+    shifted draft would be accepted anyway."""
+    folder = build_tiny_model(tmp_path_factory.mktemp("oracle_target"), "llama", vocab_size=ORACLE_VOCAB, seed=0,
+                              initializer_range=0.3)
+    engine = make_engine(folder, capture_hidden=True, aux_layers=EAGLE3_AUX)
+    captured = engine.generate(ORACLE_PROMPTS, greedy(ORACLE_NEW_TOKENS))
+    sequences = [Sequence(torch.tensor(o.prompt_token_ids + o.token_ids), len(o.prompt_token_ids), o.hidden, o.aux)
+                 for o in captured]
+    for o in captured:  # the premise of the oracle: a draft one position off would be rejected
+        repeats = sum(x == y for x, y in zip(o.token_ids, o.token_ids[1:])) + sum(
+            x == y for x, y in zip(o.token_ids, o.token_ids[2:]))
+        assert len(set(o.token_ids)) >= 20 and repeats <= 4, o.token_ids
+    return Oracle(folder, sequences, [o.token_ids for o in captured], tmp_path_factory.mktemp("oracle_heads"))
+
+
+class UnrolledAttention:
+    """Attention of one unrolled draft step s over M anchors (the engine's drafting, for all anchors at once):
+    query row p (anchor p, position p + s) sees the step-0 entries of anchors <= p (the real positions the
+    engine's pool holds after catch-up) and its own anchor's entries of steps 1..s (the drafts it fed).
+    Call it once per step, in order; one decoder layer."""
+
+    def __init__(self, num_anchors: int):
+        self.num_anchors = num_anchors
+        self.k, self.v = [], []
+
+    def __call__(self, layer_idx, q, k, v):
+        self.k.append(k)
+        self.v.append(v)
+        m = self.num_anchors
+        blocks = [torch.ones(m, m, dtype=torch.bool).tril()] + [torch.eye(m, dtype=torch.bool)] * (len(self.k) - 1)
+        return sdpa_gqa(q, torch.cat(self.k, 1), torch.cat(self.v, 1), torch.cat(blocks, 1)[None])
+
+
+def unrolled_loss(head, seq: Sequence, num_steps: int, target_index=None):
+    """Cross-entropy of steps 0..num_steps-1 of the engine's draft loop at every anchor p >= num_prompt - 1
+    (the first anchor the engine drafts from is the last prompt position): step s at anchor p reads
+    (x_{p+1+s}, step s-1's output; step 0: the target's feature h_p) at position p + s and predicts x_{p+2+s}.
+    Returns (loss, number right, number of predictions)."""
+    x = seq.tokens
+    n = len(x)
+    m = n - 1  # anchors 0..n-2
+    features = head_features(head, {**seq.aux, -1: seq.hidden}, m)
+    attention = UnrolledAttention(m)
+    anchors = torch.arange(m)
+    loss, right, count = 0.0, 0, 0
+    for s in range(num_steps):
+        ids = torch.zeros(m, dtype=torch.long)
+        ids[:m - s] = x[1 + s:]
+        out = head_forward(head, ids[None], features[None], (anchors + s)[None], attention)[0]
+        rows = anchors[(anchors >= seq.num_prompt - 1) & (anchors <= m - 2 - s)]
+        labels = x[rows + 2 + s]
+        if target_index is not None:
+            labels = target_index[labels]
+        logits = head_logits(head, out[rows])
+        loss = loss + F.cross_entropy(logits, labels, reduction="sum")
+        right += int((logits.argmax(-1) == labels).sum())
+        count += len(rows)
+        features = out
+    return loss, right, count
+
+
+def medusa_loss(head, seq: Sequence):
+    """Head i on h_t predicts x_{t+2+i}, at every t >= num_prompt - 1 (the engine's first Medusa proposal reads
+    h of the last prompt position)."""
+    logits = head(seq.hidden)  # [K, N, vocab]
+    x, n = seq.tokens, len(seq.tokens)
+    loss, right, count = 0.0, 0, 0
+    for i in range(head.config.num_heads):
+        rows = torch.arange(seq.num_prompt - 1, n - 2 - i)
+        labels = x[rows + 2 + i]
+        loss = loss + F.cross_entropy(logits[i, rows], labels, reduction="sum")
+        right += int((logits[i, rows].argmax(-1) == labels).sum())
+        count += len(rows)
+    return loss, right, count
+
+
+def overfit(head, sequences, *, max_steps, lr, seconds):
+    """AdamW on the summed loss of all sequences until every prediction is right with a margin (mean loss
+    below 0.02), `max_steps` or `seconds`. Returns the final training accuracy."""
+    kind = head.config.kind
+    target_index = None
+    if kind == "eagle3":
+        target_index = torch.full((head.config.vocab_size,), -100, dtype=torch.long)
+        target_index[head.draft_token_ids] = torch.arange(head.config.draft_vocab_size)
+    head.train().requires_grad_(True)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    start = time.perf_counter()
+    accuracy = 0.0
+    for _ in range(max_steps):
+        loss, right, count = 0.0, 0, 0
+        for seq in sequences:
+            if kind == "medusa":
+                part = medusa_loss(head, seq)
+            else:
+                part = unrolled_loss(head, seq, K, target_index)
+            loss, right, count = loss + part[0], right + part[1], count + part[2]
+        accuracy = right / count
+        if accuracy == 1.0 and loss.item() / count < 0.02 or time.perf_counter() - start > seconds:
+            break
+        optimizer.zero_grad()
+        (loss / count).backward()
+        optimizer.step()
+    head.eval().requires_grad_(False)
+    return accuracy
+
+
+def trained_head(oracle: Oracle, kind):
+    """The head of `kind` fitted on the oracle's sequences, and its checkpoint folder; memoized."""
+    if kind not in oracle.trained:
+        parts = target_parts(oracle.folder)
+        answer_tokens = sorted({t for seq in oracle.sequences for t in seq.tokens[seq.num_prompt:].tolist()})
+        # EAGLE-3's reduced vocabulary: every answer token, plus others up to 3/4 of the target's vocabulary
+        others = [t for t in torch.randperm(ORACLE_VOCAB, generator=torch.Generator().manual_seed(0)).tolist()
+                  if t not in answer_tokens]
+        draft_vocab = answer_tokens + others[:max(0, 3 * ORACLE_VOCAB // 4 - len(answer_tokens))]
+        head = new_head(kind, parts, seed=31, draft_vocab=draft_vocab, own_lm_head=True)
+        if kind == "mtp":
+            perturb(head.blocks[1], seed=32)  # module 1 stays untrained: serving must not use it
+        start = time.perf_counter()
+        lr = 1e-2 if kind == "medusa" else 3e-3
+        accuracy = overfit(head, oracle.sequences, max_steps=600, lr=lr, seconds=25)
+        head_dir = heads.save(head, oracle.root / kind)
+        oracle.trained[kind] = (head, head_dir, accuracy, time.perf_counter() - start)
+    return oracle.trained[kind]
+
+
+def oracle_serve(oracle: Oracle, kind, head_dir=None) -> Run:
+    """Serve the oracle prompts with the trained head (or the head in `head_dir`); memoized for the former."""
+    if head_dir is None and kind in oracle.served:
+        return oracle.served[kind]
+    folder = head_dir or trained_head(oracle, kind)[1]
+    engine = make_engine(oracle.folder, spec_config(kind, folder))
+    proposals = record_proposals(engine)
+    run = Run(engine, engine.generate(ORACLE_PROMPTS, greedy(ORACLE_NEW_TOKENS)), proposals)
+    if head_dir is None:
+        oracle.served[kind] = run
+    return run
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_oracle_heads_draft_the_targets_own_continuation(kind, oracle):
+    head, head_dir, accuracy, seconds = trained_head(oracle, kind)
+    assert accuracy >= 0.99, f"the {kind} overfit reached only {accuracy:.3f} training accuracy in {seconds:.1f} s"
+    run = oracle_serve(oracle, kind)
+    for out, ref in zip(run.outputs, oracle.outputs):
+        assert out.token_ids == ref
+    stats = run.engine.speculator.stats
+    print(f"\noracle {kind}: training accuracy {accuracy:.3f} in {seconds:.1f} s, tau {stats.tau:.2f} "
+          f"(k={K}), acceptance rate {stats.acceptance_rate:.3f}, accepted per position {stats.accepted} "
+          f"of {stats.proposed}")
+    # perfect drafts: 39 tokens after the prefill's, 4 per verify step -> tau 3.9; a one-position shift -> ~1
+    # EAGLE's token input is redundant with h on greedy data (x_{p+1} = argmax lm_head(h_p)), so a head fitted
+    # here can draft right with a catch-up that pairs h_p with the wrong token, and tau alone misses it; the
+    # acceptance rate does not (test_paged_drafts_equal_dense_drafts catches it exactly)
+    assert stats.acceptance_rate >= 0.97, f"{kind}: accepted per position {stats.accepted} of {stats.proposed}"
+    assert stats.tau >= 0.8 * (K + 1), (f"{kind}: tau {stats.tau:.2f} despite {accuracy:.3f} training accuracy; "
+                                        f"accepted per position {stats.accepted} of {stats.proposed}")
+    assert_pool_idle(run.engine)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_oracle_heads_draft_the_same_after_chunked_prefill(kind, oracle):
+    """One request at a time, prompts prefilled in chunks of 5 tokens: steps in which no request drafts (the
+    chunks before the last) must still reach the head's pool, so every proposal equals the unchunked run's."""
+    _, head_dir, _, _ = trained_head(oracle, kind)
+    engine = make_engine(oracle.folder, spec_config(kind, head_dir), max_num_seqs=1, max_num_batched_tokens=5)
+    proposals = record_proposals(engine)
+    outputs = engine.generate(ORACLE_PROMPTS, greedy(ORACLE_NEW_TOKENS))
+    assert [o.token_ids for o in outputs] == oracle.outputs
+    unchunked = oracle_serve(oracle, kind)
+    assert sorted((p.token_ids, p.drafts) for p in proposals) == sorted((p.token_ids, p.drafts)
+                                                                        for p in unchunked.proposals)
+    assert engine.speculator.stats.tau == unchunked.engine.speculator.stats.tau
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_oracle_heads_under_preemption_and_chunked_prefill(kind, oracle):
+    """Accepted runs, rollback, preemption and chunked prefill together: the oracle prompts (mostly accepted
+    drafts) beside 4 other prompts (mostly rejected) in a tight pool; outputs stay plain greedy's."""
+    _, head_dir, _, _ = trained_head(oracle, kind)
+    prompts = ORACLE_PROMPTS + random_prompts((21, 5, 30, 17), seed=22, vocab=ORACLE_VOCAB)
+    expected = plain_outputs(oracle.folder, prompts, ORACLE_NEW_TOKENS)
+    engine = make_engine(oracle.folder, spec_config(kind, head_dir), num_blocks=36, max_model_len=80,
+                         max_num_batched_tokens=20)
+    outputs = engine.generate(prompts, greedy(ORACLE_NEW_TOKENS))
+    assert [o.token_ids for o in outputs] == expected
+    assert sum(o.metrics["num_preemptions"] for o in outputs) > 0
+    stats = engine.speculator.stats
+    assert sum(stats.accepted) > 0 and sum(stats.accepted) < sum(stats.proposed)
+    # the heads' own prompts: whatever the budget cut, every draft proposed is the target's continuation
+    rates = [o.metrics["spec"]["acceptance_rate"] for o in outputs[:len(ORACLE_PROMPTS)]]
+    print(f"\n{kind} under pressure: acceptance rate of the oracle prompts {rates}, others "
+          f"{[round(o.metrics['spec']['acceptance_rate'], 2) for o in outputs[len(ORACLE_PROMPTS):]]}")
+    assert min(rates) >= 0.95, f"{kind}: acceptance rate of the oracle prompts {rates}"
+    assert_pool_idle(engine)
+
+
+# ---- checkpoint round trip --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_save_load_round_trip_drafts_identically(kind, oracle, tmp_path):
+    head, head_dir, _, _ = trained_head(oracle, kind)
+    loaded = heads.load(head_dir, targets.fingerprint(oracle.folder))
+    assert type(loaded) is type(head) and loaded.config == head.config
+    own, back = head.state_dict(), loaded.state_dict()
+    assert own.keys() == back.keys()
+    for name in own:
+        assert torch.equal(own[name], back[name]), name
+    again = heads.save(loaded, tmp_path / "again")
+    first, second = oracle_serve(oracle, kind), oracle_serve(oracle, kind, head_dir=again)
+    assert [(p.token_ids, p.drafts) for p in second.proposals] == [(p.token_ids, p.drafts) for p in first.proposals]
+    assert [o.token_ids for o in second.outputs] == [o.token_ids for o in first.outputs]
+    a, b = first.engine.speculator.stats, second.engine.speculator.stats
+    assert (b.tau, b.accepted, b.proposed) == (a.tau, a.accepted, a.proposed)
+
+
+# ---- clear errors ----------------------------------------------------------------------------------------
+
+
+def test_head_for_another_target_is_a_clear_error(tiny_llama, tiny_qwen3, heads_root, tmp_path):
+    llama_head = random_head_dir("eagle", tiny_llama, heads_root)
+    with pytest.raises(ValueError, match="made for another target") as info:
+        make_engine(tiny_qwen3, spec_config("eagle", llama_head))
+    assert "architecture" in str(info.value) and "llama" in str(info.value) and "qwen3" in str(info.value)
+    # same family and sizes but one more layer: a different fingerprint too
+    deeper = build_tiny_model(tmp_path / "deeper", "llama", num_hidden_layers=5)
+    with pytest.raises(ValueError, match="made for another target") as info:
+        make_engine(deeper, spec_config("eagle", llama_head))
+    assert "num_layers" in str(info.value)
+
+
+@pytest.mark.parametrize("method, kind", [("eagle", "medusa"), ("medusa", "eagle"), ("mtp", "eagle3"),
+                                          ("eagle3", "eagle")])
+def test_method_and_head_kind_mismatch_is_a_clear_error(method, kind, tiny_llama, heads_root):
+    head_dir = random_head_dir(kind, tiny_llama, heads_root)
+    with pytest.raises(ValueError, match=rf"holds a {kind} head.*method '{method}'") as info:
+        make_engine(tiny_llama, spec_config(method, head_dir))
+    assert f'"method": "{kind}"' in str(info.value)
+
+
+def test_more_medusa_drafts_than_heads_is_a_clear_error(tiny_llama, heads_root):
+    head_dir = random_head_dir("medusa", tiny_llama, heads_root)
+    with pytest.raises(ValueError, match=rf"num_speculative_tokens={K + 1} exceeds .* {K} heads"):
+        make_engine(tiny_llama, spec_config("medusa", head_dir, k=K + 1))
+    make_engine(tiny_llama, spec_config("medusa", head_dir, k=K))  # exactly num_heads is fine
+
+
+def test_mtp_chain_mode_is_a_clear_error(tiny_llama, tmp_path):
+    head = heads.Mtp.from_target(target_parts(tiny_llama), depth=2, serve_mode="chain")
+    head_dir = heads.save(head, tmp_path / "mtp-chain")
+    with pytest.raises(ValueError, match="reuse_first"):
+        make_engine(tiny_llama, spec_config("mtp", head_dir))
