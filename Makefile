@@ -26,5 +26,8 @@ test: setup
 demo: setup
 	$(BIN)/python -m training.demo
 
+bench-full: setup
+	$(BIN)/python -m training.demo --full
+
 clean:
 	rm -rf $(VENV) results runs wandb lightning_logs

@@ -87,6 +87,20 @@ class ModelConfig:
         )
 
 
+class PackedLinear(nn.Module):
+    """A frozen linear layer stored transposed, [in, out] contiguous: at the few rows a decode or verify step
+    has, this CPU's BLAS runs x @ W^T from that layout ~1.3x faster than from nn.Linear's [out, in]."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.register_buffer("weight_t", linear.weight.detach().t().contiguous())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x @ self.weight_t
+        return out if self.bias is None else out + self.bias
+
+
 @dataclass
 class ModelOutput:
     logits: torch.Tensor | None  # [num_logits_rows, vocab]
@@ -114,6 +128,9 @@ class Model(nn.Module):
         model.load_safetensors(folder)
         model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         model.rope.to(torch.float32, device)
+        for layer in model.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(layer, name, PackedLinear(getattr(layer, name)))
         return model
 
     def load_safetensors(self, folder: Path):

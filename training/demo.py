@@ -43,6 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--data", default="data", help="where the store goes")
     p.add_argument("--results", default="results", help="where bench.json, bench.md and acceptance.png go")
     p.add_argument("--concurrency", type=int, default=16, help="conversations answered at once while generating")
+    p.add_argument("--full", action="store_true",
+                   help="bench-full: every MT-bench question and HumanEval problem, greedy and temperature 0.7, "
+                        "concurrency 1, 4 and 16 (hours on a CPU)")
     return p.parse_args(argv)
 
 
@@ -59,6 +62,8 @@ def main(argv=None) -> dict:
     print(resolve(args.target))
     store = generate(args)
     heads = {kind: fit(args, kind, store) for kind in args.kinds.split(",")}
+    if args.full:
+        args.bench_mt_bench, args.bench_humaneval = 80, 164
     result = bench(args, heads)
     print(f"\ndemo finished in {time.perf_counter() - start:.0f} s")
     return result
@@ -120,16 +125,19 @@ def bench(args, heads: dict) -> dict:
     k = NUM_SPECULATIVE_TOKENS
     configs = [SpeculativeConfig(method="ngram", num_speculative_tokens=k)]
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k) for kind, folder in heads.items()]
-    engine = Engine(args.target, max_num_seqs=1)
+    engine = Engine(args.target, max_num_seqs=16)
+    settings = [(0.0, 1)] + ([(0.0, 4), (0.0, 16), (0.7, 1), (0.7, 4), (0.7, 16)] if args.full else [])
     results = []
     for name, (prompts, categories) in bench_prompts(args).items():
-        t = stage(f"bench {name}: {len(prompts)} prompts x {args.bench_new_tokens} tokens, plain + {len(configs)} drafters")
-        result = run_bench(engine, prompts, categories, configs, args.bench_new_tokens, concurrency=1)
-        result["name"] = name
-        results.append(result)
-        print(to_markdown(result))
-        print(f"bench {name} took {time.perf_counter() - t:.0f} s")
-    out = Path(args.results)
+        for temperature, concurrency in settings:
+            t = stage(f"bench {name}: {len(prompts)} prompts x {args.bench_new_tokens} tokens, temperature {temperature}, "
+                      f"concurrency {concurrency}, plain + {len(configs)} drafters")
+            result = run_bench(engine, prompts, categories, configs, args.bench_new_tokens, concurrency, temperature)
+            result["name"] = name if not args.full else f"{name} T={temperature} c={concurrency}"
+            results.append(result)
+            print(to_markdown(result))
+            print(f"took {time.perf_counter() - t:.0f} s")
+    out = Path(args.results) / ("full" if args.full else "")
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
     markdown = "\n\n".join(f"### {r['name']}\n\n{to_markdown(r)}\n\n{per_category_markdown(r)}" for r in results)

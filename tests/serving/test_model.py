@@ -224,7 +224,7 @@ def test_bfloat16_runs_and_stays_close_to_float32(fixture, request):
     folder = request.getfixturevalue(fixture)
     model32 = Model.from_folder(folder, torch.float32)
     model16 = Model.from_folder(folder, torch.bfloat16)
-    assert model16.embed.weight.dtype == torch.bfloat16 and model16.layers[0].qkv.weight.dtype == torch.bfloat16
+    assert model16.embed.weight.dtype == torch.bfloat16 and model16.layers[0].qkv.weight_t.dtype == torch.bfloat16
     seqs = make_sequences(SEQ_LENS, seed=5)
     run32, run16 = PagedRun(model32, seqs, 3), PagedRun(model16, seqs, 3, dtype=torch.bfloat16)
     for plan in ([(0, 40), (1, 7)], [(1, 13), (0, 1), (2, 30)], [(2, 1), (0, 1), (1, 1)]):

@@ -1,0 +1,52 @@
+"""Every fit config in configs/ runs: one fast step (fast_dev_run) through `draftheads fit` on the debug target and
+a small debug store, writing the engine's head folder; `draftheads validate` runs on what fit checkpoints."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from test_fit import session_store
+
+import heads
+from training.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+FIT_CONFIGS = sorted(path for path in (ROOT / "configs").glob("*.yaml") if "model" in yaml.safe_load(path.read_text()))
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch, tmp_path):
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.chdir(tmp_path)  # the configs write under runs/
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="session")
+def debug_store(tmp_path_factory):
+    return session_store(tmp_path_factory, "debug")
+
+
+def test_there_is_a_config_per_head_kind():
+    assert {path.stem for path in FIT_CONFIGS} == {"medusa", "eagle", "eagle3", "mtp"}
+
+
+@pytest.mark.parametrize("config", FIT_CONFIGS, ids=lambda path: path.stem)
+def test_config_runs_one_fast_step(config, debug_store):
+    kind = config.stem
+    overrides = ["--model.init_args.target=debug", f"--data.store={debug_store}", "--trainer.enable_progress_bar=false",
+                 "--trainer.enable_model_summary=false"]
+    assert main(["fit", "-c", str(config), "--trainer.fast_dev_run=true", *overrides]) == 0
+    head = heads.load(Path("runs") / kind / "heads" / "last")
+    assert head.config.kind == kind and head.config.metadata["training"]["global_step"] == 1
+
+
+def test_validate_runs_on_a_fit_checkpoint(debug_store):
+    config = str(ROOT / "configs" / "medusa.yaml")
+    overrides = ["--model.init_args.target=debug", f"--data.store={debug_store}", "--trainer.logger=false",
+                 "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+    assert main(["fit", "-c", config, "--trainer.max_steps=1", *overrides]) == 0
+    assert main(["validate", "-c", config, "--ckpt_path=runs/medusa/checkpoints/last.ckpt", *overrides]) == 0

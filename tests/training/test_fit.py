@@ -1,0 +1,211 @@
+"""`draftheads fit`: each head kind overfits a tiny store and, exported, drafts in the engine with tau well above 1
+while the outputs stay those of plain decoding; a resumed run ends where an uninterrupted one does; a full run
+logs offline to W&B and writes head folders; bad inputs fail before training.
+
+Stores are built once per session (session_store). The debug target answers every prompt with the same token
+over and over, which any head predicts; the overfit tests use a "chaotic" tiny target instead (untied, larger
+init), whose greedy answers differ per prompt and never settle, so a head drafts well only once it has learned them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+import heads
+from serving.engine import Engine
+from serving.request import SamplingParams
+from serving.targets import DEFAULT_TARGET, build_tiny_model, resolve
+from training.data.generate import GenerateConfig, generate
+from training.fit import build_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+KINDS = ("medusa", "eagle", "eagle3", "mtp")
+
+
+def prompt_messages(num_prompts: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": f"Write a short note about topic number {i}."}] for i in range(num_prompts)]
+
+
+def session_target(tmp_path_factory) -> Path:
+    """The chaotic tiny target, built once per session."""
+    folder = tmp_path_factory.getbasetemp() / "chaotic-target"
+    if not (folder / "config.json").is_file():
+        build_tiny_model(folder, "llama", tokenizer_from=resolve(DEFAULT_TARGET), hidden_size=128, intermediate_size=256,
+                         max_position_embeddings=8192, tie_word_embeddings=False, initializer_range=0.1)
+    return folder
+
+
+def session_store(tmp_path_factory, target: str, num_prompts: int = 12, max_new_tokens: int = 24,
+                  layers: str = "last,eagle3") -> Path:
+    """A store of `target`'s greedy answers to prompt_messages(num_prompts), built once per session."""
+    folder = tmp_path_factory.getbasetemp() / f"store-{Path(target).name}-{num_prompts}-{max_new_tokens}-{layers}"
+    if not (folder / "store" / "meta.json").is_file() or not json.loads((folder / "store" / "meta.json").read_text())["complete"]:
+        folder.mkdir(exist_ok=True)
+        prompts = folder / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": m}) + "\n"
+                                   for i, m in enumerate(prompt_messages(num_prompts))))
+        generate(GenerateConfig(prompts=str(prompts), out=str(folder / "store"), target=target, layers=layers,
+                                max_new_tokens=max_new_tokens, concurrency=num_prompts, shard_size=8), progress=False)
+    return folder / "store"
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch, tmp_path):
+    """Tiny models run no faster on more threads; runs write their relative paths (runs/...) under tmp_path."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.chdir(tmp_path)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="session")
+def debug_store(tmp_path_factory):
+    return session_store(tmp_path_factory, "debug")
+
+
+@pytest.fixture(scope="session")
+def chaotic(tmp_path_factory):
+    target = session_target(tmp_path_factory)
+    return target, session_store(tmp_path_factory, str(target), num_prompts=8, max_new_tokens=16)
+
+
+def fit_args(kind: str, target, store, *extra: str) -> list[str]:
+    """LightningCLI arguments without a subcommand (build_cli(..., run=False)) for configs/<kind>.yaml."""
+    return ["-c", str(ROOT / "configs" / f"{kind}.yaml"), f"--model.init_args.target={target}",
+            f"--data.store={store}", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false", *extra]
+
+
+class Losses(Callback):
+    def __init__(self):
+        self.values = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.values.append(float(outputs["loss"]))
+
+
+# Per kind: (overrides, optimizer steps, factor the training loss must fall by). EAGLE-1 and EAGLE-3 log the KL
+# to the target's distribution, which a perfect fit takes to 0; Medusa and MTP the cross-entropy to its tokens.
+OVERFIT = {
+    "medusa": (["--model.init_args.learning_rate=1e-2"], 24, 3.0),
+    "eagle": (["--model.init_args.learning_rate=1e-2", "--model.init_args.noise=0"], 40, 10.0),
+    "eagle3": (["--model.init_args.learning_rate=1e-2", "--model.init_args.num_steps=4",
+                "--model.init_args.draft_vocab_size=512"], 40, 3.0),
+    "mtp": (["--model.init_args.learning_rate=1e-2"], 30, 10.0),
+}
+MIN_TAU = 1.6  # an untrained head drafts this chaotic target at tau ~1.0
+
+
+@pytest.fixture(scope="session")
+def plain_outputs(chaotic):
+    target, _ = chaotic
+    return [o.token_ids for o in Engine(str(target), max_num_seqs=8).generate(prompt_messages(8), SamplingParams(max_tokens=16))]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_overfits_a_tiny_store_and_drafts_in_the_engine(kind, chaotic, plain_outputs):
+    target, store = chaotic
+    settings, num_steps, factor = OVERFIT[kind]
+    cli = build_cli(fit_args(kind, target, store, *settings, f"--trainer.max_steps={num_steps}", "--trainer.max_epochs=-1",
+                             "--data.batch_size=8", "--model.init_args.warmup_steps=2",
+                             "--trainer.check_val_every_n_epoch=1000", "--trainer.num_sanity_val_steps=0"), run=False)
+    losses = Losses()
+    cli.trainer.callbacks.append(losses)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    first, last = sum(losses.values[:2]) / 2, sum(losses.values[-2:]) / 2
+    assert last < first / factor, f"{kind} loss fell from {first:.3f} to {last:.3f}, less than {factor}x"
+
+    folder = Path("runs") / kind / "heads" / "last"
+    assert json.loads((folder / "config.json").read_text())["metadata"]["training"]["global_step"] == num_steps
+    engine = Engine(str(target), max_num_seqs=8,
+                    speculative_config={"method": kind, "model": str(folder), "num_speculative_tokens": 4})
+    drafted = engine.generate(prompt_messages(8), SamplingParams(max_tokens=16))
+    assert [o.token_ids for o in drafted] == plain_outputs
+    assert engine.speculator.stats.tau > MIN_TAU, f"{kind} drafts at tau {engine.speculator.stats.tau:.2f}"
+
+
+class StopAt(Callback):
+    """Saves a checkpoint after `step` optimizer steps and stops, as an interrupted run would have."""
+
+    def __init__(self, step: int, path: Path):
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            trainer.should_stop = True
+
+
+def test_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(debug_store, tmp_path):
+    # Batches of 3 over 11 training examples: 4 per epoch, so step 5 is in the middle of the second epoch.
+    args = fit_args("eagle", "debug", debug_store, "--data.batch_size=3", "--trainer.max_steps=10", "--trainer.max_epochs=-1",
+                    "--model.init_args.warmup_steps=3")
+
+    def run(callback=None, ckpt_path=None):
+        cli = build_cli(args, run=False)
+        if callback is not None:
+            cli.trainer.callbacks.append(callback)
+        cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=ckpt_path)
+        return cli
+
+    whole = run()
+    checkpoint = tmp_path / "interrupted.ckpt"
+    interrupted = run(StopAt(5, checkpoint))
+    assert interrupted.trainer.global_step == 5
+    saved = torch.load(checkpoint, weights_only=False)
+    assert all(key.startswith("head.") for key in saved["state_dict"]), "the frozen target must not be checkpointed"
+    resumed = run(ckpt_path=checkpoint)
+    assert resumed.trainer.global_step == whole.trainer.global_step == 10
+    for name, tensor in whole.model.head.state_dict().items():
+        torch.testing.assert_close(resumed.model.head.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    assert float(resumed.trainer.callback_metrics["val/tau"]) == float(whole.trainer.callback_metrics["val/tau"])
+
+
+def test_a_full_run_logs_offline_and_exports_the_best_and_last_heads(debug_store, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    args = fit_args("medusa", "debug", debug_store, "--trainer.max_steps=4", "--data.batch_size=4",
+                    "--model.init_args.warmup_steps=1")
+    args.remove("--trainer.logger=false")
+    cli = build_cli(args, run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert list(Path("runs/medusa/wandb").glob("offline-run-*")), "W&B must log offline by default"
+    assert Path("runs/medusa/accuracy_by_position.png").is_file()
+    assert Path("runs/medusa/checkpoints/last.ckpt").is_file()
+    for name in ("best", "last"):
+        head = heads.load(Path("runs/medusa/heads") / name, target=cli.model.target_parts)
+        training = json.loads((Path("runs/medusa/heads") / name / "config.json").read_text())["metadata"]["training"]
+        assert isinstance(head, heads.Medusa) and training["kind"] == "medusa" and "val/tau" in training["metrics"]
+        assert head.config.target_fingerprint == cli.model.target_fingerprint
+
+
+def test_a_store_from_another_target_fails_before_training(debug_store):
+    cli = build_cli(fit_args("eagle", DEFAULT_TARGET, debug_store, "--trainer.max_steps=1"), run=False)
+    with pytest.raises(ValueError, match="generated by another target"):
+        cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.trainer.global_step == 0
+
+
+def test_an_unknown_head_kind_is_named_with_the_known_ones(debug_store, tmp_path, capsys):
+    config = tmp_path / "hydra.yaml"
+    config.write_text((ROOT / "configs" / "eagle.yaml").read_text().replace("EagleModule", "HydraModule"))
+    with pytest.raises(SystemExit):
+        build_cli(["fit", "-c", str(config), "--model.init_args.target=debug", f"--data.store={debug_store}"])
+    error = capsys.readouterr().err
+    assert "HydraModule" in error and "training.modules.EagleModule (eagle)" in error
+
+
+def test_a_checkpoint_of_another_kind_fails_before_training(debug_store, tmp_path):
+    medusa = build_cli(fit_args("medusa", "debug", debug_store, "--trainer.max_steps=1",
+                                ), run=False)
+    medusa.trainer.fit(medusa.model, medusa.datamodule)
+    checkpoint = tmp_path / "medusa.ckpt"
+    medusa.trainer.save_checkpoint(checkpoint)
+    eagle = build_cli(fit_args("eagle", "debug", debug_store, "--trainer.max_steps=2"), run=False)
+    with pytest.raises(ValueError, match="holds head kind medusa, but this config trains kind eagle"):
+        eagle.trainer.fit(eagle.model, eagle.datamodule, ckpt_path=checkpoint)
+    assert eagle.trainer.global_step == 0

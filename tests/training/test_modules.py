@@ -1,0 +1,153 @@
+"""The Lightning modules and the data module: unrolled training drafts exactly as the engine does, chain accuracy
+and tau, the learning-rate schedule, the frozen target staying out of the state dict, offline and online batches
+giving the same loss, and length-bucketed batches that reshuffle per epoch and resume mid-epoch."""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from test_fit import session_store
+
+from heads import Eagle, Eagle3, Mtp, load_target_parts
+from serving.attention import KVCache, PagedAttention, PagedMetadata
+from training.data.datamodule import DraftDataModule, LengthBatches
+from training.modules import MODULES, MedusaModule
+from training.modules.chain_accuracy import ChainAccuracy
+from training.modules.schedule import lr_factor
+from training.modules.unroll import unroll
+
+SMALL = {"medusa": {"num_heads": 2, "num_draft_tokens": 2}, "eagle": {}, "eagle3": {"num_steps": 2, "draft_vocab_size": 1024},
+         "mtp": {}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="session")
+def debug_store(tmp_path_factory):
+    return session_store(tmp_path_factory, "debug")
+
+
+def feature_head(kind: str, parts, batch_size: int, num_positions: int):
+    """(head, one drafting step as unroll calls it, features f_t [B, S, hidden]) with perturbed weights."""
+    generator = torch.Generator().manual_seed(1)
+    if kind == "eagle":
+        head = Eagle.from_target(parts)
+        step, features = head, torch.randn(batch_size, num_positions, parts.hidden_size, generator=generator)
+    elif kind == "eagle3":
+        head = Eagle3.from_target(parts)
+        step = head
+        features = head.fuse(torch.randn(batch_size, num_positions, 3 * parts.hidden_size, generator=generator))
+    else:
+        head = Mtp.from_target(parts, serve_mode="reuse_first")
+        step, features = partial(head.forward_module, 0), torch.randn(batch_size, num_positions, parts.hidden_size,
+                                                                        generator=generator)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    return head, step, features
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
+def test_unrolled_step_s_is_the_engines_draft_s_plus_1(kind, tiny_llama):
+    """Step s at anchor t of the unrolled training forward equals what FeatureDrafter computes for draft s+1 after a
+    catch-up over the real tokens up to t: the pool holds the catch-up K/V at positions <= t and each drafting step
+    writes its own at t+1, t+2, ...; padded positions of a shorter sequence are never seen."""
+    parts = load_target_parts(tiny_llama)
+    batch_size, num_positions, num_steps, block_size = 2, 12, 3, 4
+    input_ids = torch.randint(3, parts.vocab_size, (batch_size, num_positions), generator=torch.Generator().manual_seed(0))
+    padding_mask = torch.ones(batch_size, num_positions, dtype=torch.bool)
+    padding_mask[1, 9:] = False
+    head, step, features = feature_head(kind, parts, batch_size, num_positions)
+    layer = head.config.layer_config()
+    table = list(range(num_positions // block_size + 1))
+    with torch.no_grad():
+        outs = unroll(step, input_ids, features, padding_mask, num_steps, head.config.max_position_embeddings)
+        for b in range(batch_size):
+            length = int(padding_mask[b].sum())
+            for t in range(length - 1):
+                cache = KVCache(1, len(table), block_size, layer.num_kv_heads, layer.head_dim, torch.float32)
+                meta = PagedMetadata.build([t + 1], [t + 1], [table], block_size)
+                drafted = step(input_ids[b, 1:t + 2], features[b, :t + 1], torch.arange(t + 1), PagedAttention(cache, meta))[-1:]
+                torch.testing.assert_close(drafted[0], outs[0][b, t], atol=1e-5, rtol=1e-5)
+                for s in range(1, min(num_steps, length - 1 - t)):
+                    meta = PagedMetadata.build([1], [t + s + 1], [table], block_size)
+                    drafted = step(input_ids[b, t + s + 1:t + s + 2], drafted, torch.tensor([t + s]), PagedAttention(cache, meta))
+                    torch.testing.assert_close(drafted[0], outs[s][b, t], atol=1e-5, rtol=1e-5, msg=f"step {s}, anchor {t}")
+
+
+def test_chain_accuracy_is_conditional_on_earlier_drafts_and_gives_tau():
+    metric = ChainAccuracy(3)
+    correct = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 1], [0, 1, 1]], dtype=torch.bool)
+    valid = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    metric.update(correct, valid)
+    result = metric.compute()
+    # Position 1: 3 of 4 right. Position 2: reached by 3, right in 2. Position 3: reached by 2 (the last anchor has
+    # no label there), right in 1.
+    torch.testing.assert_close(result["accuracy"], torch.tensor([3 / 4, 2 / 3, 1 / 2]))
+    assert math.isclose(float(result["tau"]), 1 + 3 / 4 + 3 / 4 * 2 / 3 + 3 / 4 * 2 / 3 * 1 / 2, rel_tol=1e-6)
+
+
+def test_learning_rate_warms_up_then_decays_to_its_floor():
+    cosine = partial(lr_factor, num_warmup_steps=10, num_training_steps=110, schedule="cosine", min_lr_ratio=0.1)
+    linear = partial(lr_factor, num_warmup_steps=10, num_training_steps=110, schedule="linear", min_lr_ratio=0.0)
+    assert [cosine(s) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
+    assert math.isclose(cosine(60), 0.55) and math.isclose(cosine(110), 0.1) and math.isclose(linear(60), 0.5)
+    assert lr_factor(1000, 10, 110, "constant", 0.1) == 1.0
+
+
+def test_the_frozen_target_follows_the_module_but_stays_out_of_its_state():
+    module = MedusaModule(target="debug", num_heads=2, num_draft_tokens=2)
+    assert all(key.startswith("head.") for key in module.state_dict())
+    assert not any(param is module.target_parts.embed.weight for param in module.parameters())
+    module.to(torch.float64)
+    assert module.target_parts.lm_head.weight.dtype == torch.float64
+
+
+@pytest.mark.parametrize("kind", list(MODULES))
+def test_offline_and_online_batches_give_the_same_loss(kind, debug_store):
+    metrics = {}
+    for mode in ("offline", "online"):
+        torch.manual_seed(0)
+        module = MODULES[kind](target="debug", **SMALL[kind])
+        data = DraftDataModule(str(debug_store), target="debug", mode=mode, batch_size=4, heldout_fraction=0.3)
+        trainer = Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        [metrics[mode]] = trainer.validate(module, data, verbose=False)
+        if mode == "online":
+            assert module.target_model is not None and "hidden" not in next(iter(data.val_dataloader()))
+    assert math.isclose(metrics["offline"]["val/loss"], metrics["online"]["val/loss"], rel_tol=1e-4)
+    assert math.isclose(metrics["offline"]["val/tau"], metrics["online"]["val/tau"], abs_tol=1e-4)
+
+
+def test_length_batches_reshuffle_per_epoch_group_lengths_and_resume_mid_epoch():
+    lengths = [5, 50, 6, 51, 7, 52, 8, 53, 9, 54, 10, 55]
+    batches = LengthBatches(lengths, batch_size=2, shuffle=True, seed=0, num_pool_batches=6)
+    first = list(batches)
+    assert sorted(i for batch in first for i in batch) == list(range(12))
+    assert all(abs(lengths[a] - lengths[b]) <= 5 for a, b in first), "a pool sorted by length pairs neighbours"
+    assert list(batches) == first, "the same epoch gives the same batches"
+    batches.set_epoch(1)
+    second = list(batches)
+    assert second != first
+    batches.resume(1, 2)
+    assert list(batches) == second[2:]
+    batches.resume(0, 2)
+    assert list(batches) == second, "a saved place in another epoch is ignored"
+    ranks = [list(LengthBatches(lengths, 2, True, 0, 6, num_replicas=2, rank=rank)) for rank in (0, 1)]
+    assert sorted(ranks[0] + ranks[1]) == sorted(first) and not set(map(tuple, ranks[0])) & set(map(tuple, ranks[1]))
+
+
+def test_a_store_without_the_layers_a_head_reads_fails_before_training(tmp_path_factory):
+    store = session_store(tmp_path_factory, "debug", num_prompts=2, max_new_tokens=4, layers="last")
+    data = DraftDataModule(str(store), target="debug", batch_size=4)
+    trainer = Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match=r"holds hidden states \['last'\] but this head reads \['last', 'eagle3'\]"):
+        trainer.validate(MODULES["eagle3"](target="debug", **SMALL["eagle3"]), data)

@@ -1,0 +1,51 @@
+"""`draftheads fit` and `draftheads validate`: LightningCLI over a draft-head module (model: class_path of one of
+training.modules' MedusaModule, EagleModule, Eagle3Module, MtpModule), the store's data module (data) and the
+Trainer (trainer), configured by YAML (configs/medusa.yaml, eagle.yaml, eagle3.yaml, mtp.yaml) and overridden on
+the command line:
+
+    draftheads fit -c configs/eagle.yaml --data.store data/store --trainer.max_epochs 3
+    draftheads fit -c configs/eagle.yaml --ckpt_path runs/eagle/checkpoints/last.ckpt     # resume
+    draftheads validate -c configs/eagle.yaml --ckpt_path runs/eagle/checkpoints/last.ckpt
+
+The model's target is the data's too (the store must come from it). Weights & Biases logs offline unless
+WANDB_MODE says otherwise (WANDB_MODE=online syncs, or `wandb sync` the run folder later).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from training.data.datamodule import DraftDataModule
+from training.modules import MODULES, DraftModule
+
+COMMANDS = ("fit", "validate")
+
+
+class DraftParser(LightningArgumentParser):
+    def error(self, message: str, ex: Exception | None = None):
+        if 'Parser key "model"' in message:
+            kinds = ", ".join(f"training.modules.{cls.__name__} ({kind})" for kind, cls in MODULES.items())
+            message += f"\nmodel.class_path names the head kind to train: one of {kinds}"
+        super().error(message, ex)
+
+
+class DraftCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("model.init_args.target", "data.target")
+
+
+def build_cli(args: list[str], run: bool = True) -> DraftCLI:
+    os.environ.setdefault("WANDB_MODE", "offline")
+    # `draftheads fit ...` hands its own argv on as args, which LightningCLI would warn about.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    return DraftCLI(DraftModule, DraftDataModule, subclass_mode_model=True, args=args, run=run, parser_class=DraftParser,
+                    auto_configure_optimizers=False, save_config_kwargs={"overwrite": True})
+
+
+def main(command: str, argv: list[str]) -> int:
+    if command not in COMMANDS:
+        raise ValueError(f"training.fit runs {' and '.join(COMMANDS)}, not {command!r}")
+    build_cli([command, *argv])
+    return 0

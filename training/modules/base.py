@@ -1,0 +1,217 @@
+"""What every draft-head LightningModule shares: the frozen target, the per-position validation metrics and the
+optimizer. Each head kind (medusa.py, eagle.py, eagle3.py, mtp.py) adds its model and loss.
+
+The frozen target is the embedding, final norm and LM head read from the target's safetensors
+(heads.load_target_parts), and, only when the data module runs online, the whole target (serving.model.Model)
+that turns a batch's token ids into hidden states. Neither is a submodule: they follow the module across devices
+and dtypes but never enter its state_dict, its checkpoints or its optimizer, which hold the head alone.
+
+Validation simulates chain drafting of `num_draft_tokens` drafts against the target's own next tokens, the way the
+engine drafts (for feature heads the layer is unrolled over its own outputs, see unroll.py), and logs the
+conditional accuracy per position (val/acc_1..k) and the mean acceptance length tau it implies (val/tau); see
+chain_accuracy.py. Optimization is AdamW with linear warmup and cosine or linear decay, stepped every optimizer
+step; gradient clipping and precision are Trainer settings.
+"""
+from __future__ import annotations
+
+import json
+import math
+from functools import partial
+from typing import ClassVar
+
+import torch
+from lightning.pytorch import LightningModule
+from torch.optim.lr_scheduler import LambdaLR
+
+from heads import load_target_parts
+from heads.attention import DenseCausalAttention
+from serving import targets
+from serving.engine import DTYPES
+from training.data.store import HIDDEN_DTYPE
+from training.modules.chain_accuracy import ChainAccuracy
+from training.modules.schedule import SCHEDULES, lr_factor
+from training.modules.unroll import shift_left
+
+CHECKPOINT_KEY = "draft_head"
+
+
+class DraftModule(LightningModule):
+    kind: ClassVar[str] = ""
+    hidden_layers: ClassVar[tuple[str, ...]] = ("last",)  # the store's hidden states this kind reads
+
+    def __init__(self, target: str = targets.DEFAULT_TARGET, num_draft_tokens: int = 4, learning_rate: float = 1e-3,
+                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 100,
+                 schedule: str = "cosine", min_lr_ratio: float = 0.1, target_dtype: str = "float32"):
+        """target: the frozen target (a built-in name, a Hugging Face folder or a hub id); num_draft_tokens: k of
+        the simulated chain (the engine's num_speculative_tokens); target_dtype: of the frozen target pieces."""
+        super().__init__()
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
+        if target_dtype not in DTYPES:
+            raise ValueError(f"target_dtype={target_dtype!r} is unknown: choose one of {', '.join(DTYPES)}")
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens={num_draft_tokens} must be >= 1")
+        self.save_hyperparameters()
+        self.target_folder = targets.resolve(target)
+        self.target_fingerprint = targets.fingerprint(self.target_folder)
+        parts = load_target_parts(self.target_folder, DTYPES[target_dtype], fingerprint=self.target_fingerprint)
+        object.__setattr__(self, "target_parts", parts)  # frozen, never a submodule
+        object.__setattr__(self, "target_model", None)  # the whole target, loaded for online data only
+        self.chain = ChainAccuracy(num_draft_tokens)
+        self.val_accuracy: list[float] = []
+
+    # ---- what each kind defines -----------------------------------------------------------------------
+
+    def training_loss(self, batch: dict, hidden: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, named terms to log) on a batch; hidden: the store's layers as [B, S, width] in the module's dtype."""
+        raise NotImplementedError
+
+    def validation_outputs(self, batch: dict, hidden: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, correct [B, S, k], valid [B, S, k]) of the simulated chain at every anchor."""
+        raise NotImplementedError
+
+    def use_store(self, store) -> None:
+        """Fit the head to the training store (e.g. EAGLE-3's draft vocabulary) and check it can train on it."""
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """Target layers whose inputs the kind reads as hidden["eagle3"] (EAGLE-3's aux layers); none by default."""
+        return ()
+
+    # ---- the frozen target ----------------------------------------------------------------------------
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        store = getattr(datamodule, "store", None)
+        if store is not None:
+            self.use_store(store)
+        if getattr(datamodule, "mode", "offline") == "online" and self.target_model is None:
+            from serving.model import Model
+
+            model = Model.from_folder(self.target_folder, DTYPES[self.hparams.target_dtype], self.device)
+            object.__setattr__(self, "target_model", model)
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        for frozen in (self.target_parts, self.target_model):
+            if frozen is not None:
+                frozen._apply(fn, *args, **kwargs)
+        return self
+
+    def hidden_states(self, batch: dict) -> dict[str, torch.Tensor]:
+        """The batch's hidden states ([B, S, width] per layer) in the module's dtype: the store's, or (online) the
+        target's own, rounded to bfloat16 as the store holds them."""
+        hidden = batch.get("hidden")
+        if hidden is None:
+            hidden = self.target_hidden(batch)
+        return {name: states.to(self.dtype) for name, states in hidden.items()}
+
+    @torch.no_grad()
+    def target_hidden(self, batch: dict) -> dict[str, torch.Tensor]:
+        """Runs the whole target over the batch's [B, S] token ids, flattened as the model expects, with dense
+        causal attention per sequence."""
+        model = self.target_model
+        if model is None:
+            raise RuntimeError("the batch carries no hidden states and no target is loaded: run with a data module "
+                               "in mode 'online', or give batches from a store (mode 'offline')")
+        input_ids = batch["input_ids"]
+        batch_size, num_positions = input_ids.shape
+        if model.rope.cos.device != input_ids.device:
+            model.rope.to(torch.float32, input_ids.device)
+        dense = DenseCausalAttention(batch["padding_mask"])
+
+        def attention(layer_idx, q, k, v):  # [B * S, heads, head_dim] each
+            out = dense(layer_idx, *(x.view(batch_size, num_positions, *x.shape[1:]) for x in (q, k, v)))
+            return out.flatten(0, 1)
+
+        aux_layers = self.aux_layers
+        positions = torch.arange(num_positions, device=input_ids.device).repeat(batch_size)
+        out = model(input_ids.flatten(), positions, attention, logits_rows=input_ids.new_zeros(0), return_hidden=True,
+                    aux_layers=aux_layers)
+        hidden = {"last": out.hidden}
+        if aux_layers:
+            hidden["eagle3"] = torch.cat([out.aux[layer] for layer in aux_layers], dim=-1)
+        return {name: states.view(batch_size, num_positions, -1).to(HIDDEN_DTYPE, copy=True)
+                for name, states in hidden.items()}
+
+    # ---- steps ----------------------------------------------------------------------------------------
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss, terms = self.training_loss(batch, self.hidden_states(batch))
+        batch_size = batch["input_ids"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
+        self.log_dict({f"train/{name}": value for name, value in terms.items()}, batch_size=batch_size)
+        self.log("train/lr", self.lr_schedulers().get_last_lr()[0], batch_size=batch_size)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        loss, correct, valid = self.validation_outputs(batch, self.hidden_states(batch))
+        self.chain.update(correct, valid)
+        self.log("val/loss", loss, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+
+    def on_validation_epoch_end(self) -> None:
+        result = self.chain.compute()
+        self.chain.reset()
+        self.val_accuracy = result["accuracy"].tolist()
+        for position, accuracy in enumerate(result["accuracy"], start=1):
+            self.log(f"val/acc_{position}", accuracy)
+        self.log("val/tau", result["tau"], prog_bar=True)
+
+    def chain_outcomes(self, batch: dict, outs, tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """outs[s]: [B, S, ...] what drafts token s+1 at each anchor; tokens(s, rows) -> [N] its target ids.
+        Returns (correct, valid) [B, S, len(outs)]: draft s+1 at anchor t is judged against x_{t+s+2}."""
+        correct, valid = [], []
+        for s, out in enumerate(outs):
+            is_answer = shift_left(batch["loss_mask"], s + 2)  # [B, S]
+            right = torch.zeros_like(is_answer)
+            right[is_answer] = tokens(s, out[is_answer]) == shift_left(batch["input_ids"], s + 2)[is_answer]
+            correct.append(right)
+            valid.append(is_answer)
+        return torch.stack(correct, -1), torch.stack(valid, -1)
+
+    # ---- optimizer ------------------------------------------------------------------------------------
+
+    def configure_optimizers(self):
+        p = self.hparams
+        params = [param for param in self.head.parameters() if param.requires_grad]
+        groups = [{"params": [x for x in params if x.ndim >= 2], "weight_decay": p.weight_decay},
+                  {"params": [x for x in params if x.ndim < 2], "weight_decay": 0.0}]  # norms and biases
+        optimizer = torch.optim.AdamW(groups, lr=p.learning_rate, betas=tuple(p.betas))
+        num_steps = self.trainer.estimated_stepping_batches
+        if math.isinf(num_steps):
+            if p.schedule != "constant":
+                raise ValueError(f"a {p.schedule} schedule needs a known length: set trainer.max_steps or "
+                                 "trainer.max_epochs, or use schedule: constant")
+            num_steps = 0  # a constant schedule never reads it
+        factor = partial(lr_factor, num_warmup_steps=p.warmup_steps, num_training_steps=int(num_steps),
+                         schedule=p.schedule, min_lr_ratio=p.min_lr_ratio)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": LambdaLR(optimizer, factor), "interval": "step"}}
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint[CHECKPOINT_KEY] = {"kind": self.kind, "config": self.head.config.to_dict()}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        path = self._trainer.ckpt_path if self._trainer is not None else None
+        where = f"checkpoint {path}" if path else "the checkpoint"
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if saved is None:
+            raise ValueError(f"{where} was not written by a draftheads fit run (it has no '{CHECKPOINT_KEY}' entry): "
+                             "pass a checkpoint from `draftheads fit`")
+        if saved["kind"] != self.kind:
+            raise ValueError(f"{where} holds head kind {saved['kind']}, but this config trains kind "
+                             f"{self.kind} ({type(self).__name__}): resume with the config the checkpoint was trained with, "
+                             "or pass a checkpoint of this kind")
+        ours = json.loads(json.dumps(self.head.config.to_dict()))
+        theirs = json.loads(json.dumps(saved["config"]))
+        differences = [f"{key}: checkpoint {theirs.get(key)!r}, config {ours.get(key)!r}"
+                       for key in sorted(ours.keys() | theirs.keys()) if key != "metadata" and ours.get(key) != theirs.get(key)]
+        if differences:
+            raise ValueError(f"{where} holds a head of kind {self.kind} that differs from this config's: "
+                             f"{'; '.join(differences)}. Resume with the settings (and target) it was trained with")
+
+
+def kl_divergence(target_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(target || model) per row: [N, vocab] log-probabilities each -> [N]."""
+    return (target_logprobs.exp() * (target_logprobs - logprobs)).sum(-1)

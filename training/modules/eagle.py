@@ -1,0 +1,72 @@
+"""Training an EAGLE-1 layer (Li et al. 2024) on the target's own features.
+
+At position t the layer reads (x_{t+1}, h_t), h_t the target's final hidden state after the final norm, and
+regresses the next feature h_{t+1} (heads/eagle.py). The loss is EAGLE's:
+
+    feature_weight * SmoothL1(out_t, h_{t+1})                    (mean over the hidden size; EAGLE's v_w = 1.0)
+  + token_weight * KL(softmax(lm_head(h_{t+1})) || softmax(lm_head(out_t)))   (EAGLE's p_w = 0.1)
+
+averaged over the anchors whose label x_{t+2} is an answer token. The KL term is EAGLE's soft cross-entropy less
+the target distribution's entropy: the same gradient, and zero at a perfect fit, so the logged loss shows how far
+the head is from the target rather than how uncertain the target is. Input features get uniform noise
+U(-noise, +noise) during training. EAGLE's code draws (U(0, 1) - 0.5) * 0.2 * 512 / T for a sequence of T
+tokens, i.e. U(-0.1, 0.1) at T = 512 and more for shorter sequences; this version keeps the amplitude fixed
+(default 0.1, the paper's U(-0.1, 0.1)) whatever the length. Noise is drawn from a generator seeded by the seed
+and the global step, so a resumed run draws the same noise.
+
+Validation drafts as the engine does: the layer unrolled over its own predicted features (unroll.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from heads import Eagle
+from heads.attention import DenseCausalAttention
+from training.modules.base import DraftModule, kl_divergence
+from training.modules.unroll import shift_left, unroll
+
+
+class EagleModule(DraftModule):
+    kind = "eagle"
+
+    def __init__(self, feature_weight: float = 1.0, token_weight: float = 0.1, noise: float = 0.1, seed: int = 0,
+                 **kwargs):
+        """feature_weight, token_weight: of the SmoothL1 feature loss and the soft cross-entropy; noise: amplitude
+        of the uniform noise on input features (0 turns it off); seed: of that noise."""
+        super().__init__(**kwargs)
+        self.head = Eagle.from_target(self.target_parts)
+
+    def _loss(self, batch: dict, last: torch.Tensor, out: torch.Tensor) -> dict[str, torch.Tensor]:
+        """out: [B, S, hidden] the layer's step-0 output, ~ h_{t+1} at anchor t."""
+        valid = shift_left(batch["loss_mask"], 2)  # [B, S] x_{t+2} is an answer token
+        predicted, target = out[valid], shift_left(last, 1)[valid]  # [N, hidden]
+        num = max(1, predicted.shape[0])
+        feature = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1).sum() / num
+        logits = self.head.logits(predicted).float()  # [N, vocab]
+        with torch.no_grad():
+            target_logprobs = self.target_parts.lm_head(target).float().log_softmax(-1)
+        token = kl_divergence(target_logprobs, logits.log_softmax(-1)).sum() / num
+        accuracy = (logits.argmax(-1) == shift_left(batch["input_ids"], 2)[valid]).sum() / num
+        p = self.hparams
+        return {"loss": p.feature_weight * feature + p.token_weight * token, "feature_loss": feature,
+                "token_loss": token, "acc_1": accuracy}
+
+    def training_loss(self, batch, hidden):
+        last = hidden["last"]  # [B, S, hidden]
+        features = last
+        if self.hparams.noise > 0:
+            generator = torch.Generator(last.device).manual_seed(self.hparams.seed * 1_000_003 + self.global_step)
+            noise = torch.rand(last.shape, generator=generator, device=last.device, dtype=torch.float32)
+            features = last + ((2 * noise - 1) * self.hparams.noise).to(last.dtype)
+        positions = torch.arange(last.shape[1], device=last.device).expand(last.shape[:2])
+        out = self.head(shift_left(batch["input_ids"], 1), features, positions, DenseCausalAttention(batch["padding_mask"]))
+        terms = self._loss(batch, last, out)
+        return terms.pop("loss"), terms
+
+    def validation_outputs(self, batch, hidden):
+        last = hidden["last"]
+        outs = unroll(self.head, batch["input_ids"], last, batch["padding_mask"], self.hparams.num_draft_tokens,
+                      self.head.config.max_position_embeddings)
+        correct, valid = self.chain_outcomes(batch, outs, lambda s, rows: self.head.logits(rows).argmax(-1))
+        return self._loss(batch, last, outs[0])["loss"], correct, valid

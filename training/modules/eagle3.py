@@ -1,0 +1,87 @@
+"""Training an EAGLE-3 layer (Li et al. 2025) with training-time test.
+
+`fc` fuses the target's three aux layers at position t into g_t; the layer then runs `num_steps` unrolled steps
+over its own outputs exactly as the engine drafts (unroll.py): step s reads (x_{t+s+1}, out^{s-1}_t) at position
+t+s, attends to step 0's K/V at positions <= t and to its own unrolled K/V at t+1..t+s, and predicts x_{t+s+2}.
+
+Step s's loss is the soft cross-entropy against the target's distribution of x_{t+s+2}, softmax(lm_head(h_{t+s+1}))
+renormalised over the draft vocabulary (the same as a softmax over the draft vocabulary's logits), weighted by
+decay^s (0.8 in EAGLE-3 and SpecForge), less that distribution's entropy: KL(target || draft), the same gradient
+and zero at a perfect fit. Anchors whose label x_{t+s+2} is no answer token, or lies outside the draft
+vocabulary, are left out of the loss (the draft cannot be right there; SpecForge masks on the target's argmax,
+which for a greedy store is that same token). The draft vocabulary is the store's `draft_vocab_size` most frequent
+answer tokens (training/data/vocab.py), chosen when training starts; the head's `norm` and `lm_head` rows start
+from the target's. The store must hold the aux layers the head fuses (by default both use 2, L//2, L-3) and the
+last hidden state, which gives the target's distribution.
+"""
+from __future__ import annotations
+
+import torch
+
+from heads import Eagle3
+from training.data.vocab import draft_vocab
+from training.modules.base import DraftModule, kl_divergence
+from training.modules.unroll import shift_left, unroll
+
+
+class Eagle3Module(DraftModule):
+    kind = "eagle3"
+    hidden_layers = ("last", "eagle3")
+
+    def __init__(self, num_steps: int = 7, decay: float = 0.8, draft_vocab_size: int = 32000,
+                 aux_layers: list[int] | None = None, **kwargs):
+        """num_steps: unrolled training-time-test steps; decay: loss weight decay^s of step s; draft_vocab_size:
+        tokens the head drafts over; aux_layers: the target layers fused (null: 2, L//2, L-3)."""
+        super().__init__(**kwargs)
+        if num_steps < 1:
+            raise ValueError(f"num_steps={num_steps} must be >= 1")
+        self.head = Eagle3.from_target(self.target_parts, draft_vocab_size=draft_vocab_size,
+                                       aux_layers=tuple(aux_layers or ()))
+        self.has_draft_vocab = False
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return tuple(self.head.config.aux_layers)
+
+    def use_store(self, store) -> None:
+        if tuple(store.aux_layers) != self.aux_layers:
+            raise ValueError(f"store {store.path} holds aux layers {list(store.aux_layers)} but this EAGLE-3 head fuses "
+                             f"{list(self.aux_layers)}: set model.init_args.aux_layers: {list(store.aux_layers)}, or "
+                             f"regenerate the store with --aux-layers {','.join(map(str, self.aux_layers))}")
+        if not self.has_draft_vocab:  # a resumed run then loads the checkpoint's vocabulary over this one
+            d2t, _ = draft_vocab(store, self.head.config.draft_vocab_size)
+            self.head.set_draft_vocab(d2t + torch.arange(len(d2t)))
+            self.head.init_from_target()
+            self.has_draft_vocab = True
+
+    def _steps(self, batch: dict, hidden: dict, num_steps: int) -> list[torch.Tensor]:
+        g = self.head.fuse(hidden["eagle3"])  # [B, S, hidden]
+        return unroll(self.head, batch["input_ids"], g, batch["padding_mask"], num_steps,
+                      self.head.config.max_position_embeddings)
+
+    def _loss(self, batch: dict, last: torch.Tensor, outs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        draft_rows = self.target_parts.lm_head.weight[self.head.draft_token_ids]  # [draft_vocab, hidden]
+        loss, terms = 0.0, {}
+        for s, out in enumerate(outs):
+            labels = shift_left(batch["input_ids"], s + 2)  # [B, S]
+            valid = shift_left(batch["loss_mask"], s + 2) & self.head.t2d[labels]
+            num = max(1, int(valid.sum()))
+            logits = self.head.logits(out[valid]).float()  # [N, draft_vocab]
+            with torch.no_grad():
+                target_logprobs = (shift_left(last, s + 1)[valid] @ draft_rows.to(last.dtype).T).float().log_softmax(-1)
+            step_loss = kl_divergence(target_logprobs, logits.log_softmax(-1)).sum() / num
+            loss = loss + self.hparams.decay ** s * step_loss
+            terms[f"loss_{s + 1}"] = step_loss
+            terms[f"acc_{s + 1}"] = (self.head.to_target_ids(logits.argmax(-1)) == labels[valid]).sum() / num
+        return loss, terms
+
+    def training_loss(self, batch, hidden):
+        return self._loss(batch, hidden["last"], self._steps(batch, hidden, self.hparams.num_steps))
+
+    def validation_outputs(self, batch, hidden):
+        k, num_steps = self.hparams.num_draft_tokens, self.hparams.num_steps
+        outs = self._steps(batch, hidden, max(k, num_steps))
+        loss, _ = self._loss(batch, hidden["last"], outs[:num_steps])
+        correct, valid = self.chain_outcomes(batch, outs[:k],
+                                             lambda s, rows: self.head.to_target_ids(self.head.logits(rows).argmax(-1)))
+        return loss, correct, valid

@@ -1,0 +1,66 @@
+"""Training Medusa heads (Cai et al. 2024, Medusa-1: heads on a frozen target).
+
+Head i (0-based) reads h_t, the target's final hidden state after the final norm, and predicts x_{t+2+i}
+(heads/medusa.py). The loss is the cross-entropy of head i against the target's own token x_{t+2+i}, averaged over
+the anchors whose label is an answer token, weighted by decay^i (Medusa's 0.8 by default) and summed over heads.
+Heads are independent of one another, so the simulated chain reads every head at the same anchor: draft i+1 is
+head i's argmax at t.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from heads import Medusa
+from training.modules.base import DraftModule
+from training.modules.unroll import shift_left
+
+
+class MedusaModule(DraftModule):
+    kind = "medusa"
+
+    def __init__(self, num_heads: int = 4, num_layers: int = 1, own_lm_head: bool = False, decay: float = 0.8,
+                 **kwargs):
+        """num_heads: k heads, head i predicts x_{t+2+i}; num_layers: residual blocks per head; own_lm_head: give
+        each head a trainable copy of the target's LM head; decay: loss weight decay^i of head i."""
+        super().__init__(**kwargs)
+        if self.hparams.num_draft_tokens > num_heads:
+            raise ValueError(f"num_draft_tokens={self.hparams.num_draft_tokens} exceeds num_heads={num_heads}: Medusa "
+                             "drafts one token per head; lower num_draft_tokens or add heads")
+        self.head = Medusa.from_target(self.target_parts, num_heads=num_heads, num_layers=num_layers,
+                                       own_lm_head=own_lm_head)
+
+    def _heads(self, batch: dict, hidden: dict):
+        """(logits [K, N, vocab], labels [K, N], valid [K, N], anchors [B, S]) over anchors with any answer label."""
+        num_heads = self.head.config.num_heads
+        labels = torch.stack([shift_left(batch["input_ids"], 2 + i) for i in range(num_heads)])  # [K, B, S]
+        valid = torch.stack([shift_left(batch["loss_mask"], 2 + i) for i in range(num_heads)])  # [K, B, S]
+        anchors = valid.any(0)  # [B, S]
+        logits = self.head(hidden["last"][anchors])  # [K, N, vocab]
+        return logits, labels[:, anchors], valid[:, anchors], anchors
+
+    def _loss(self, logits, labels, valid) -> tuple[torch.Tensor, torch.Tensor]:
+        num_heads = logits.shape[0]
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(num_heads, -1)
+        per_head = (ce * valid).sum(-1) / valid.sum(-1).clamp(min=1)  # [K]
+        weights = self.hparams.decay ** torch.arange(num_heads, device=per_head.device)
+        return (weights * per_head).sum(), per_head
+
+    def training_loss(self, batch, hidden):
+        logits, labels, valid, _ = self._heads(batch, hidden)
+        loss, per_head = self._loss(logits, labels, valid)
+        right = (logits.argmax(-1) == labels) & valid
+        accuracy = right.sum(-1) / valid.sum(-1).clamp(min=1)
+        terms = {f"loss_{i + 1}": value for i, value in enumerate(per_head)}
+        terms.update({f"acc_{i + 1}": value for i, value in enumerate(accuracy)})
+        return loss, terms
+
+    def validation_outputs(self, batch, hidden):
+        logits, labels, valid, anchors = self._heads(batch, hidden)
+        loss, _ = self._loss(logits, labels, valid)
+        k = self.hparams.num_draft_tokens
+        correct = torch.zeros(*anchors.shape, k, dtype=torch.bool, device=anchors.device)  # [B, S, k]
+        is_valid = torch.zeros_like(correct)
+        correct[anchors] = ((logits.argmax(-1) == labels) & valid)[:k].T
+        is_valid[anchors] = valid[:k].T
+        return loss, correct, is_valid

@@ -1,0 +1,89 @@
+"""Training multi-token prediction modules (DeepSeek-V3, section 2.2) on a frozen target.
+
+Module j reads h^j_t (h^0 the target's final hidden state after the final norm, h^{j+1} module j's output) and
+x_{t+j+1} at position t, and predicts x_{t+j+2} (heads/mtp.py); each module attends causally over its own K/V.
+The loss is the cross-entropy of every prediction against the target's own token, over anchors whose label is an
+answer token, weighted per predicted offset: loss_weights[i] weights the predictions of x_{t+i+2}.
+
+The engine serves MTP heads with serve_mode "reuse_first": module 0 drafts every token, feeding its own output
+back at the next position (as vLLM and SGLang do with one module). Module 0 can train for that too:
+`num_unroll_steps` > 1 unrolls it over its own outputs with the engine's attention (unroll.py), step s predicting
+x_{t+s+2} under loss_weights[s]. Validation simulates what the engine serves: module 0 unrolled under
+"reuse_first", modules 0..k-1 in order under "chain".
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from heads import Mtp
+from heads.attention import DenseCausalAttention
+from training.modules.base import DraftModule
+from training.modules.unroll import shift_left, unroll
+
+
+class MtpModule(DraftModule):
+    kind = "mtp"
+
+    def __init__(self, depth: int = 1, serve_mode: str = "reuse_first", num_unroll_steps: int = 2,
+                 loss_weights: tuple[float, ...] = (1.0, 0.8, 0.64, 0.512), **kwargs):
+        """depth: D modules; serve_mode: how the engine drafts (reuse_first or chain); num_unroll_steps: steps module
+        0 is unrolled over its own outputs; loss_weights[i]: weight of the predictions of x_{t+i+2}."""
+        super().__init__(**kwargs)
+        k = self.hparams.num_draft_tokens
+        if serve_mode == "chain" and k > depth:
+            raise ValueError(f"num_draft_tokens={k} exceeds depth={depth}: serve_mode 'chain' drafts one token per module; "
+                             "lower num_draft_tokens, add modules, or use serve_mode 'reuse_first'")
+        if num_unroll_steps < 1:
+            raise ValueError(f"num_unroll_steps={num_unroll_steps} must be >= 1")
+        if len(loss_weights) < max(depth, num_unroll_steps):
+            raise ValueError(f"loss_weights has {len(loss_weights)} entries, but depth={depth} and num_unroll_steps="
+                             f"{num_unroll_steps} predict up to {max(depth, num_unroll_steps)} offsets: give one weight each")
+        self.head = Mtp.from_target(self.target_parts, depth=depth, serve_mode=serve_mode)
+
+    def _predictions(self, batch: dict, hidden: dict, num_unroll_steps: int, depth: int) -> list[tuple[int, int, torch.Tensor]]:
+        """(offset i, module j, output [B, S, hidden]) for module 0 unrolled num_unroll_steps steps, then modules
+        1..depth-1 in order; the output predicts x_{t+i+2}."""
+        ids, padding_mask = batch["input_ids"], batch["padding_mask"]
+        outs = unroll(partial(self.head.forward_module, 0), ids, hidden["last"], padding_mask, num_unroll_steps,
+                      self.head.config.max_position_embeddings)
+        predictions = [(s, 0, out) for s, out in enumerate(outs)]
+        features = outs[0]
+        positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)
+        for j in range(1, depth):
+            features = self.head.forward_module(j, shift_left(ids, j + 1), features, positions,
+                                                DenseCausalAttention(padding_mask))
+            predictions.append((j, j, features))
+        return predictions
+
+    def _loss(self, batch: dict, predictions) -> tuple[torch.Tensor, dict]:
+        loss, terms = 0.0, {}
+        for offset, module, out in predictions:
+            labels = shift_left(batch["input_ids"], offset + 2)  # [B, S]
+            valid = shift_left(batch["loss_mask"], offset + 2)
+            num = max(1, int(valid.sum()))
+            logits = self.head.logits(module, out[valid]).float()  # [N, vocab]
+            prediction_loss = F.cross_entropy(logits, labels[valid], reduction="sum") / num
+            loss = loss + self.hparams.loss_weights[offset] * prediction_loss
+            name = f"module{module + 1}_draft{offset + 1}"
+            terms[f"loss_{name}"] = prediction_loss
+            terms[f"acc_{name}"] = (logits.argmax(-1) == labels[valid]).sum() / num
+        return loss, terms
+
+    def training_loss(self, batch, hidden):
+        predictions = self._predictions(batch, hidden, self.hparams.num_unroll_steps, self.head.config.depth)
+        return self._loss(batch, predictions)
+
+    def validation_outputs(self, batch, hidden):
+        k, num_unroll_steps, depth = self.hparams.num_draft_tokens, self.hparams.num_unroll_steps, self.head.config.depth
+        is_reuse = self.head.config.serve_mode == "reuse_first"
+        predictions = self._predictions(batch, hidden, max(k, num_unroll_steps) if is_reuse else num_unroll_steps, depth)
+        trained = [(i, j, out) for i, j, out in predictions if j > 0 or i < num_unroll_steps]
+        loss, _ = self._loss(batch, trained)
+        served = [(j, out) for i, j, out in predictions if (j == 0 if is_reuse else j == i)][:k]
+        modules = [j for j, _ in served]
+        correct, valid = self.chain_outcomes(batch, [out for _, out in served],
+                                             lambda s, rows: self.head.logits(modules[s], rows).argmax(-1))
+        return loss, correct, valid
