@@ -47,5 +47,11 @@ def build_cli(args: list[str], run: bool = True) -> DraftCLI:
 def main(command: str, argv: list[str]) -> int:
     if command not in COMMANDS:
         raise ValueError(f"training.fit runs {' and '.join(COMMANDS)}, not {command!r}")
-    build_cli([command, *argv])
+    try:
+        build_cli([command, *argv])
+    finally:
+        import wandb
+
+        if wandb.run is not None:  # one wandb run per fit, also when several fits share a process
+            wandb.finish()
     return 0

@@ -1,0 +1,43 @@
+"""The whole pipeline on the `debug` target with a tiny budget: generate, fit all four kinds, export, bench."""
+import json
+
+import torch
+
+from training import demo
+
+
+def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        demo.main(["--target", "debug", "--num-prompts", "6", "--max-new-tokens", "12", "--epochs", "1",
+                   "--bench-mt-bench", "2", "--bench-humaneval", "1", "--bench-new-tokens", "10", "--concurrency", "3"])
+    finally:
+        torch.set_num_threads(threads)
+    results = json.loads((tmp_path / "results" / "bench.json").read_text())
+    assert [r["name"] for r in results] == ["mt-bench", "humaneval"]
+    for result in results:
+        methods = [row["method"] for row in result["rows"]]
+        assert methods == ["plain", "ngram", "medusa", "eagle", "eagle3", "mtp"]
+        for row in result["rows"]:
+            assert {"tau", "acceptance_rate", "per_position", "tokens_per_s", "speedup", "identical_to_plain"} <= row.keys()
+            assert row["identical_to_plain"] is True, row["method"]
+            assert row["tau"] >= 1.0
+        for row in result["rows"][1:]:
+            assert len(row["per_position"]) == demo.NUM_SPECULATIVE_TOKENS
+            assert {"position", "proposed", "reached", "accepted", "conditional", "survival"} <= row["per_position"][0].keys()
+            assert row["per_category"]
+    markdown = (tmp_path / "results" / "bench.md").read_text()
+    assert "| eagle3 |" in markdown and "tau per category" in markdown
+    assert (tmp_path / "results" / "acceptance.png").stat().st_size > 10_000
+    for kind in demo.KINDS:
+        assert (tmp_path / "runs" / kind / "heads" / "best" / "model.safetensors").exists()
+    # A second run with the same settings reuses the store and every head.
+    stamps = {kind: (tmp_path / "runs" / kind / "heads" / "best" / "model.safetensors").stat().st_mtime_ns for kind in demo.KINDS}
+    demo.main(["--target", "debug", "--num-prompts", "6", "--max-new-tokens", "12", "--epochs", "1",
+               "--bench-mt-bench", "1", "--bench-humaneval", "1", "--bench-new-tokens", "4", "--concurrency", "3",
+               "--kinds", ",".join(demo.KINDS)])
+    assert stamps == {kind: (tmp_path / "runs" / kind / "heads" / "best" / "model.safetensors").stat().st_mtime_ns
+                      for kind in demo.KINDS}
