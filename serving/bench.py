@@ -140,7 +140,8 @@ def hf_generate(engine, prompts, max_new_tokens, batch_size) -> tuple[float, lis
 
 def bandwidth_floor(engine, plain_row) -> dict:
     """Bytes of weights read per decode step over the measured copy bandwidth: the fastest a step can be."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    tensors = {id(t): t for t in [*engine.model.parameters(), *engine.model.buffers()]}  # tied weights count once
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     source = torch.empty(64 * 2**20, dtype=torch.float32)
     target = torch.empty_like(source)
     target.copy_(source)
