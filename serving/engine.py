@@ -84,7 +84,7 @@ class Engine:
         # A new drafter pool holds nothing for blocks cached so far, and a feature drafter's K/V at the last
         # slot of a block depends on the token after it.
         self.block_manager.reset_prefix_cache()
-        self.block_manager.num_lookahead = int(hasattr(self.speculator and self.speculator.drafter, "observe"))
+        self.block_manager.num_lookahead = getattr(self.speculator and self.speculator.drafter, "num_lookahead", 0)
         if not self.capture_hidden:
             self.aux_layers = self.speculator.aux_layers if self.speculator else ()
 

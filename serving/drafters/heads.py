@@ -29,6 +29,12 @@ def make_head_drafter(engine, config):
             raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds this Medusa head's "
                              f"{head.config.num_heads} heads")
         return MedusaDrafter(head)
+    if kind == "mtp" and head.config.serve_mode == "chain":
+        if config.num_speculative_tokens > head.config.depth:
+            raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds this MTP head's depth "
+                             f"{head.config.depth} (serve_mode 'chain' drafts one token per module): draft fewer "
+                             "tokens or set serve_mode 'reuse_first' in its config.json")
+        return MtpChainDrafter(engine, head)
     return FeatureDrafter(engine, head)
 
 
@@ -64,17 +70,15 @@ class MedusaDrafter:
 
 
 class FeatureDrafter:
-    """EAGLE-1, EAGLE-3 and MTP (module 0 reused autoregressively). Stateless between steps: the pool is
-    rewritten from each step's kept tokens, so rollback and preemption need nothing."""
+    """EAGLE-1, EAGLE-3 and MTP with serve_mode 'reuse_first' (module 0 drafts every token). Stateless between
+    steps: the pool is rewritten from each step's kept tokens, so rollback and preemption need nothing."""
 
     def __init__(self, engine, head):
         self.head, self.kind = head, head.config.kind
-        if self.kind == "mtp" and head.config.serve_mode != "reuse_first":
-            raise ValueError("the engine serves MTP heads with serve_mode 'reuse_first' (module 0 drafts every token); "
-                             "set it in the head's config.json")
         layer = head.config.layer_config()
         self.cache = KVCache(1, engine.cache.num_blocks, engine.block_size, layer.num_kv_heads, layer.head_dim, engine.dtype)
         self.block_size = engine.block_size
+        self.num_lookahead = 1  # its K/V at position p depends on token p + 1
         self.aux_layers = tuple(head.config.aux_layers) if self.kind == "eagle3" else ()
         self.draft_probs = {}
         self.newest: dict[str, torch.Tensor] = {}
@@ -146,3 +150,102 @@ class FeatureDrafter:
 
     def reset(self, request):
         pass
+
+
+class MtpChainDrafter:
+    """MTP with serve_mode 'chain': module j (0-based) drafts token j + 1, as the modules were trained.
+
+    Module j at position t reads (h^j_t, x_{t+j+1}), so its K/V reaches position c - 1 - j with real tokens when
+    the target has kept c tokens; drafting token j + 1 runs module j over positions c - j .. c - 1, whose inputs
+    are the drafts before it and module j - 1's outputs there. Each step's catch-up rewrites those speculative
+    entries, starting module j at c_before - j from module j - 1's output kept from the previous step."""
+
+    def __init__(self, engine, head):
+        self.head, self.depth = head, head.config.depth
+        layer = head.config.layer_config()
+        self.cache = KVCache(self.depth, engine.cache.num_blocks, engine.block_size, layer.num_kv_heads, layer.head_dim,
+                             engine.dtype)
+        self.block_size = engine.block_size
+        self.num_lookahead = self.depth  # module j's K/V at position p depends on token p + j + 1
+        self.aux_layers = ()
+        self.draft_probs = {}
+        self.carry: dict[str, dict[int, tuple[int, torch.Tensor]]] = {}  # request id -> module -> (position, output)
+
+    def _run(self, j: int, chunks):
+        """chunks: (token ids, first position, features [n, hidden], block table) -> outputs [n, hidden] each."""
+        ids, positions, query_lens, context_lens = [], [], [], []
+        for tokens, start, _, _ in chunks:
+            ids.extend(tokens)
+            positions.extend(range(start, start + len(tokens)))
+            query_lens.append(len(tokens))
+            context_lens.append(start + len(tokens))
+        meta = PagedMetadata.build(query_lens, context_lens, [table for *_, table in chunks], self.block_size)
+        out = self.head.forward_module(j, torch.tensor(ids), torch.cat([f for _, _, f, _ in chunks]),
+                                       torch.tensor(positions), PagedAttention(self.cache, meta))
+        return out.split(query_lens)
+
+    @torch.inference_mode()
+    def observe(self, engine, step):
+        kept = {}  # request id -> (request, c_before, c, first row)
+        for request in step.batch.requests:
+            if not request.is_finished:
+                first_row, start, num_kept = _last_rows(step, request)
+                kept[request.request_id] = (request, start, start + num_kept, first_row)
+        previous = {}  # request id -> (first position, outputs) of module j - 1 this step
+        carried_before = {rid: dict(self.carry.get(rid, {})) for rid in kept}  # as the previous step left them
+        for j in range(self.depth):
+            chunks, ranges = [], {}
+            for rid, (request, c_before, c, first_row) in kept.items():
+                high = c - 1 - j
+                if j == 0:
+                    low, features = c_before, step.out.hidden[first_row:first_row + c - c_before]
+                elif rid in previous:
+                    prev_low, prev_out = previous[rid]
+                    low = max(c_before - j, 0)
+                    carried = carried_before[rid].get(j - 1)
+                    if low + 1 == prev_low and carried is not None and carried[0] == low:
+                        features = torch.cat([carried[1][None], prev_out[:high - prev_low + 1]])
+                    else:
+                        low = prev_low
+                        features = prev_out[:high - prev_low + 1]
+                else:
+                    continue
+                if high < low:
+                    continue
+                chunks.append((request.token_ids[low + j + 1:high + j + 2], low, features, request.block_ids))
+                ranges[rid] = low
+            if not chunks:
+                break
+            for rid, out in zip(ranges, self._run(j, chunks)):
+                previous[rid] = (ranges[rid], out)
+                self.carry.setdefault(rid, {})[j] = (ranges[rid] + len(out) - 1, out[-1])
+
+    @torch.inference_mode()
+    def propose(self, engine, requests, budgets, step):
+        requests = [r for r in requests if 0 in self.carry.get(r.request_id, {})
+                    and self.carry[r.request_id][0][0] == r.num_tokens - 2]
+        if not requests:
+            return {}
+        first = self.head.logits(0, torch.stack([self.carry[r.request_id][0][1] for r in requests])).argmax(-1).tolist()
+        drafts = {r.request_id: [token] for r, token in zip(requests, first)}
+        outputs = {r.request_id: torch.empty(0, self.head.config.hidden_size, dtype=engine.dtype) for r in requests}
+        for s in range(1, max(budgets[r.request_id] for r in requests)):
+            active, chunks = [], []
+            for r in requests:
+                c, carried = r.num_tokens - 1, self.carry[r.request_id].get(s - 1)
+                if budgets[r.request_id] <= s or carried is None or carried[0] != c - s:
+                    continue
+                features = torch.cat([carried[1][None], outputs[r.request_id]])  # module s - 1 at c - s .. c - 1
+                chunks.append((drafts[r.request_id][:s], c - s, features, r.block_ids))
+                active.append(r)
+            if not active:
+                break
+            outs = self._run(s, chunks)
+            tokens = self.head.logits(s, torch.stack([o[-1] for o in outs])).argmax(-1).tolist()
+            for r, out, token in zip(active, outs, tokens):
+                drafts[r.request_id].append(token)
+                outputs[r.request_id] = out
+        return drafts
+
+    def reset(self, request):
+        self.carry.pop(request.request_id, None)

@@ -666,3 +666,52 @@ def test_mtp_chain_mode_is_a_clear_error(tiny_llama, tmp_path):
     head_dir = heads.save(head, tmp_path / "mtp-chain")
     with pytest.raises(ValueError, match="reuse_first"):
         make_engine(tiny_llama, spec_config("mtp", head_dir))
+
+
+# ---- MTP served as a chain: module j drafts token j + 1 --------------------------------------------------
+
+
+@torch.no_grad()
+def dense_chain_drafts(head, states, tokens, num_drafts):
+    """Module s over every position t in [0, T-2] with the pairs (h^s_t, y_{t+s+1}), y = tokens then the drafts
+    so far, dense causal attention; draft s + 1 from its output at T-2. h^0 is the target's final hidden state."""
+    T = len(tokens)
+    y, features, drafts = list(tokens), states[-1][:T - 1], []
+    for s in range(num_drafts):
+        out = head.forward_module(s, torch.tensor(y[s + 1:T + s])[None], features[None], torch.arange(T - 1)[None],
+                                  DenseCausalAttention())[0]  # [T-1, hidden]
+        token = int(head.logits(s, out[-1]).argmax())
+        drafts.append(token)
+        y.append(token)
+        features = out
+    return drafts
+
+
+@pytest.mark.parametrize("concurrency, num_blocks", [(1, 64), (8, 48)])
+def test_mtp_chain_drafts_equal_dense_chain_and_outputs_equal_plain(tiny_llama, heads_root, concurrency, num_blocks):
+    head = perturb(heads.Mtp.from_target(target_parts(tiny_llama), depth=K, serve_mode="chain"), seed=13)
+    head_dir = str(heads.save(head, heads_root / "mtp-chain"))
+    prompts = random_prompts([5, 23, 9, 40, 3, 17, 31, 12][:concurrency], seed=45)
+    engine = make_engine(tiny_llama, spec_config("mtp", head_dir), num_blocks=num_blocks, max_num_batched_tokens=24)
+    proposals = record_proposals(engine)
+    outputs = engine.generate(prompts, greedy(20))
+    assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, prompts, 20)
+    if concurrency == 8:
+        assert sum(o.metrics["num_preemptions"] for o in outputs) > 0
+    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
+    preempted = {o.request_id for o in outputs if o.metrics["num_preemptions"]}
+    loaded = heads.load(head_dir, target=target_parts(tiny_llama)).eval()
+    checked = [p for p in proposals if p.request_id not in preempted]
+    assert len(checked) >= 4 * min(concurrency, 4) and all(len(p.drafts) <= K for p in proposals)
+    mismatches = [(p.request_id, len(p.token_ids), p.drafts, dense)
+                  for p in checked
+                  if p.drafts != (dense := dense_chain_drafts(loaded, hf_hidden_states(tiny_llama, finals[p.request_id]),
+                                                              p.token_ids, len(p.drafts)))]
+    assert not mismatches, mismatches[:5]
+
+
+def test_mtp_chain_refuses_more_drafts_than_modules(tiny_llama, heads_root):
+    head = heads.Mtp.from_target(target_parts(tiny_llama), depth=2, serve_mode="chain")
+    head_dir = str(heads.save(head, heads_root / "mtp-chain-2"))
+    with pytest.raises(ValueError, match="exceeds this MTP head's depth 2"):
+        make_engine(tiny_llama, spec_config("mtp", head_dir, k=3))

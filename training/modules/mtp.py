@@ -5,8 +5,9 @@ x_{t+j+1} at position t, and predicts x_{t+j+2} (heads/mtp.py); each module atte
 The loss is the cross-entropy of every prediction against the target's own token, over anchors whose label is an
 answer token, weighted per predicted offset: loss_weights[i] weights the predictions of x_{t+i+2}.
 
-The engine serves MTP heads with serve_mode "reuse_first": module 0 drafts every token, feeding its own output
-back at the next position (as vLLM and SGLang do with one module). Module 0 can train for that too:
+The engine serves MTP heads with serve_mode "chain" (module j drafts token j + 1) or "reuse_first" (module 0
+drafts every token, feeding its own output back at the next position, as vLLM and SGLang do with one module).
+Module 0 can train for the latter too:
 `num_unroll_steps` > 1 unrolls it over its own outputs with the engine's attention (unroll.py), step s predicting
 x_{t+s+2} under loss_weights[s]. Validation simulates what the engine serves: module 0 unrolled under
 "reuse_first", modules 0..k-1 in order under "chain".
