@@ -13,7 +13,7 @@ from serving.attention import KVCache, PagedAttention
 from serving.batch import Batch
 from serving.blocks import BlockManager
 from serving.model import Model
-from serving.request import Request, RequestOutput, RequestStatus, SamplingParams
+from serving.request import Request, RequestOutput, SamplingParams
 from serving.sampler import make_generator, next_token
 from serving.scheduler import Scheduler
 from serving.spec.config import SpeculativeConfig

@@ -6,6 +6,7 @@ rope theta 10000; see `serving.targets.build_tiny_model`.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from serving.targets import build_tiny_model
 
@@ -16,6 +17,15 @@ LLAMA3_ROPE_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Two shared cores: intra-op threads spinning against each other slow the tiny models tenfold."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,6 @@
 """The whole pipeline on the `debug` target with a tiny budget: generate, fit all four kinds, export, bench."""
 import json
 
-import torch
 
 from training import demo
 
@@ -9,13 +8,8 @@ from training import demo
 def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        demo.main(["--target", "debug", "--num-prompts", "6", "--max-new-tokens", "12", "--epochs", "1",
-                   "--bench-mt-bench", "2", "--bench-humaneval", "1", "--bench-new-tokens", "10", "--concurrency", "3"])
-    finally:
-        torch.set_num_threads(threads)
+    demo.main(["--target", "debug", "--num-prompts", "6", "--max-new-tokens", "12", "--epochs", "1",
+               "--bench-mt-bench", "2", "--bench-humaneval", "1", "--bench-new-tokens", "10", "--concurrency", "3"])
     results = json.loads((tmp_path / "results" / "bench.json").read_text())
     assert [r["name"] for r in results] == ["mt-bench", "humaneval"]
     for result in results:

@@ -24,15 +24,6 @@ from serving.prompts import first_turn, load_prompts
 from serving.request import SamplingParams
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The CI box has 2 cores shared with other jobs: two spinning OpenMP threads per matmul slow tiny models
-    down tenfold there, so these tests run single-threaded and restore the setting after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 TINY = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_llama_rope3"]
 VOCAB = 256  # the tiny fixtures' vocabulary
 EOS = 2  # the tiny fixtures' eos token

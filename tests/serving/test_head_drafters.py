@@ -48,15 +48,6 @@ EAGLE3_AUX = (0, 2, 3)  # hidden_states[0] is the embedding output: the input of
 KINDS = ("medusa", "eagle", "eagle3", "mtp")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two shared cores: intra-op threads only add contention for models this small."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 # ---- helpers -----------------------------------------------------------------------------------------
 
 

@@ -19,15 +19,6 @@ from serving.request import Request, SamplingParams
 from serving.sampler import apply_penalties, make_generator, next_token, sample, target_probs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The CI box has 2 cores shared with other jobs: two spinning OpenMP threads per matmul slow tiny models
-    down tenfold there, so these tests run single-threaded and restore the setting after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 # probabilities 0.1, 0.2, 0.3, 0.4 at temperature 1
 LOGITS = torch.tensor([[math.log(0.1), math.log(0.2), math.log(0.3), math.log(0.4)]])
 

@@ -34,15 +34,6 @@ VOCAB = 256
 LENGTHS = (3, 7, 12, 18, 25, 33, 41, 50)  # 8 prompts of different lengths
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two shared cores: intra-op threads only add contention for models this small."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 # ---- helpers -----------------------------------------------------------------------------------------
 
 

@@ -19,14 +19,6 @@ from serving.spec.metrics import AcceptanceStats
 VOCAB = 256
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 # ---- AcceptanceStats by hand ----------------------------------------------------------------------------
 
 

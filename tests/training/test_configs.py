@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from test_fit import session_store
 
@@ -17,12 +16,8 @@ FIT_CONFIGS = sorted(path for path in (ROOT / "configs").glob("*.yaml") if "mode
 
 
 @pytest.fixture(autouse=True)
-def one_thread(monkeypatch, tmp_path):
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def in_tmp_path(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # the configs write under runs/
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="session")

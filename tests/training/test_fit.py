@@ -54,13 +54,9 @@ def session_store(tmp_path_factory, target: str, num_prompts: int = 12, max_new_
 
 
 @pytest.fixture(autouse=True)
-def one_thread(monkeypatch, tmp_path):
-    """Tiny models run no faster on more threads; runs write their relative paths (runs/...) under tmp_path."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def in_tmp_path(monkeypatch, tmp_path):
+    """Runs write their relative paths (runs/...) under tmp_path."""
     monkeypatch.chdir(tmp_path)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="session")

@@ -43,15 +43,6 @@ def write_prompts(path: Path, conversations) -> Path:
     return path
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run no faster on more threads, and threads that spin slow each other on a shared machine."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 @pytest.fixture(scope="module")
 def debug_store(tmp_path_factory):
     """All turns of a few conversations on the debug target, prefilled in chunks of 16 tokens, 3 at a time."""

@@ -23,14 +23,6 @@ SMALL = {"medusa": {"num_heads": 2, "num_draft_tokens": 2}, "eagle": {}, "eagle3
          "mtp": {}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 @pytest.fixture(scope="session")
 def debug_store(tmp_path_factory):
     return session_store(tmp_path_factory, "debug")
