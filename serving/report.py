@@ -18,8 +18,8 @@ def plot_acceptance(results: list[dict], path: str | Path) -> Path:
             if not row["per_position"]:
                 continue
             label = f"{row['method']} ({result.get('name', result['num_prompts'])})"
-            positions = [p["position"] for p in row["per_position"]]
-            left.plot(positions, [p["conditional"] for p in row["per_position"]], marker="o", label=label)
+            reached = [p for p in row["per_position"] if p["reached"]]  # unreached positions have no rate
+            left.plot([p["position"] for p in reached], [p["conditional"] for p in reached], marker="o", label=label)
             for category, stats in row.get("per_category", {}).items():
                 if category not in categories:
                     categories.append(category)
