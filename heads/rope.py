@@ -6,6 +6,14 @@ import math
 import torch
 
 
+def rope_settings(config: dict) -> tuple[float, dict | None]:
+    """(theta, scaling or None for the default rope) from a Hugging Face config.json, whichever layout it uses:
+    `rope_theta` and `rope_scaling`, or transformers v5's `rope_parameters` holding both."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    return theta, rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+
+
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)  # [head_dim // 2]
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))

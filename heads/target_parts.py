@@ -14,6 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from heads.layer import LayerConfig, RMSNorm
+from heads.rope import rope_settings
 
 EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 
@@ -64,16 +65,15 @@ def load_target_parts(folder, dtype: torch.dtype = torch.float32, device="cpu",
     for name in (EMBED, NORM):
         if name not in tensors:
             raise ValueError(f"{folder}: no tensor {name} in its *.safetensors files")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    is_default_rope = rope.get("rope_type", rope.get("type", "default")) == "default"
+    rope_theta, rope_scaling = rope_settings(config)
     tie = config.get("tie_word_embeddings", False) or LM_HEAD not in tensors
     parts = TargetParts(
         LayerConfig.from_hf(config),
         num_layers=config["num_hidden_layers"],
         vocab_size=config["vocab_size"],
         max_position_embeddings=config.get("max_position_embeddings", 2048),
-        rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        rope_scaling=None if is_default_rope else rope,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         model_type=config.get("model_type", ""),
         tie_word_embeddings=tie,
         fingerprint=fingerprint,

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from heads.layer import DecoderLayer, LayerConfig, RMSNorm
-from heads.rope import Rope
+from heads.rope import Rope, rope_settings
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -67,9 +67,7 @@ class ModelConfig:
         architecture = (config.get("architectures") or ["?"])[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"{folder}: architecture {architecture} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        theta = config.get("rope_theta") or rope.get("rope_theta") or 10000.0
-        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        theta, scaling = rope_settings(config)
         eos = config.get("eos_token_id")
         generation = folder / "generation_config.json"
         if generation.exists():
@@ -80,7 +78,7 @@ class ModelConfig:
             vocab_size=config["vocab_size"],
             layer=LayerConfig.from_hf(config),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
