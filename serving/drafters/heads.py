@@ -12,7 +12,8 @@ import torch
 
 import heads
 from serving import targets
-from serving.attention import KVCache, PagedAttention, PagedMetadata
+from serving.attention import KVCache, PagedAttention
+from serving.drafters.runner import flatten
 
 
 def make_head_drafter(engine, config):
@@ -105,23 +106,19 @@ class FeatureDrafter:
     def observe(self, engine, step):
         """Catch up over every token the target computed and kept this step: the pair (h_p, x_{p+1}) at
         position p. Keeps each request's newest output, which its first draft reads."""
-        ids, positions, rows, query_lens, context_lens, tables, last = [], [], [], [], [], [], {}
+        chunks, rows, last = [], [], {}
         for request in step.batch.requests:
             if request.is_finished:
                 continue
             first_row, start, num_kept = _last_rows(step, request)
-            ids.extend(request.token_ids[start + 1:start + 1 + num_kept])
-            positions.extend(range(start, start + num_kept))
+            chunks.append((request.token_ids[start + 1:start + 1 + num_kept], start, request.block_ids))
             rows.extend(range(first_row, first_row + num_kept))
-            query_lens.append(num_kept)
-            context_lens.append(start + num_kept)
-            tables.append(request.block_ids)
-            last[request.request_id] = len(ids) - 1
+            last[request.request_id] = len(rows) - 1
         self.newest = {}
-        if not ids:
+        if not chunks:
             return
-        meta = PagedMetadata.build(query_lens, context_lens, tables, self.block_size)
-        out = self._forward(torch.tensor(ids), self._features(step, torch.tensor(rows)), torch.tensor(positions), meta)
+        ids, positions, meta, _ = flatten(chunks, self.block_size)
+        out = self._forward(ids, self._features(step, torch.tensor(rows)), positions, meta)
         self.newest = {rid: out[row] for rid, row in last.items()}  # [hidden] each
 
     @torch.inference_mode()
@@ -141,11 +138,10 @@ class FeatureDrafter:
             features = features[torch.tensor(still)]
             active = [active[j] for j in still]
             step_requests = [requests[n] for n in active]
-            positions = [r.num_tokens - 1 + s for r in step_requests]  # the draft just made sits at num_tokens + s
-            meta = PagedMetadata.build([1] * len(active), [p + 1 for p in positions], [r.block_ids for r in step_requests],
-                                       self.block_size)
-            ids = torch.tensor([drafts[r.request_id][-1] for r in step_requests])
-            features = self._forward(ids, features, torch.tensor(positions), meta)
+            # The draft just made is the input at position num_tokens - 1 + s.
+            ids, positions, meta, _ = flatten([([drafts[r.request_id][-1]], r.num_tokens - 1 + s, r.block_ids)
+                                               for r in step_requests], self.block_size)
+            features = self._forward(ids, features, positions, meta)
         return drafts
 
     def reset(self, request):
@@ -173,15 +169,9 @@ class MtpChainDrafter:
 
     def _run(self, j: int, chunks):
         """chunks: (token ids, first position, features [n, hidden], block table) -> outputs [n, hidden] each."""
-        ids, positions, query_lens, context_lens = [], [], [], []
-        for tokens, start, _, _ in chunks:
-            ids.extend(tokens)
-            positions.extend(range(start, start + len(tokens)))
-            query_lens.append(len(tokens))
-            context_lens.append(start + len(tokens))
-        meta = PagedMetadata.build(query_lens, context_lens, [table for *_, table in chunks], self.block_size)
-        out = self.head.forward_module(j, torch.tensor(ids), torch.cat([f for _, _, f, _ in chunks]),
-                                       torch.tensor(positions), PagedAttention(self.cache, meta))
+        ids, positions, meta, query_lens = flatten([(t, start, table) for t, start, _, table in chunks], self.block_size)
+        out = self.head.forward_module(j, ids, torch.cat([f for _, _, f, _ in chunks]), positions,
+                                       PagedAttention(self.cache, meta))
         return out.split(query_lens)
 
     @torch.inference_mode()

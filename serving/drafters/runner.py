@@ -7,9 +7,9 @@ import torch
 from serving.attention import PagedAttention, PagedMetadata
 
 
-def paged_forward(model, cache, block_size: int, chunks, num_layers=None):
-    """chunks: (token ids, position of the first, block table) per sequence.
-    Returns logits [num_chunks, vocab] at each chunk's last token."""
+def flatten(chunks, block_size: int):
+    """chunks: (token ids, position of the first, block table) per sequence ->
+    (ids [num_tokens], positions [num_tokens], PagedMetadata, query lengths)."""
     ids, positions, query_lens, context_lens = [], [], [], []
     for tokens, start, _ in chunks:
         ids.extend(tokens)
@@ -17,9 +17,15 @@ def paged_forward(model, cache, block_size: int, chunks, num_layers=None):
         query_lens.append(len(tokens))
         context_lens.append(start + len(tokens))
     meta = PagedMetadata.build(query_lens, context_lens, [table for _, _, table in chunks], block_size)
+    return torch.tensor(ids), torch.tensor(positions), meta, query_lens
+
+
+def paged_forward(model, cache, block_size: int, chunks, num_layers=None):
+    """chunks: (token ids, position of the first, block table) per sequence.
+    Returns logits [num_chunks, vocab] at each chunk's last token."""
+    ids, positions, meta, query_lens = flatten(chunks, block_size)
     last_rows = torch.tensor(query_lens).cumsum(0) - 1
-    out = model(torch.tensor(ids), torch.tensor(positions), PagedAttention(cache, meta), last_rows, num_layers=num_layers)
-    return out.logits
+    return model(ids, positions, PagedAttention(cache, meta), last_rows, num_layers=num_layers).logits
 
 
 def pick(logits: torch.Tensor, temperature: float | None, generators: list) -> tuple[list[int], torch.Tensor | None]:
