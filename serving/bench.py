@@ -74,10 +74,8 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
         else:
             stats, per_category = AcceptanceStats(), {}
             for output, category in zip(outputs, categories):
-                request_stats = AcceptanceStats()
                 spec = output.metrics.get("spec")
-                if spec:
-                    _merge_summary(request_stats, spec)
+                request_stats = AcceptanceStats.from_dict(spec) if spec else AcceptanceStats()
                 stats.merge(request_stats)
                 per_category.setdefault(category, AcceptanceStats()).merge(request_stats)
             summary = stats.to_dict()
@@ -102,14 +100,6 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
     result.update(bandwidth_floor(engine, rows[0]))
     result["peak_memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return result
-
-
-def _merge_summary(stats: AcceptanceStats, spec: dict) -> None:
-    stats.num_steps, stats.num_emitted = spec["num_verify_steps"], spec["num_emitted_tokens"]
-    stats.num_drafts = spec["spec_decode_num_drafts"]
-    stats.proposed = [p["proposed"] for p in spec["per_position"]]
-    stats.reached = [p["reached"] for p in spec["per_position"]]
-    stats.accepted = [p["accepted"] for p in spec["per_position"]]
 
 
 def hf_generate(engine, prompts, max_new_tokens, batch_size) -> tuple[float, list[list[int]]]:

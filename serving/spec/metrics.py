@@ -65,6 +65,16 @@ class AcceptanceStats:
             for i in range(len(self.proposed))
         ]
 
+    @classmethod
+    def from_dict(cls, summary: dict) -> "AcceptanceStats":
+        """The counts back from `to_dict`'s summary (a RequestOutput's metrics["spec"])."""
+        stats = cls()
+        stats.num_steps, stats.num_emitted = summary["num_verify_steps"], summary["num_emitted_tokens"]
+        stats.num_drafts = summary["spec_decode_num_drafts"]
+        for key in ("proposed", "reached", "accepted"):
+            setattr(stats, key, [p[key] for p in summary["per_position"]])
+        return stats
+
     def to_dict(self) -> dict:
         """The summary, with vLLM's metric names where the meaning matches."""
         return {

@@ -298,3 +298,12 @@ def test_engine_stats_are_the_merge_of_request_stats(tiny_llama):
         assert part.to_dict() == spec
         merged.merge(part)
     assert merged.to_dict() == engine.speculator.stats.to_dict()
+
+
+def test_from_dict_gives_back_the_counts_of_to_dict():
+    stats = AcceptanceStats()
+    for record in [(3, 0, 1), (3, 3, 4), (2, 1, 2), (0, 0, 1)]:
+        stats.record(*record)
+    again = AcceptanceStats.from_dict(stats.to_dict())
+    assert again.to_dict() == stats.to_dict()
+    assert (again.proposed, again.reached, again.accepted) == ([3, 3, 2], [3, 2, 1], [2, 1, 1])
