@@ -53,4 +53,4 @@ class DraftHead(nn.Module):
         """cos, sin: [..., 1, head_dim] for positions [...] of any shape."""
         if self.rope.cos.device != positions.device:
             self.rope.to(torch.float32, positions.device)
-        return self.rope.cos[positions].unsqueeze(-2).to(dtype), self.rope.sin[positions].unsqueeze(-2).to(dtype)
+        return self.rope.tables(positions, dtype)

@@ -54,10 +54,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the dtype, as the reference implementations do.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        if x.dtype == torch.float32:  # one kernel
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Normalise in float32 whatever the dtype, and scale after casting back, as the reference implementations do.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -81,13 +81,13 @@ class DecoderLayer(nn.Module):
         (EAGLE-3 concatenates two normed streams)."""
         c = self.config
         x = self.input_norm(hidden) if attention_input is None else attention_input
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.unflatten(-1, (c.num_heads, c.head_dim))
-        k = k.unflatten(-1, (c.num_kv_heads, c.head_dim))
-        v = v.unflatten(-1, (c.num_kv_heads, c.head_dim))
+        qkv = self.qkv(x)
+        qk = qkv[..., :self.q_size + self.kv_size].unflatten(-1, (c.num_heads + c.num_kv_heads, c.head_dim))
+        v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (c.num_kv_heads, c.head_dim))
         if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = torch.cat([self.q_norm(qk[..., :c.num_heads, :]), self.k_norm(qk[..., c.num_heads:, :])], dim=-2)
+        qk = apply_rope(qk, cos, sin)  # the query and key heads in one go
+        q, k = qk[..., :c.num_heads, :], qk[..., c.num_heads:, :]
         hidden = hidden + self.o(attention(self.layer_idx, q, k, v).flatten(-2))
         gate, up = self.gate_up(self.post_norm(hidden)).chunk(2, dim=-1)
         return hidden + self.down(F.silu(gate) * up)

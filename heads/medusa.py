@@ -65,5 +65,6 @@ class Medusa(DraftHead):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., hidden] h_t after the target's final norm -> logits [num_heads, ..., vocab]."""
-        lm_heads = self.lm_heads if self.config.own_lm_head else [self.target.lm_head] * self.config.num_heads
-        return torch.stack([lm_head(head(hidden)) for head, lm_head in zip(self.heads, lm_heads)])
+        if not self.config.own_lm_head:  # one pass over the shared LM head's weights for every head
+            return self.target.lm_head(torch.stack([head(hidden) for head in self.heads]))
+        return torch.stack([lm_head(head(hidden)) for head, lm_head in zip(self.heads, self.lm_heads)])

@@ -33,23 +33,26 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
 
 
 class Rope:
-    """Precomputed cos/sin tables indexed by position; `apply` rotates [tokens, heads, head_dim] tensors."""
+    """Precomputed cos/sin tables indexed by position. `sin` has its first half negated, so that rotating is
+    x * cos + roll(x, head_dim / 2) * sin: the usual rotate_half with its negation folded into the table."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float = 10000.0, scaling: dict | None = None):
         inv_freq = inv_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
         self.cos, self.sin = emb.cos(), emb.sin()
+        self.sin[:, :head_dim // 2] *= -1
 
     def to(self, dtype: torch.dtype, device=None) -> "Rope":
         self.cos, self.sin = self.cos.to(device=device, dtype=dtype), self.sin.to(device=device, dtype=dtype)
         return self
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [tokens, 1, head_dim]
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [..., 1, head_dim] for positions [...] of any shape, broadcasting over heads."""
+        cos, sin = self.cos[positions].unsqueeze(-2), self.sin[positions].unsqueeze(-2)
+        return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """x: [..., heads, head_dim]; cos, sin from `Rope.tables`."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin

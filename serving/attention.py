@@ -45,6 +45,7 @@ class _Batched:
     mask: torch.Tensor | None  # [B, Qmax, Cmax]; None when every row may see every key (decode at equal lengths)
     valid: torch.Tensor  # [B * Qmax] bool: which padded rows are real
     rows: torch.Tensor  # [num real rows] their rows in the flat batch
+    key_range: tuple[int, int] | None  # (first slot, count) when one sequence's keys lie in consecutive slots
 
 
 @dataclass
@@ -92,8 +93,11 @@ class PagedMetadata:
         mask = torch.arange(max_c)[None, None, :] <= limit[:, :, None]
         mask = None if bool(mask.all()) else mask.to(device)
         valid = valid.flatten()
+        first = int(key_slots[0, 0])
+        # A lone sequence (concurrency 1) usually holds consecutive blocks: its keys are then a view of the pool.
+        is_range = num == 1 and bool((key_slots[0] == torch.arange(first, first + max_c)).all())
         return _Batched(query_index.to(device), key_slots.flatten().to(device), mask, valid.to(device),
-                        query_index.flatten()[valid].to(device))
+                        query_index.flatten()[valid].to(device), (first, max_c) if is_range else None)
 
 
 class PagedAttention:
@@ -127,4 +131,6 @@ class PagedAttention:
     @staticmethod
     def _gather(k_pool, v_pool, b: _Batched):
         shape = (b.query_index.shape[0], -1, *k_pool.shape[1:])  # [B, Cmax, kv_heads, head_dim]
+        if b.key_range is not None:
+            return k_pool.narrow(0, *b.key_range).view(shape), v_pool.narrow(0, *b.key_range).view(shape)
         return k_pool.index_select(0, b.key_slots).view(shape), v_pool.index_select(0, b.key_slots).view(shape)

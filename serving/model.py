@@ -163,8 +163,7 @@ class Model(nn.Module):
         """input_ids, positions: [num_tokens]; logits_rows: rows that need logits (None: all);
         num_layers: run only the first layers, then the final norm and LM head (early-exit drafting)."""
         hidden = self.embed(input_ids)  # [num_tokens, hidden]
-        cos, sin = self.rope.tables(positions)
-        cos, sin = cos.to(hidden.dtype), sin.to(hidden.dtype)
+        cos, sin = self.rope.tables(positions, hidden.dtype)
         aux = {}
         for layer in self.layers[:num_layers]:
             if layer.layer_idx in aux_layers:

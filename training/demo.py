@@ -24,6 +24,13 @@ from pathlib import Path
 KINDS = ("medusa", "eagle", "eagle3", "mtp")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 NUM_SPECULATIVE_TOKENS = 4
+# The configs' settings, changed for a store of a few hundred examples: small batches and a short warmup give the
+# heads steps to learn from, and shorter examples bound the memory of the logits (the configs' batch 8 x 2048
+# tokens peaked at 21.6 GiB).
+RECIPE = ["--data.batch_size", "2", "--data.max_length", "1024", "--model.init_args.warmup_steps", "10"]
+# The bench drafts k=4 tokens, so EAGLE-3 unrolls 4 training-time-test steps instead of 7, and drafts over the
+# store's 8,192 most frequent answer tokens: each draft step then reads a sixth of the full LM head.
+KIND_RECIPE = {"eagle3": ["--model.init_args.num_steps", "4", "--model.init_args.draft_vocab_size", "8192"]}
 
 
 def parse_args(argv=None):
@@ -32,8 +39,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m training.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--num-prompts", type=int, default=int(os.environ.get("DEMO_PROMPTS", 256)),
+    p.add_argument("--num-prompts", type=int, default=int(os.environ.get("DEMO_PROMPTS", 384)),
                    help="ShareGPT train prompts the target answers for training data")
+    p.add_argument("--max-model-len", type=int, default=640,
+                   help="prompt + answer tokens at most while generating; longer prompts are skipped, so that most "
+                        "training tokens are answer tokens, the ones with a loss")
     p.add_argument("--max-new-tokens", type=int, default=int(os.environ.get("DEMO_NEW_TOKENS", 128)))
     p.add_argument("--epochs", type=int, default=int(os.environ.get("DEMO_EPOCHS", 2)), help="training epochs per head")
     p.add_argument("--bench-mt-bench", type=int, default=8, help="MT-bench first turns, one per category first")
@@ -42,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--kinds", default=",".join(KINDS), help="head kinds to train and bench")
     p.add_argument("--data", default="data", help="where the store goes")
     p.add_argument("--results", default="results", help="where bench.json, bench.md and acceptance.png go")
-    p.add_argument("--concurrency", type=int, default=16, help="conversations answered at once while generating")
+    p.add_argument("--concurrency", type=int, default=32, help="conversations answered at once while generating")
     p.add_argument("--full", action="store_true",
                    help="bench-full: every MT-bench question and HumanEval problem, greedy and temperature 0.7, "
                         "concurrency 1, 4 and 16 (hours on a CPU)")
@@ -76,7 +86,8 @@ def generate(args) -> Path:
     t = stage(f"generate: {args.num_prompts} ShareGPT prompts x {args.max_new_tokens} tokens -> {out} (resumes)")
     run_generate(GenerateConfig.from_options(dict(
         target=args.target, prompts="sharegpt", num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-        layers="last,eagle3", turns="first", concurrency=args.concurrency, out=str(out))))
+        layers="last,eagle3", turns="first", concurrency=args.concurrency, max_model_len=args.max_model_len,
+        out=str(out))))
     print(f"generate took {time.perf_counter() - t:.0f} s")
     return out
 
@@ -89,18 +100,15 @@ def fit(args, kind: str, store: Path) -> Path:
     head = root / "heads" / "best"
     meta = json.loads((store / "meta.json").read_text())
     settings = {"kind": kind, "target": args.target, "store": str(store), "counts": meta["counts"], "epochs": args.epochs,
-                "recipe": "batch 2, max_length 1024, warmup 10",
+                "recipe": RECIPE + KIND_RECIPE.get(kind, []),
                 "config": hashlib.sha256(config.read_bytes()).hexdigest()[:12]}
     stamp = root / "demo-stamp.json"
     if head.exists() and stamp.exists() and json.loads(stamp.read_text()) == settings:
         stage(f"fit {kind}: reusing {head} (same store and settings)")
         return head
     t = stage(f"fit {kind}: {args.epochs} epochs on {store}")
-    # A small store gives few batches: small batches and a short warmup give the heads steps to learn from, and
-    # shorter examples bound the memory of the logits (the configs' batch 8 x 2048 tokens peaked at 21.6 GiB).
     fit_main("fit", ["-c", str(config), "--model.init_args.target", args.target, "--data.store", str(store),
-                     "--trainer.max_epochs", str(args.epochs), "--data.batch_size", "2", "--data.max_length", "1024",
-                     "--model.init_args.warmup_steps", "10"])
+                     "--trainer.max_epochs", str(args.epochs), *RECIPE, *KIND_RECIPE.get(kind, [])])
     stamp.write_text(json.dumps(settings))
     print(f"fit {kind} took {time.perf_counter() - t:.0f} s")
     return head
