@@ -12,6 +12,7 @@ COMMANDS = {
     "prompts": ("serving.prompts", "print a prompt source as JSONL (sharegpt, sharegpt-heldout, mt-bench, humaneval, or a file)"),
     "bench": ("serving.bench", "benchmark the engine: plain decoding and speculative configs side by side"),
     "generate": ("training.data.generate", "let the target answer prompts and store its answers and hidden states"),
+    "token-map": ("training.data.vocab", "write a store's most frequent answer tokens as a token map for drafting"),
     "fit": ("training.fit", "train a draft head from a YAML config (LightningCLI fit)"),
     "validate": ("training.fit", "validate a draft head from a YAML config (LightningCLI validate)"),
     "export": ("training.export", "convert a head folder to the format vLLM or SGLang loads"),

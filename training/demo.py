@@ -4,9 +4,11 @@
    DEMO_NEW_TOKENS tokens at most), its hidden states captured in the same pass, into data/demo-store;
 2. `draftheads fit` of Medusa, EAGLE-1, EAGLE-3 and MTP heads from configs/ in offline mode on that store,
    each exported to runs/<kind>/heads/best (the folders configs/ name);
-3. `draftheads bench` on MT-bench first turns (one per category) and HumanEval (a fixed subset), concurrency 1,
+3. `draftheads token-map`: the store's 8,192 most frequent answer tokens, which Medusa, EAGLE-1 and MTP draft
+   among (EAGLE-3 trains over the same ones);
+4. `draftheads bench` on MT-bench first turns (one per category) and HumanEval (a fixed subset), concurrency 1,
    greedy, k=4 chains: plain decoding, n-gram and each trained head;
-4. results/bench.json, results/bench.md and results/acceptance.png, also logged to an (offline) wandb run.
+5. results/bench.json, results/bench.md and results/acceptance.png, also logged to an (offline) wandb run.
 
 Every stage reuses what an earlier run produced with the same settings: generation resumes, a head whose
 stamp matches is not trained again. `python -m training.demo --help` lists the sizes; `--target debug`
@@ -28,9 +30,11 @@ NUM_SPECULATIVE_TOKENS = 4
 # heads steps to learn from, and shorter examples bound the memory of the logits (the configs' batch 8 x 2048
 # tokens peaked at 21.6 GiB).
 RECIPE = ["--data.batch_size", "2", "--data.max_length", "1024", "--model.init_args.warmup_steps", "10"]
-# The bench drafts k=4 tokens, so EAGLE-3 unrolls 4 training-time-test steps instead of 7, and drafts over the
-# store's 8,192 most frequent answer tokens: each draft step then reads a sixth of the full LM head.
-KIND_RECIPE = {"eagle3": ["--model.init_args.num_steps", "4", "--model.init_args.draft_vocab_size", "8192"]}
+# Every head drafts over the store's DRAFT_VOCAB_SIZE most frequent answer tokens (EAGLE-3 by training so, the
+# others through a token map): each draft step then reads a sixth of the LM head. The bench drafts k=4 tokens,
+# so EAGLE-3 unrolls 4 training-time-test steps instead of 7.
+DRAFT_VOCAB_SIZE = 8192
+KIND_RECIPE = {"eagle3": ["--model.init_args.num_steps", "4", "--model.init_args.draft_vocab_size", str(DRAFT_VOCAB_SIZE)]}
 
 
 def parse_args(argv=None):
@@ -72,9 +76,10 @@ def main(argv=None) -> dict:
     print(resolve(args.target))
     store = generate(args)
     heads = {kind: fit(args, kind, store) for kind in args.kinds.split(",")}
+    token_map = write_token_map(store)
     if args.full:
         args.bench_mt_bench, args.bench_humaneval = 80, 164
-    result = bench(args, heads)
+    result = bench(args, heads, token_map)
     print(f"\ndemo finished in {time.perf_counter() - start:.0f} s")
     return result
 
@@ -114,6 +119,18 @@ def fit(args, kind: str, store: Path) -> Path:
     return head
 
 
+def write_token_map(store: Path) -> Path:
+    """Medusa, EAGLE-1 and MTP draft over the same most frequent answer tokens as EAGLE-3 (FR-Spec)."""
+    from training.data.store import Store
+    from training.data.vocab import frequent_tokens, write_token_map as write
+
+    data = Store(store)
+    size = min(DRAFT_VOCAB_SIZE, data.meta["target"]["fingerprint"]["vocab_size"])
+    path = Path("runs") / f"token_map-{size}.pt"
+    write(frequent_tokens(data, size), path)
+    return path
+
+
 def bench_prompts(args):
     from serving.prompts import first_turn, load_prompts
 
@@ -128,15 +145,17 @@ def bench_prompts(args):
     return {name: ([first_turn(r["messages"]) for r in rs], [r["category"] for r in rs]) for name, rs in sets.items()}
 
 
-def bench(args, heads: dict) -> dict:
+def bench(args, heads: dict, token_map: Path) -> dict:
     from serving.bench import run_bench, to_markdown
     from serving.engine import Engine
     from serving.report import plot_acceptance
-    from serving.spec.config import SpeculativeConfig
+    from serving.spec.config import TAKES_TOKEN_MAP, SpeculativeConfig
 
     k = NUM_SPECULATIVE_TOKENS
     configs = [SpeculativeConfig(method="ngram", num_speculative_tokens=k)]
-    configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k) for kind, folder in heads.items()]
+    configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k,
+                                  token_map=str(token_map) if kind in TAKES_TOKEN_MAP else None)
+                for kind, folder in heads.items()]
     engine = Engine(args.target, max_num_seqs=16)
     settings = [(0.0, 1)] + ([(0.0, 4), (0.0, 16), (0.7, 1), (0.7, 4), (0.7, 16)] if args.full else [])
     results = []

@@ -8,7 +8,10 @@ feeding their own output back as the next feature.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from torch import nn
 
 import heads
 from serving import targets
@@ -20,6 +23,12 @@ def make_head_drafter(engine, config):
     head = heads.load(config.model, targets.fingerprint(engine.folder))
     parts = heads.load_target_parts(engine.folder, engine.dtype, fingerprint=targets.fingerprint(engine.folder))
     parts.embed, parts.norm, parts.lm_head = engine.model.embed, engine.model.norm, engine.model.lm_head
+    hot = None
+    if config.token_map:
+        hot = load_token_map(config.token_map, parts.vocab_size)
+        full = engine.model.lm_head.weight
+        parts.lm_head = nn.Linear(parts.hidden_size, len(hot), bias=False, dtype=full.dtype).requires_grad_(False)
+        parts.lm_head.weight.copy_(full[hot])
     head = head.bind_target(parts).to(engine.dtype).eval().requires_grad_(False)
     kind = head.config.kind
     if kind != config.method:
@@ -29,14 +38,36 @@ def make_head_drafter(engine, config):
         if config.num_speculative_tokens > head.config.num_heads:
             raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds this Medusa head's "
                              f"{head.config.num_heads} heads")
-        return MedusaDrafter(head)
+        return MedusaDrafter(head, hot)
     if kind == "mtp" and head.config.serve_mode == "chain":
         if config.num_speculative_tokens > head.config.depth:
             raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds this MTP head's depth "
                              f"{head.config.depth} (serve_mode 'chain' drafts one token per module): draft fewer "
                              "tokens or set serve_mode 'reuse_first' in its config.json")
-        return MtpChainDrafter(engine, head)
-    return FeatureDrafter(engine, head)
+        return MtpChainDrafter(engine, head, hot)
+    return FeatureDrafter(engine, head, hot)
+
+
+def load_token_map(path, vocab_size: int) -> torch.Tensor:
+    """The token ids of a token map file: a 1-D integer tensor saved with torch.save, ids unique and in range."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"token_map {path} does not exist: write one with `draftheads token-map --store STORE --out {path}`")
+    try:
+        ids = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"token_map {path} is not a torch.save file of token ids ({e})") from None
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 1 or ids.is_floating_point() or ids.is_complex() or not len(ids):
+        raise ValueError(f"token_map {path} must hold a non-empty 1-D integer tensor of token ids")
+    ids = ids.to(torch.int64)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or len(ids.unique()) != len(ids):
+        raise ValueError(f"token_map {path} must hold distinct token ids in [0, {vocab_size}) (the target's vocabulary)")
+    return ids
+
+
+def _best(logits: torch.Tensor, hot: torch.Tensor | None) -> list:
+    """Target ids of the most likely drafts; with a token map, logits cover only its tokens."""
+    best = logits.argmax(-1)
+    return (best if hot is None else hot[best]).tolist()
 
 
 def _last_rows(step, request) -> tuple[int, int, int]:
@@ -48,8 +79,8 @@ def _last_rows(step, request) -> tuple[int, int, int]:
 
 
 class MedusaDrafter:
-    def __init__(self, head):
-        self.head = head
+    def __init__(self, head, hot=None):
+        self.head, self.hot = head, hot
         self.aux_layers = ()
         self.draft_probs = {}
 
@@ -63,7 +94,7 @@ class MedusaDrafter:
             first_row, _, num_kept = _last_rows(step, r)
             rows.append(first_row + num_kept - 1)
         logits = self.head(step.out.hidden[torch.tensor(rows)])  # [num_heads, requests, vocab]
-        tokens = logits.argmax(-1).T.tolist()
+        tokens = [list(t) for t in zip(*_best(logits, self.hot))]
         return {r.request_id: tokens[n][:budgets[r.request_id]] for n, r in enumerate(requests)}
 
     def reset(self, request):
@@ -74,8 +105,8 @@ class FeatureDrafter:
     """EAGLE-1, EAGLE-3 and MTP with serve_mode 'reuse_first' (module 0 drafts every token). Stateless between
     steps: the pool is rewritten from each step's kept tokens, so rollback and preemption need nothing."""
 
-    def __init__(self, engine, head):
-        self.head, self.kind = head, head.config.kind
+    def __init__(self, engine, head, hot=None):
+        self.head, self.kind, self.hot = head, head.config.kind, hot
         layer = head.config.layer_config()
         self.cache = KVCache(1, engine.cache.num_blocks, engine.block_size, layer.num_kv_heads, layer.head_dim, engine.dtype)
         self.block_size = engine.block_size
@@ -97,10 +128,10 @@ class FeatureDrafter:
 
     def _tokens(self, out: torch.Tensor) -> list[int]:
         if self.kind == "mtp":
-            return self.head.logits(0, out).argmax(-1).tolist()
+            return _best(self.head.logits(0, out), self.hot)
         if self.kind == "eagle3":
             return self.head.to_target_ids(self.head.logits(out).argmax(-1)).tolist()
-        return self.head.logits(out).argmax(-1).tolist()
+        return _best(self.head.logits(out), self.hot)
 
     @torch.inference_mode()
     def observe(self, engine, step):
@@ -156,8 +187,8 @@ class MtpChainDrafter:
     are the drafts before it and module j - 1's outputs there. Each step's catch-up rewrites those speculative
     entries, starting module j at c_before - j from module j - 1's output kept from the previous step."""
 
-    def __init__(self, engine, head):
-        self.head, self.depth = head, head.config.depth
+    def __init__(self, engine, head, hot=None):
+        self.head, self.depth, self.hot = head, head.config.depth, hot
         layer = head.config.layer_config()
         self.cache = KVCache(self.depth, engine.cache.num_blocks, engine.block_size, layer.num_kv_heads, layer.head_dim,
                              engine.dtype)
@@ -216,7 +247,7 @@ class MtpChainDrafter:
                     and self.carry[r.request_id][0][0] == r.num_tokens - 2]
         if not requests:
             return {}
-        first = self.head.logits(0, torch.stack([self.carry[r.request_id][0][1] for r in requests])).argmax(-1).tolist()
+        first = _best(self.head.logits(0, torch.stack([self.carry[r.request_id][0][1] for r in requests])), self.hot)
         drafts = {r.request_id: [token] for r, token in zip(requests, first)}
         outputs = {r.request_id: torch.empty(0, self.head.config.hidden_size, dtype=engine.dtype) for r in requests}
         for s in range(1, max(budgets[r.request_id] for r in requests)):
@@ -231,7 +262,7 @@ class MtpChainDrafter:
             if not active:
                 break
             outs = self._run(s, chunks)
-            tokens = self.head.logits(s, torch.stack([o[-1] for o in outs])).argmax(-1).tolist()
+            tokens = _best(self.head.logits(s, torch.stack([o[-1] for o in outs])), self.hot)
             for r, out, token in zip(active, outs, tokens):
                 drafts[r.request_id].append(token)
                 outputs[r.request_id] = out

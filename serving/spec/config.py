@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp")
 NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp")
+TAKES_TOKEN_MAP = ("medusa", "eagle", "mtp")
 
 
 @dataclass
@@ -18,6 +19,9 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: a target name or folder; medusa/eagle/eagle3/mtp: a head folder
     num_layers: int | None = None  # early_exit: how many of the target's layers draft
     draft_temperature: float | None = None  # draft_model: sample drafts (supplying q) instead of greedy drafting
+    # medusa/eagle/mtp: a file of token ids (`draftheads token-map`, SGLang's --speculative-token-map): the head
+    # drafts among those tokens only, reading just their rows of the LM head (FR-Spec).
+    token_map: str | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -32,6 +36,9 @@ class SpeculativeConfig:
                              + ("a draft target name or folder" if self.method == "draft_model" else "a head folder"))
         if self.method == "early_exit" and (not isinstance(self.num_layers, int) or self.num_layers < 1):
             raise ValueError(f"early_exit needs \"num_layers\" >= 1 (got {self.num_layers!r})")
+        if self.token_map and self.method not in TAKES_TOKEN_MAP:
+            raise ValueError(f"token_map applies to {', '.join(TAKES_TOKEN_MAP)} heads, not {self.method!r}"
+                             + (" (an EAGLE-3 head drafts over its own draft vocabulary)" if self.method == "eagle3" else ""))
         if self.draft_temperature is not None and self.draft_temperature < 0:
             raise ValueError(f"draft_temperature={self.draft_temperature} must be >= 0")
 

@@ -194,3 +194,17 @@ def test_draft_vocab_maps_draft_ids_to_the_most_frequent_answer_tokens(tmp_path)
     assert t2d.nonzero().flatten().tolist() == target_ids and int(t2d.sum()) == 8
     with pytest.raises(ValueError, match="must lie in"):
         draft_vocab(store, VOCAB + 1)
+
+
+def test_token_map_command_writes_the_most_frequent_answer_tokens(tmp_path):
+    from training.cli import main
+
+    example = make_example(0, length=8)
+    example["input_ids"] = [5, 5, 5, 5, 7, 7, 3, 9]
+    example["loss_mask"] = [0, 0, 0, 0, 1, 1, 1, 1]
+    write_store(tmp_path / "store", [example])
+    out = tmp_path / "maps" / "token_map.pt"
+    assert main(["token-map", "--store", str(tmp_path / "store"), "--size", "2", "--out", str(out)]) == 0
+    ids = torch.load(out, weights_only=True)
+    assert ids.dtype == torch.int64 and ids.tolist() == [3, 7]  # 7 twice, then 3 beats 9 on a tie; prompt-only 5 never
+    assert not list(out.parent.glob("*.tmp"))

@@ -4,8 +4,12 @@ EAGLE-3 drafts over a smaller vocabulary than the target's: the tokens the targe
 Draft ids are those tokens sorted by target id, stored as EAGLE-3 and vLLM store them:
 `d2t` [draft_vocab] int64 with target_id = draft_id + d2t[draft_id], and `t2d` [target_vocab] bool, true on
 the target ids that have a draft id.
+
+The same tokens make a token map (`draftheads token-map`) for heads that draft over the full vocabulary.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pyarrow.compute as pc
@@ -25,9 +29,9 @@ def answer_token_counts(store: Store) -> torch.Tensor:
     return torch.from_numpy(counts)
 
 
-def draft_vocab(store: Store, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t [size] int64, t2d [target_vocab] bool) for the `size` most frequent answer tokens (ties to the lower
-    id); when the answers hold fewer distinct tokens, the lowest unused target ids fill the rest."""
+def frequent_tokens(store: Store, size: int) -> torch.Tensor:
+    """The `size` most frequent answer tokens (ties to the lower id), ascending: [size] int64. When the answers
+    hold fewer distinct tokens, the lowest unused target ids fill the rest."""
     counts = answer_token_counts(store).numpy()
     vocab_size = len(counts)
     if not 1 <= size <= vocab_size:
@@ -36,8 +40,37 @@ def draft_vocab(store: Store, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     by_frequency = np.lexsort((ids, -counts))
     chosen = by_frequency[:size][counts[by_frequency[:size]] > 0]
     fill = np.setdiff1d(ids, chosen)[: size - len(chosen)]  # sorted ascending
-    target_ids = np.sort(np.concatenate([chosen, fill]))
-    d2t = torch.from_numpy(target_ids - np.arange(size)).to(torch.int64)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[torch.from_numpy(target_ids)] = True
-    return d2t, t2d
+    return torch.from_numpy(np.sort(np.concatenate([chosen, fill]))).to(torch.int64)
+
+
+def draft_vocab(store: Store, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t [size] int64, t2d [target_vocab] bool) over `frequent_tokens(store, size)`."""
+    target_ids = frequent_tokens(store, size)
+    t2d = torch.zeros(store.meta["target"]["fingerprint"]["vocab_size"], dtype=torch.bool)
+    t2d[target_ids] = True
+    return target_ids - torch.arange(size), t2d
+
+
+def add_arguments(parser) -> None:
+    parser.description = (
+        "Write a token map: the store's most frequent answer tokens, as a 1-D int64 tensor saved with torch.save "
+        "(the file SGLang's --speculative-token-map reads). Give it to a Medusa, EAGLE-1 or MTP head in the "
+        "engine with {\"token_map\": PATH} in the speculative config: the head then drafts among those tokens "
+        "only, reading those rows of the LM head (FR-Spec).")
+    parser.add_argument("--store", required=True, help="a store folder (`draftheads generate --out`)")
+    parser.add_argument("--size", type=int, default=8192, help="tokens in the map")
+    parser.add_argument("--out", required=True, help="the file to write, e.g. token_map.pt")
+
+
+def run(args) -> None:
+    ids = frequent_tokens(Store(args.store), args.size)
+    write_token_map(ids, args.out)
+    print(f"wrote {args.out}: {len(ids)} token ids")
+
+
+def write_token_map(ids: torch.Tensor, path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(ids.to(torch.int64).contiguous(), tmp)
+    tmp.replace(path)

@@ -1,0 +1,105 @@
+"""A token map (FR-Spec, SGLang's --speculative-token-map) restricts what a Medusa, EAGLE-1 or MTP head drafts.
+
+1. A map of every token in shuffled order drafts exactly what the head drafts without one: the pruned LM head's
+   rows are mapped back to the right target ids.
+2. A map of half the vocabulary: every draft lies in it, and greedy outputs stay plain greedy decoding's.
+3. Bad maps and maps for drafters that do not take one are clear errors.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import heads
+from serving import targets
+from serving.engine import Engine
+from serving.request import SamplingParams
+from serving.spec.config import SpeculativeConfig
+
+K = 3
+KINDS = ("medusa", "eagle", "mtp")
+PROMPTS = [[5, 9, 13, 2, 77, 31], [100, 4, 18, 200, 3, 9, 51, 60, 7, 8, 12]]
+MAX_TOKENS = 16
+
+
+def new_head(kind, folder):
+    parts = heads.load_target_parts(folder, fingerprint=targets.fingerprint(folder))
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        head = {"medusa": lambda: heads.Medusa.from_target(parts, num_heads=K),
+                "eagle": lambda: heads.Eagle.from_target(parts),
+                "mtp": lambda: heads.Mtp.from_target(parts, depth=2, serve_mode="chain")}[kind]()
+        with torch.no_grad():  # random weights, so that drafts are not the target's own guesses
+            for param in head.parameters():
+                param.add_(torch.randn(param.shape) / (param.shape[-1] ** 0.5 if param.ndim >= 2 else 10))
+    return head
+
+
+def run(folder, head_dir, kind, token_map=None):
+    spec = {"method": kind, "model": str(head_dir), "num_speculative_tokens": 2 if kind == "mtp" else K}
+    if token_map is not None:
+        spec["token_map"] = str(token_map)
+    engine = Engine(str(folder), block_size=4, num_blocks=128, max_model_len=64, speculative_config=spec)
+    proposals = []
+    propose = engine.speculator.drafter.propose
+
+    def spy(engine_, requests, budgets, step):
+        out = propose(engine_, requests, budgets, step)
+        proposals.append({rid: list(drafts) for rid, drafts in out.items()})
+        return out
+
+    engine.speculator.drafter.propose = spy
+    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    return [o.token_ids for o in outputs], proposals, engine.speculator.stats
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_maps_draft_among_their_tokens_only(kind, tiny_llama, tmp_path):
+    head_dir = heads.save(new_head(kind, tiny_llama), tmp_path / kind)
+    vocab = targets.fingerprint(tiny_llama)["vocab_size"]
+    plain = [o.token_ids for o in Engine(str(tiny_llama), block_size=4, num_blocks=128, max_model_len=64)
+             .generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
+    outputs, proposals, _ = run(tiny_llama, head_dir, kind)
+    assert outputs == plain and any(proposals)
+
+    g = torch.Generator().manual_seed(0)
+    torch.save(torch.randperm(vocab, generator=g), tmp_path / "all.pt")
+    outputs_all, proposals_all, _ = run(tiny_llama, head_dir, kind, tmp_path / "all.pt")
+    assert outputs_all == plain
+    assert proposals_all == proposals
+
+    half = torch.randperm(vocab, generator=g)[:vocab // 2]
+    torch.save(half.to(torch.int32), tmp_path / "half.pt")  # any integer dtype
+    outputs_half, proposals_half, stats = run(tiny_llama, head_dir, kind, tmp_path / "half.pt")
+    assert outputs_half == plain
+    drafted = [t for step in proposals_half for drafts in step.values() for t in drafts]
+    assert drafted and set(drafted) <= set(half.tolist())
+    assert sum(stats.proposed) == len(drafted)
+
+
+def test_bad_token_maps_are_clear_errors(tiny_llama, tmp_path):
+    head_dir = heads.save(new_head("eagle", tiny_llama), tmp_path / "eagle")
+    vocab = targets.fingerprint(tiny_llama)["vocab_size"]
+    cases = {
+        "missing.pt": (None, FileNotFoundError, "does not exist: write one with `draftheads token-map"),
+        "float.pt": (torch.tensor([1.0, 2.0]), ValueError, "1-D integer tensor"),
+        "matrix.pt": (torch.tensor([[1, 2]]), ValueError, "1-D integer tensor"),
+        "empty.pt": (torch.tensor([], dtype=torch.int64), ValueError, "non-empty"),
+        "range.pt": (torch.tensor([1, vocab]), ValueError, rf"distinct token ids in \[0, {vocab}\)"),
+        "twice.pt": (torch.tensor([4, 4]), ValueError, "distinct"),
+        "dict.pt": ({"ids": torch.tensor([1])}, ValueError, "1-D integer tensor"),
+    }
+    (tmp_path / "text.pt").write_text("not a tensor")
+    with pytest.raises(ValueError, match="not a torch.save file"):
+        run(tiny_llama, head_dir, "eagle", tmp_path / "text.pt")
+    for name, (content, error, message) in cases.items():
+        if content is not None:
+            torch.save(content, tmp_path / name)
+        with pytest.raises(error, match=message):
+            run(tiny_llama, head_dir, "eagle", tmp_path / name)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "ngram", "draft_model"])
+def test_token_map_is_refused_where_it_does_not_apply(method):
+    with pytest.raises(ValueError, match="token_map applies to medusa, eagle, mtp heads"):
+        SpeculativeConfig(method=method, model="somewhere", token_map="map.pt")
