@@ -17,7 +17,9 @@ def sdpa_gqa(q, k, v, mask=None, is_causal=False):
         mask = torch.ones(num_q, k.shape[1], dtype=torch.bool, device=q.device).tril(k.shape[1] - num_q)[None]
         is_causal = False
     if mask is not None:
-        mask = mask.unsqueeze(1).repeat(1, 1, group, 1)  # [B, 1, group * Q, C]
+        mask = mask.unsqueeze(1)  # [B, 1, Q, C]; one query row broadcasts over its group
+        if num_q > 1 and group > 1:
+            mask = mask.repeat(1, 1, group, 1)  # [B, 1, group * Q, C]
     out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=is_causal)
     return out.view(batch, num_kv, group, num_q, head_dim).permute(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, head_dim)
 

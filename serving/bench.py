@@ -54,26 +54,37 @@ def run(args) -> None:
 
 def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency, temperature=0.0, seed=0,
               baseline=None) -> dict:
+    """Plain decoding, each speculative config and (baseline="hf") transformers' generate take turns on each group
+    of `concurrency` prompts, so that drift in the machine's speed hits every method alike."""
     params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i) for i in range(len(prompts))]
     engine.scheduler.max_num_seqs = concurrency
     engine.generate([prompts[0]], SamplingParams(max_tokens=4))  # warm-up
-    rows, plain_outputs = [], None
-    for config in [None, *configs]:
-        engine.set_speculative_config(config)
-        start = time.perf_counter()
-        outputs = engine.generate(prompts, params)
-        elapsed = time.perf_counter() - start
-        num_tokens = sum(len(o.token_ids) for o in outputs)
+    methods = [None, *configs]
+    seconds, outputs = [0.0] * len(methods), [[] for _ in methods]
+    hf = HfGenerate(engine) if baseline == "hf" else None
+    for first in range(0, len(prompts), concurrency):
+        group = slice(first, first + concurrency)
+        for m, config in enumerate(methods):
+            engine.set_speculative_config(config)
+            start = time.perf_counter()
+            outputs[m] += engine.generate(prompts[group], params[group])
+            seconds[m] += time.perf_counter() - start
+        if hf:
+            hf.generate(prompts[group], max_new_tokens)
+    engine.set_speculative_config(None)
+    rows, plain_outputs = [], outputs[0]
+    for config, elapsed, method_outputs in zip(methods, seconds, outputs):
+        num_tokens = sum(len(o.token_ids) for o in method_outputs)
         row = {"method": config.method if config else "plain",
                "num_speculative_tokens": config.num_speculative_tokens if config else 0,
                "config": config.__dict__ if config else None,
                "tokens_per_s": num_tokens / elapsed, "num_tokens": num_tokens, "seconds": elapsed}
         if config is None:
-            plain_outputs, plain_rate = outputs, row["tokens_per_s"]
+            plain_rate = row["tokens_per_s"]
             row.update(tau=1.0, acceptance_rate=None, per_position=[], speedup=1.0, identical_to_plain=True)
         else:
             stats, per_category = AcceptanceStats(), {}
-            for output, category in zip(outputs, categories):
+            for output, category in zip(method_outputs, categories):
                 spec = output.metrics.get("spec")
                 request_stats = AcceptanceStats.from_dict(spec) if spec else AcceptanceStats()
                 stats.merge(request_stats)
@@ -81,20 +92,19 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
             summary = stats.to_dict()
             row.update(tau=summary["tau"], acceptance_rate=summary["acceptance_rate"], per_position=summary["per_position"],
                        speedup=row["tokens_per_s"] / plain_rate,
-                       identical_to_plain=all(a.token_ids == b.token_ids for a, b in zip(outputs, plain_outputs)),
+                       identical_to_plain=all(a.token_ids == b.token_ids for a, b in zip(method_outputs, plain_outputs)),
                        per_category={c: {"tau": s.tau, "acceptance_rate": s.acceptance_rate} for c, s in sorted(per_category.items())})
             if temperature > 0:
                 row["identical_to_plain"] = None  # sampled outputs agree in law, not token by token
         rows.append(row)
-    engine.set_speculative_config(None)
     result = {"target": str(engine.folder), "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
               "concurrency": concurrency, "temperature": temperature, "dtype": str(engine.dtype).replace("torch.", ""),
               "threads": torch.get_num_threads(), "rows": rows}
-    if baseline == "hf":
-        hf_rate, hf_outputs = hf_generate(engine, prompts, max_new_tokens, concurrency)
+    if hf:
+        hf_rate = hf.num_tokens / hf.seconds
         result["hf_tokens_per_s"] = hf_rate
         result["speed_vs_hf"] = rows[0]["tokens_per_s"] / hf_rate
-        result["identical_to_hf"] = all(a.token_ids == b for a, b in zip(plain_outputs, hf_outputs)) if temperature == 0 else None
+        result["identical_to_hf"] = all(a.token_ids == b for a, b in zip(plain_outputs, hf.outputs)) if temperature == 0 else None
         for row in rows:
             row["speed_vs_hf"] = row["tokens_per_s"] / hf_rate
     result.update(bandwidth_floor(engine, rows[0]))
@@ -102,30 +112,33 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
     return result
 
 
-def hf_generate(engine, prompts, max_new_tokens, batch_size) -> tuple[float, list[list[int]]]:
-    """transformers' generate, greedy, static batches of `batch_size` with left padding."""
-    from transformers import AutoModelForCausalLM
+class HfGenerate:
+    """transformers' generate on the engine's target, greedy, one static batch per call with left padding."""
 
-    model = AutoModelForCausalLM.from_pretrained(engine.folder, dtype=engine.dtype).eval()
-    encoded = [engine.encode(p) for p in prompts]
-    pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
-    eos = engine.model.config.eos_token_ids
-    outputs, num_tokens = [], 0
-    with torch.inference_mode():
-        model.generate(torch.tensor([encoded[0]]), max_new_tokens=2, do_sample=False, pad_token_id=pad)
+    def __init__(self, engine):
+        from transformers import AutoModelForCausalLM
+
+        self.engine = engine
+        self.model = AutoModelForCausalLM.from_pretrained(engine.folder, dtype=engine.dtype).eval()
+        self.pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
+        self.seconds, self.num_tokens, self.outputs = 0.0, 0, []
+        with torch.inference_mode():  # warm-up
+            self.model.generate(torch.tensor([[self.pad, self.pad]]), max_new_tokens=2, do_sample=False, pad_token_id=self.pad)
+
+    @torch.inference_mode()
+    def generate(self, prompts, max_new_tokens) -> None:
+        encoded = [self.engine.encode(p) for p in prompts]
+        eos = self.engine.model.config.eos_token_ids
+        width = max(map(len, encoded))
+        ids = torch.tensor([[self.pad] * (width - len(c)) + c for c in encoded])
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in encoded])
         start = time.perf_counter()
-        for i in range(0, len(encoded), batch_size):
-            chunk = encoded[i:i + batch_size]
-            width = max(map(len, chunk))
-            ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk])
-            mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk])
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-            for row in out[:, width:].tolist():
-                cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
-                outputs.append(row[:cut])
-                num_tokens += cut
-        elapsed = time.perf_counter() - start
-    return num_tokens / elapsed, outputs
+        out = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad)
+        self.seconds += time.perf_counter() - start
+        for row in out[:, width:].tolist():
+            cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+            self.outputs.append(row[:cut])
+            self.num_tokens += cut
 
 
 def bandwidth_floor(engine, plain_row) -> dict:

@@ -154,6 +154,7 @@ class Engine:
                          return_hidden=self.capture_hidden or bool(self.speculator and self.speculator.needs_hidden), aux_layers=self.aux_layers)
         self.num_steps += 1
         finished, num_accepted = [], {}
+        best = out.logits.argmax(-1).tolist() if out.logits is not None else []  # one call for the whole batch
         for i, (request, num) in enumerate(scheduled.scheduled):
             if self.capture_hidden:
                 rows = slice(batch.token_start[i], batch.token_start[i] + num)
@@ -161,7 +162,7 @@ class Engine:
             request.num_computed_tokens += num
             row = batch.logits_start[i]
             if row >= 0 and not request.finish_reason:
-                self._emit(request, out.logits[row:row + 1 + len(request.spec_token_ids)], num_accepted)
+                self._emit(request, out.logits[row:row + 1 + len(request.spec_token_ids)], num_accepted, best[row])
             self.block_manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
             # A capturing request runs one more step over its last token, so every token has its hidden state.
             is_capture_pending = self.capture_hidden and request.num_computed_tokens < request.num_tokens
@@ -176,11 +177,12 @@ class Engine:
             self.speculator.propose(self, StepOutputs(batch, out, num_accepted))
         return finished
 
-    def _emit(self, request: Request, logits: torch.Tensor, num_accepted: dict) -> None:
-        """logits: [1 + drafts, vocab]. Plain decoding samples one token; speculation verifies and rolls back."""
+    def _emit(self, request: Request, logits: torch.Tensor, num_accepted: dict, argmax: int) -> None:
+        """logits: [1 + drafts, vocab]; argmax: of its first row. Plain decoding samples one token; speculation
+        verifies and rolls back."""
         is_decode = request.num_output_tokens > 0
         if self.speculator is None or not self.speculator.can_speculate(request):
-            token, logprob = next_token(logits[0], request, self.generators.get(request.request_id))
+            token, logprob = next_token(logits[0], request, self.generators.get(request.request_id), argmax)
             self._append(request, [token], [logprob])
             return
         num_drafts = len(request.spec_token_ids)

@@ -58,13 +58,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
 
 
-def next_token(logits: torch.Tensor, request: Request, generator: torch.Generator | None) -> tuple[int, float | None]:
-    """One token for one request from its logits row [vocab]; also its logprob when asked."""
+def next_token(logits: torch.Tensor, request: Request, generator: torch.Generator | None,
+               argmax: int | None = None) -> tuple[int, float | None]:
+    """One token for one request from its logits row [vocab]; also its logprob when asked. `argmax`: the row's
+    argmax when the caller computed it for the whole batch at once."""
     p = request.params
     if p.needs_history:
-        logits = apply_penalties(logits, request)
+        logits, argmax = apply_penalties(logits, request), None
     if p.is_greedy:
-        token = int(logits.argmax())
+        token = int(logits.argmax()) if argmax is None else argmax
     else:
         token = sample(target_probs(logits[None], p)[0], generator)
     logprob = float(torch.log_softmax(logits, -1)[token]) if p.logprobs else None
