@@ -28,16 +28,16 @@ class TargetParts(nn.Module):
 
     def __init__(self, layer: LayerConfig, *, num_layers: int, vocab_size: int, max_position_embeddings: int,
                  rope_theta: float, rope_scaling: dict | None, model_type: str, tie_word_embeddings: bool,
-                 fingerprint: dict | None = None):
+                 fingerprint: dict | None = None, device=None):
         super().__init__()
         self.layer, self.num_layers, self.vocab_size = layer, num_layers, vocab_size
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.model_type, self.tie_word_embeddings = model_type, tie_word_embeddings
         self.fingerprint = fingerprint
-        self.embed = nn.Embedding(vocab_size, layer.hidden_size)
+        self.embed = nn.Embedding(vocab_size, layer.hidden_size, device=device)
         self.norm = RMSNorm(layer.hidden_size, layer.rms_norm_eps)
-        self.lm_head = nn.Linear(layer.hidden_size, vocab_size, bias=False)
+        self.lm_head = nn.Linear(layer.hidden_size, vocab_size, bias=False, device=device)
         if tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.requires_grad_(False)
@@ -53,20 +53,21 @@ class TargetParts(nn.Module):
 
 
 def load_target_parts(folder, dtype: torch.dtype = torch.float32, device="cpu",
-                      fingerprint: dict | None = None) -> TargetParts:
+                      fingerprint: dict | None = None, weights: bool = True) -> TargetParts:
     """Embedding, final norm and LM head of the Hugging Face model in `folder`; the LM head is the embedding
-    when config.json ties them or the weights hold no lm_head.weight."""
+    when config.json ties them or the weights hold no lm_head.weight. weights=False reads config.json only and
+    leaves the embedding and LM head on the meta device, for a caller that puts in tensors it already holds."""
     folder = Path(folder)
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{folder} has no config.json: a target is a Hugging Face model folder")
     config = json.loads(config_file.read_text())
-    tensors = _read_tensors(folder, (EMBED, NORM, LM_HEAD))
-    for name in (EMBED, NORM):
+    tensors = _read_tensors(folder, (EMBED, NORM, LM_HEAD)) if weights else {}
+    for name in (EMBED, NORM) if weights else ():
         if name not in tensors:
             raise ValueError(f"{folder}: no tensor {name} in its *.safetensors files")
     rope_theta, rope_scaling = rope_settings(config)
-    tie = config.get("tie_word_embeddings", False) or LM_HEAD not in tensors
+    tie = config.get("tie_word_embeddings", False) or (weights and LM_HEAD not in tensors)
     parts = TargetParts(
         LayerConfig.from_hf(config),
         num_layers=config["num_hidden_layers"],
@@ -77,7 +78,10 @@ def load_target_parts(folder, dtype: torch.dtype = torch.float32, device="cpu",
         model_type=config.get("model_type", ""),
         tie_word_embeddings=tie,
         fingerprint=fingerprint,
+        device=None if weights else "meta",
     )
+    if not weights:
+        return parts
     ours = {EMBED: parts.embed.weight, NORM: parts.norm.weight}
     if not tie:
         ours[LM_HEAD] = parts.lm_head.weight

@@ -2,6 +2,7 @@
 flattened batch over the paged K/V pool, and the step's second half turns logits into tokens."""
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from pathlib import Path
@@ -87,6 +88,11 @@ class Engine:
         self.block_manager.num_lookahead = getattr(self.speculator and self.speculator.drafter, "num_lookahead", 0)
         if not self.capture_hidden:
             self.aux_layers = self.speculator.aux_layers if self.speculator else ()
+
+    @functools.cached_property
+    def fingerprint(self) -> dict:
+        """The target's identity (serving.targets.fingerprint), computed once: heads and stores check it."""
+        return targets.fingerprint(self.folder)
 
     # ---- requests -------------------------------------------------------------------------------------
 

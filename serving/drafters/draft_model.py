@@ -18,7 +18,7 @@ class DraftModelDrafter:
         if folder == engine.folder:
             self.model = engine.model  # the target drafting for itself: same weights, its own pool
         else:
-            draft_fp, target_fp = targets.fingerprint(folder), targets.fingerprint(engine.folder)
+            draft_fp, target_fp = targets.fingerprint(folder), engine.fingerprint
             if (draft_fp["vocab_size"], draft_fp["vocab_hash"]) != (target_fp["vocab_size"], target_fp["vocab_hash"]):
                 raise ValueError(f"draft model {config.model} has another vocabulary than the target "
                                  f"({draft_fp['vocab_size']} tokens, hash {draft_fp['vocab_hash']} vs "

@@ -14,21 +14,19 @@ import torch
 from torch import nn
 
 import heads
-from serving import targets
 from serving.attention import KVCache, PagedAttention
 from serving.drafters.runner import flatten
 
 
 def make_head_drafter(engine, config):
-    head = heads.load(config.model, targets.fingerprint(engine.folder))
-    parts = heads.load_target_parts(engine.folder, engine.dtype, fingerprint=targets.fingerprint(engine.folder))
+    head = heads.load(config.model, engine.fingerprint)
+    parts = heads.load_target_parts(engine.folder, fingerprint=engine.fingerprint, weights=False)
     parts.embed, parts.norm, parts.lm_head = engine.model.embed, engine.model.norm, engine.model.lm_head
     hot = None
     if config.token_map:
         hot = load_token_map(config.token_map, parts.vocab_size)
-        full = engine.model.lm_head.weight
-        parts.lm_head = nn.Linear(parts.hidden_size, len(hot), bias=False, dtype=full.dtype).requires_grad_(False)
-        parts.lm_head.weight.copy_(full[hot])
+        parts.lm_head = nn.Linear(parts.hidden_size, len(hot), bias=False, device="meta")
+        parts.lm_head.weight = nn.Parameter(engine.model.lm_head.weight[hot], requires_grad=False)
     head = head.bind_target(parts).to(engine.dtype).eval().requires_grad_(False)
     kind = head.config.kind
     if kind != config.method:
