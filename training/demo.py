@@ -52,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=int(os.environ.get("DEMO_EPOCHS", 2)), help="training epochs per head")
     p.add_argument("--bench-mt-bench", type=int, default=8, help="MT-bench first turns, one per category first")
     p.add_argument("--bench-humaneval", type=int, default=4, help="HumanEval prompts")
-    p.add_argument("--bench-new-tokens", type=int, default=128)
+    p.add_argument("--bench-new-tokens", type=int, default=96)
     p.add_argument("--kinds", default=",".join(KINDS), help="head kinds to train and bench")
     p.add_argument("--data", default="data", help="where the store goes")
     p.add_argument("--results", default="results", help="where bench.json, bench.md and acceptance.png go")
