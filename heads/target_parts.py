@@ -62,10 +62,12 @@ def load_target_parts(folder, dtype: torch.dtype = torch.float32, device="cpu",
     if not config_file.is_file():
         raise ValueError(f"{folder} has no config.json: a target is a Hugging Face model folder")
     config = json.loads(config_file.read_text())
-    tensors = _read_tensors(folder, (EMBED, NORM, LM_HEAD)) if weights else {}
-    for name in (EMBED, NORM) if weights else ():
-        if name not in tensors:
-            raise ValueError(f"{folder}: no tensor {name} in its *.safetensors files")
+    tensors = {}
+    if weights:
+        tensors = _read_tensors(folder, (EMBED, NORM, LM_HEAD))
+        for name in (EMBED, NORM):
+            if name not in tensors:
+                raise ValueError(f"{folder}: no tensor {name} in its *.safetensors files")
     rope_theta, rope_scaling = rope_settings(config)
     tie = config.get("tie_word_embeddings", False) or (weights and LM_HEAD not in tensors)
     parts = TargetParts(

@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
     print(resolve(args.target))
     store = generate(args)
     heads = {kind: fit(args, kind, store) for kind in args.kinds.split(",")}
-    token_map = write_token_map(store)
+    token_map = make_token_map(store)
     if args.full:
         args.bench_mt_bench, args.bench_humaneval = 80, 164
     result = bench(args, heads, token_map)
@@ -119,15 +119,15 @@ def fit(args, kind: str, store: Path) -> Path:
     return head
 
 
-def write_token_map(store: Path) -> Path:
+def make_token_map(store: Path) -> Path:
     """Medusa, EAGLE-1 and MTP draft over the same most frequent answer tokens as EAGLE-3 (FR-Spec)."""
     from training.data.store import Store
-    from training.data.vocab import frequent_tokens, write_token_map as write
+    from training.data.vocab import frequent_tokens, write_token_map
 
     data = Store(store)
     size = min(DRAFT_VOCAB_SIZE, data.meta["target"]["fingerprint"]["vocab_size"])
     path = Path("runs") / f"token_map-{size}.pt"
-    write(frequent_tokens(data, size), path)
+    write_token_map(frequent_tokens(data, size), path)
     return path
 
 
