@@ -16,18 +16,20 @@ from torch import nn
 import heads
 from serving.attention import KVCache, PagedAttention
 from serving.drafters.runner import flatten
+from serving.kernels import PackedLinear, for_inference
 
 
 def make_head_drafter(engine, config):
     head = heads.load(config.model, engine.fingerprint)
     parts = heads.load_target_parts(engine.folder, fingerprint=engine.fingerprint, weights=False)
-    parts.embed, parts.norm, parts.lm_head = engine.model.embed, engine.model.norm, engine.model.lm_head
+    parts.embed, parts.norm, parts.lm_head = engine.model.embed, engine.model.norm, engine.model.logits_head
     hot = None
     if config.token_map:
         hot = load_token_map(config.token_map, parts.vocab_size)
-        parts.lm_head = nn.Linear(parts.hidden_size, len(hot), bias=False, device="meta")
-        parts.lm_head.weight = nn.Parameter(engine.model.lm_head.weight[hot], requires_grad=False)
-    head = head.bind_target(parts).to(engine.dtype).eval().requires_grad_(False)
+        rows = nn.Linear(parts.hidden_size, len(hot), bias=False, device="meta")
+        rows.weight = nn.Parameter(engine.model.lm_head.weight[hot], requires_grad=False)
+        parts.lm_head = PackedLinear(rows)
+    head = for_inference(head.bind_target(parts).to(engine.dtype).eval().requires_grad_(False))
     kind = head.config.kind
     if kind != config.method:
         raise ValueError(f"{config.model} holds a {kind} head, but the speculative config says method {config.method!r}: "

@@ -1,0 +1,144 @@
+"""Inference versions of the decoder's linear layers and norms, and the float32 CPU kernels behind them.
+
+At the 1-16 rows of a decode or verify step, the BLAS that ships with torch runs far from this CPU's memory
+bandwidth, its time per step grows with every row added, and each small operator costs more in dispatch
+than in arithmetic. `kernels.c` streams weights stored as column panels, keeps each output a single
+in-order sum (a row's result is the same in any batch), and normalises a row in one pass. It is compiled
+once per machine with the C compiler (`$CC`, default `cc`) into $DRAFTHEADS_CACHE/kernels and runs on the
+OpenMP threads torch already uses. Without a compiler or AVX2, or with DRAFTHEADS_KERNELS=torch, the same
+modules run torch's operators.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from heads.layer import RMSNorm
+from serving.targets import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+PANEL = 24  # NR in kernels.c
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+_long, _ptr, _float = ctypes.c_long, ctypes.c_void_p, ctypes.c_float
+SIGNATURES = {
+    "gemm_panels": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long],
+    "rms_norm": [_ptr, _long, _long, _ptr, _float, _ptr, _long, _long],
+}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None when this machine cannot build or run them."""
+    if os.environ.get("DRAFTHEADS_KERNELS", "c") == "torch":
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.warning("serving.kernels: this CPU has no AVX2; the engine uses torch's operators")
+        return None
+    compiler = os.environ.get("CC", "cc")
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"kernels-{digest}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            built = Path(tmp) / path.name
+            try:
+                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
+                               capture_output=True, text=True)
+            except (OSError, subprocess.CalledProcessError) as error:
+                log.warning("serving.kernels: could not compile %s with %s (%s); the engine uses torch's operators "
+                            "(install a C compiler, or set CC, for the faster kernels)", SOURCE.name, compiler,
+                            getattr(error, "stderr", None) or error)
+                return None
+            built.replace(path)  # atomic: a concurrent process never loads a half-written file
+    lib = ctypes.CDLL(str(path))
+    for name, argtypes in SIGNATURES.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
+    return lib
+
+
+def _uses_kernels(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype == torch.float32 and library() is not None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.float32:
+        raise TypeError(f"a float32 layer got {rows.dtype} inputs")
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [ceil(out / PANEL), in, PANEL], the last panel padded with zero columns."""
+    out_features, in_features = weight.shape
+    num_panels = -(-out_features // PANEL)
+    padded = weight.new_zeros(num_panels * PANEL, in_features)
+    padded[:out_features] = weight
+    return padded.view(num_panels, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+class PackedLinear(nn.Module):
+    """A frozen nn.Linear for inference: weights as panels for `gemm_panels`, or where the kernels do not run,
+    stored transposed, [in, out] (at a few rows torch's x @ W^T runs faster from that layout)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach()
+        self.out_features = weight.shape[0]
+        self.lib = library() if _uses_kernels(weight) else None
+        self.register_buffer("panels", to_panels(weight) if self.lib else None)
+        self.register_buffer("weight_t", None if self.lib else weight.t().contiguous())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lib is None:
+            out = x @ self.weight_t
+            return out if self.bias is None else out + self.bias
+        rows = _rows(x)
+        out = torch.empty(rows.shape[0], self.out_features)
+        if rows.shape[0]:
+            self.lib.gemm_panels(rows.data_ptr(), rows.shape[0], rows.stride(0), self.panels.data_ptr(), rows.shape[1],
+                                 self.out_features, None if self.bias is None else self.bias.data_ptr(),
+                                 out.data_ptr(), out.stride(0))
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class FusedRMSNorm(nn.Module):
+    """An RMSNorm for inference: one `rms_norm` kernel call per tensor where the kernels run."""
+
+    def __init__(self, norm: RMSNorm):
+        super().__init__()
+        self.reference = norm
+        self.lib = library() if _uses_kernels(norm.weight) else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lib is None:
+            return self.reference(x)
+        rows = _rows(x)
+        out = torch.empty(rows.shape)
+        self.lib.rms_norm(rows.data_ptr(), rows.shape[0], rows.stride(0), self.reference.weight.data_ptr(),
+                          self.reference.eps, out.data_ptr(), out.stride(0), rows.shape[1])
+        return out.view(x.shape)
+
+
+def for_inference(module: nn.Module) -> nn.Module:
+    """Replace, in place, every nn.Linear inside `module` by a PackedLinear and every RMSNorm by a FusedRMSNorm;
+    returns `module`. Call it after the module has its final device and dtype."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, PackedLinear(child))
+        elif isinstance(child, RMSNorm):
+            setattr(module, name, FusedRMSNorm(child))
+        else:
+            for_inference(child)
+    return module

@@ -1,0 +1,130 @@
+"""The inference layers of serving/kernels.py against torch's: PackedLinear against F.linear, FusedRMSNorm
+against heads' RMSNorm, at the row counts and odd sizes the engine meets; the kernel's batch invariance; and
+the fallback to torch's operators when the kernels cannot be built."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heads.layer import DecoderLayer, LayerConfig, RMSNorm
+from serving import kernels
+
+HAS_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    monkeypatch.setenv("DRAFTHEADS_KERNELS", "torch")
+    kernels.library.cache_clear()
+    yield
+    monkeypatch.undo()
+    kernels.library.cache_clear()
+
+
+def linear(in_features, out_features, bias):
+    torch.manual_seed(in_features * 1000 + out_features)
+    return nn.Linear(in_features, out_features, bias=bias).requires_grad_(False)
+
+
+@pytest.mark.skipif(not HAS_AVX2 or shutil.which("cc") is None, reason="needs AVX2 and a C compiler")
+def test_kernels_build_on_this_machine():
+    assert kernels.library() is not None
+    assert kernels.PackedLinear(linear(8, 8, False)).lib is not None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 33])
+@pytest.mark.parametrize("in_features,out_features", [(1, 1), (7, 23), (64, 24), (64, 25), (37, 100)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, in_features, out_features, bias):
+    layer = linear(in_features, out_features, bias)
+    x = torch.randn(rows, in_features)
+    torch.testing.assert_close(kernels.PackedLinear(layer)(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_packed_linear_takes_any_leading_shape_and_strides():
+    layer = linear(48, 30, True)
+    packed = kernels.PackedLinear(layer)
+    x = torch.randn(3, 5, 48)
+    torch.testing.assert_close(packed(x), F.linear(x, layer.weight, layer.bias))
+    wide = torch.randn(6, 100)[:, 10:58]  # rows strided past their length
+    torch.testing.assert_close(packed(wide), F.linear(wide, layer.weight, layer.bias))
+    transposed = torch.randn(48, 6).t()  # columns not contiguous
+    torch.testing.assert_close(packed(transposed), F.linear(transposed, layer.weight, layer.bias))
+    assert packed(torch.randn(0, 48)).shape == (0, 30)
+
+
+def test_packed_linear_rows_do_not_depend_on_the_batch():
+    """A verify step's logits equal, bit for bit, what one-row decode steps compute (gemm.c sums in order)."""
+    packed = kernels.PackedLinear(linear(576, 100, False))
+    if packed.lib is None:
+        pytest.skip("the kernels do not run here")
+    x = torch.randn(13, 576)
+    together = packed(x)
+    for i in range(13):
+        assert torch.equal(together[i:i + 1], packed(x[i:i + 1]))
+
+
+def test_packed_linear_refuses_other_dtypes():
+    packed = kernels.PackedLinear(linear(8, 8, False))
+    if packed.lib is None:
+        pytest.skip("the kernels do not run here")
+    with pytest.raises(TypeError, match="float64"):
+        packed(torch.randn(2, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (5, 576), (70, 33), (2, 3, 64)])
+def test_fused_rms_norm_matches_rms_norm(shape):
+    norm = RMSNorm(shape[-1], 1e-5).requires_grad_(False)
+    norm.weight.copy_(torch.randn(shape[-1]))
+    x = torch.randn(shape) * 3
+    torch.testing.assert_close(kernels.FusedRMSNorm(norm)(x), norm(x))
+
+
+def test_for_inference_keeps_a_decoder_layer_exact():
+    config = LayerConfig(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96, qkv_bias=True, qk_norm=True)
+    torch.manual_seed(0)
+    layer = DecoderLayer(config).requires_grad_(False)
+    for norm in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm):
+        norm.weight.copy_(torch.rand_like(norm.weight) + 0.5)
+    hidden = torch.randn(2, 9, 64)
+    cos, sin = torch.ones(9, 1, 16), torch.zeros(9, 1, 16)
+    dense = lambda _, q, k, v: F.scaled_dot_product_attention(  # noqa: E731
+        q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2), v.repeat_interleave(2, 2).transpose(1, 2),
+        is_causal=True).transpose(1, 2)
+    expected = layer(hidden, cos, sin, dense)
+    fast = kernels.for_inference(layer)
+    assert all(isinstance(getattr(fast, name), kernels.PackedLinear) for name in ("qkv", "o", "gate_up", "down"))
+    assert all(isinstance(getattr(fast, name), kernels.FusedRMSNorm)
+               for name in ("input_norm", "post_norm", "q_norm", "k_norm"))
+    torch.testing.assert_close(fast(hidden, cos, sin, dense), expected)
+
+
+def test_without_kernels_the_layers_run_torch(no_kernels):
+    assert kernels.library() is None
+    layer = linear(40, 30, True)
+    packed = kernels.PackedLinear(layer)
+    assert packed.lib is None and packed.panels is None
+    x = torch.randn(4, 40)
+    torch.testing.assert_close(packed(x), F.linear(x, layer.weight, layer.bias))
+    norm = RMSNorm(40, 1e-6)
+    assert kernels.FusedRMSNorm(norm)(x).equal(norm(x))
+
+
+def test_a_failed_build_warns_and_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    kernels.library.cache_clear()
+    try:
+        if not HAS_AVX2:
+            pytest.skip("without AVX2 the kernels are never built")
+        with caplog.at_level("WARNING"):
+            assert kernels.library() is None
+        assert "could not compile" in caplog.text and "no-such-compiler" in caplog.text
+        assert not list((tmp_path / "kernels").glob("*.so"))
+    finally:
+        monkeypatch.undo()
+        kernels.library.cache_clear()
