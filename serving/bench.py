@@ -143,7 +143,8 @@ class HfGenerate:
 
 def bandwidth_floor(engine, plain_row) -> dict:
     """Bytes of weights read per decode step over the measured copy bandwidth: the fastest a step can be."""
-    tensors = {id(t): t for t in [*engine.model.parameters(), *engine.model.buffers()]}  # tied weights count once
+    read = [engine.model.layers, engine.model.norm, engine.model.logits_head]  # of the embedding, one row per token
+    tensors = {id(t): t for module in read for t in [*module.parameters(), *module.buffers()]}
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     source = torch.empty(64 * 2**20, dtype=torch.float32)
     target = torch.empty_like(source)
