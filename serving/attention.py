@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from heads.attention import sdpa_gqa
+from serving.kernels import library
 
 MAX_BATCHED_QUERY_LEN = 16
 
@@ -46,6 +47,7 @@ class _Batched:
     valid: torch.Tensor  # [B * Qmax] bool: which padded rows are real
     rows: torch.Tensor  # [num real rows] their rows in the flat batch
     key_range: tuple[int, int] | None  # (first slot, count) when one sequence's keys lie in consecutive slots
+    seqs: torch.Tensor  # [B, 3] (first row in the flat batch, query rows, context length), for the C kernel
 
 
 @dataclass
@@ -96,34 +98,46 @@ class PagedMetadata:
         first = int(key_slots[0, 0])
         # A lone sequence (concurrency 1) usually holds consecutive blocks: its keys are then a view of the pool.
         is_range = num == 1 and bool((key_slots[0] == torch.arange(first, first + max_c)).all())
+        seqs = torch.tensor([(start, query_len, context_len) for start, query_len, context_len, _ in short])
         return _Batched(query_index.to(device), key_slots.flatten().to(device), mask, valid.to(device),
-                        query_index.flatten()[valid].to(device), (first, max_c) if is_range else None)
+                        query_index.flatten()[valid].to(device), (first, max_c) if is_range else None, seqs.to(device))
 
 
 class PagedAttention:
-    """Writes this step's K/V into the pool, then attends over each sequence's blocks."""
+    """Writes this step's K/V into the pool, then attends over each sequence's blocks. Short queries run
+    through serving/kernels.c's `paged_attention` where it runs (float32 on CPU, head_dim a multiple of 8),
+    which reads keys in place instead of gathering them."""
 
     def __init__(self, cache: KVCache, meta: PagedMetadata):
         self.cache, self.meta = cache, meta
+        k = cache.k
+        self.lib = library() if k.device.type == "cpu" and k.dtype == torch.float32 and k.shape[-1] % 8 == 0 else None
 
     def __call__(self, layer_idx, q, k, v):
         k_pool, v_pool, meta = self.cache.k[layer_idx], self.cache.v[layer_idx], self.meta
         k_pool.index_copy_(0, meta.slot_mapping, k)
         v_pool.index_copy_(0, meta.slot_mapping, v)
-        if meta.batched is not None and not meta.singles:
+        if meta.batched is not None and not meta.singles and self.lib is None:
             b = meta.batched
             if b.query_index.shape == (q.shape[0], 1):  # decode only: one row per sequence, already in order
                 out = sdpa_gqa(q.unsqueeze(1), *self._gather(k_pool, v_pool, b), b.mask)
                 return out.view(q.shape)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for s in self.meta.singles:
             if s.key_slots is None:
                 o = sdpa_gqa(q[None, s.start:s.end], k[None, s.start:s.end], v[None, s.start:s.end], is_causal=True)
             else:
                 o = sdpa_gqa(q[None, s.start:s.end], k_pool[s.key_slots][None], v_pool[s.key_slots][None], s.mask)
             out[s.start:s.end] = o[0]
-        if meta.batched is not None:
-            b = meta.batched
+        b = meta.batched
+        if b is not None and self.lib is not None:
+            if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+                q = q.contiguous()
+            num_seqs, (num_heads, head_dim), num_kv = len(b.seqs), q.shape[1:], k_pool.shape[1]
+            self.lib.paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                                     b.seqs.data_ptr(), num_seqs, b.key_slots.data_ptr(), len(b.key_slots) // num_seqs,
+                                     num_heads, num_kv, head_dim, head_dim ** -0.5)
+        elif b is not None:
             o = sdpa_gqa(q[b.query_index], *self._gather(k_pool, v_pool, b), b.mask)
             out.index_copy_(0, b.rows, o.flatten(0, 1)[b.valid])
         return out

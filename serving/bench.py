@@ -75,7 +75,7 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
     rows, plain_outputs = [], outputs[0]
     for config, elapsed, method_outputs in zip(methods, seconds, outputs):
         num_tokens = sum(len(o.token_ids) for o in method_outputs)
-        row = {"method": config.method if config else "plain",
+        row = {"method": config.label() if config else "plain",
                "num_speculative_tokens": config.num_speculative_tokens if config else 0,
                "config": config.__dict__ if config else None,
                "tokens_per_s": num_tokens / elapsed, "num_tokens": num_tokens, "seconds": elapsed}

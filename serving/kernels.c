@@ -6,6 +6,7 @@
  * computes bit for bit what decode steps would. */
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
 
 #define NR 24
 #define MR 4
@@ -69,5 +70,100 @@ void rms_norm(const float *x, long rows, long ldx, const float *w, float eps, fl
         for (; i < n; i++) sum += xr[i] * xr[i];
         float scale = 1.0f / sqrtf(sum / n + eps);
         for (i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * scale);
+    }
+}
+
+/* e^x for 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error
+ * below 2e-7), 2^n through the exponent bits. Lanes below -87 give 0, as softmax wants for masked keys. */
+static inline __m256 exp8(__m256 x) {
+    __m256 zero_below = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), zero_below);
+}
+
+/* The 8 sums of 8 vectors, one per lane. */
+static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+    __m256 s01 = _mm256_hadd_ps(a0, a1), s23 = _mm256_hadd_ps(a2, a3), s45 = _mm256_hadd_ps(a4, a5), s67 = _mm256_hadd_ps(a6, a7);
+    __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* Attention of short queries (decode, verify) over keys read in place from the paged pool.
+ * q: [tokens, heads, dim] with q_stride floats from token to token; out: [tokens, heads, dim]; k_pool, v_pool: [slots, kv_heads, dim]; seqs: [num_seqs][3] = (first query row,
+ * query rows, context length); slots: [num_seqs][slot_stride] key slots in position order. Query row i of a
+ * sequence sees keys 0 .. context - rows + i. One task per (sequence, kv head) holds its group's rows and streams
+ * the keys once, in blocks of 8, with an online softmax. dim must be a multiple of 8. */
+void paged_attention(const float *q, long q_stride, float *out, const float *k_pool, const float *v_pool, const long *seqs,
+                     long num_seqs, const long *slots, long slot_stride, long heads, long kv_heads, long dim,
+                     float scale) {
+    long group = heads / kv_heads, vecs = dim / 8;
+    #pragma omp parallel for collapse(2) schedule(dynamic)
+    for (long b = 0; b < num_seqs; b++) {
+        for (long h = 0; h < kv_heads; h++) {
+            long first = seqs[3 * b], rows = seqs[3 * b + 1], context = seqs[3 * b + 2], n = rows * group;
+            const long *sl = slots + b * slot_stride;
+            float *buf = malloc(sizeof(float) * (2 * n * dim + 2 * n));
+            float *qs = buf, *acc = buf + n * dim, *m = acc + n * dim, *l = m + n;
+            for (long r = 0; r < n; r++) {  /* r = i * group + g: query row i, head h * group + g */
+                const float *src = q + (first + r / group) * q_stride + (h * group + r % group) * dim;
+                for (long d = 0; d < dim; d++) { qs[r * dim + d] = src[d] * scale; acc[r * dim + d] = 0.0f; }
+                m[r] = -INFINITY; l[r] = 0.0f;
+            }
+            for (long c0 = 0; c0 < context; c0 += 8) {
+                const float *kr[8], *vr[8];
+                for (int j = 0; j < 8; j++) {
+                    long c = c0 + j < context ? c0 + j : context - 1;
+                    kr[j] = k_pool + (sl[c] * kv_heads + h) * dim;
+                    vr[j] = v_pool + (sl[c] * kv_heads + h) * dim;
+                }
+                for (long r = 0; r < n; r++) {
+                    long visible = context - rows + r / group + 1 - c0;  /* keys of this block row r sees */
+                    if (visible <= 0) continue;
+                    __m256 a[8];
+                    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+                    for (long v = 0; v < vecs; v++) {
+                        __m256 qv = _mm256_loadu_ps(qs + r * dim + 8 * v);
+                        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + 8 * v), a[j]);
+                    }
+                    float s[8], p[8];
+                    _mm256_storeu_ps(s, sum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
+                    float block_max = -INFINITY;
+                    for (int j = 0; j < 8; j++) {
+                        if (j >= visible) s[j] = -INFINITY;
+                        if (s[j] > block_max) block_max = s[j];
+                    }
+                    float new_max = block_max > m[r] ? block_max : m[r];
+                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s), _mm256_set1_ps(new_max)));
+                    _mm256_storeu_ps(p, e);
+                    float correction = m[r] == -INFINITY ? 0.0f : expf(m[r] - new_max), block_sum = 0.0f;
+                    for (int j = 0; j < 8; j++) block_sum += p[j];
+                    m[r] = new_max;
+                    l[r] = l[r] * correction + block_sum;
+                    float *ar = acc + r * dim;
+                    __m256 cv = _mm256_set1_ps(correction);
+                    for (long v = 0; v < vecs; v++) {
+                        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * v), cv);
+                        for (int j = 0; j < 8; j++) x = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(vr[j] + 8 * v), x);
+                        _mm256_storeu_ps(ar + 8 * v, x);
+                    }
+                }
+            }
+            for (long r = 0; r < n; r++) {
+                float *dst = out + ((first + r / group) * heads + h * group + r % group) * dim, inv = 1.0f / l[r];
+                for (long d = 0; d < dim; d++) dst[d] = acc[r * dim + d] * inv;
+            }
+            free(buf);
+        }
     }
 }

@@ -34,6 +34,7 @@ _long, _ptr, _float = ctypes.c_long, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {
     "gemm_panels": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long],
     "rms_norm": [_ptr, _long, _long, _ptr, _float, _ptr, _long, _long],
+    "paged_attention": [_ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _ptr, _long, _long, _long, _long, _float],
 }
 
 

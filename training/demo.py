@@ -2,10 +2,10 @@
 
 1. `draftheads generate`: the default target answers DEMO_PROMPTS ShareGPT train prompts (first turns, greedy,
    DEMO_NEW_TOKENS tokens at most), its hidden states captured in the same pass, into data/demo-store;
-2. `draftheads fit` of Medusa, EAGLE-1, EAGLE-3 and MTP heads from configs/ in offline mode on that store,
+2. `draftheads token-map`: the store's 8,192 most frequent answer tokens, which Medusa, EAGLE-1 and MTP train and
+   draft among (EAGLE-3 trains over the same ones as its draft vocabulary);
+3. `draftheads fit` of Medusa, EAGLE-1, EAGLE-3 and MTP heads from configs/ in offline mode on that store,
    each exported to runs/<kind>/heads/best (the folders configs/ name);
-3. `draftheads token-map`: the store's 8,192 most frequent answer tokens, which Medusa, EAGLE-1 and MTP draft
-   among (EAGLE-3 trains over the same ones);
 4. `draftheads bench` on MT-bench first turns (one per category) and HumanEval (a fixed subset), concurrency 1,
    greedy, k=4 chains: plain decoding, n-gram and each trained head;
 5. results/bench.json, results/bench.md and results/acceptance.png, also logged to an (offline) wandb run.
@@ -75,8 +75,8 @@ def main(argv=None) -> dict:
     start = stage(f"target {args.target}")
     print(resolve(args.target))
     store = generate(args)
-    heads = {kind: fit(args, kind, store) for kind in args.kinds.split(",")}
     token_map = make_token_map(store)
+    heads = {kind: fit(args, kind, store, token_map) for kind in args.kinds.split(",")}
     if args.full:
         args.bench_mt_bench, args.bench_humaneval = 80, 164
     result = bench(args, heads, token_map)
@@ -97,15 +97,17 @@ def generate(args) -> Path:
     return out
 
 
-def fit(args, kind: str, store: Path) -> Path:
+def fit(args, kind: str, store: Path, token_map: Path) -> Path:
+    from serving.spec.config import TAKES_TOKEN_MAP
     from training.fit import main as fit_main
 
     config = CONFIGS / f"{kind}.yaml"
     root = Path("runs") / kind  # where configs/<kind>.yaml puts its run, checkpoints and head folders
     head = root / "heads" / "best"
     meta = json.loads((store / "meta.json").read_text())
+    recipe = RECIPE + KIND_RECIPE.get(kind, []) + (["--model.init_args.token_map", str(token_map)] if kind in TAKES_TOKEN_MAP else [])
     settings = {"kind": kind, "target": args.target, "store": str(store), "counts": meta["counts"], "epochs": args.epochs,
-                "recipe": RECIPE + KIND_RECIPE.get(kind, []),
+                "recipe": recipe,
                 "config": hashlib.sha256(config.read_bytes()).hexdigest()[:12]}
     stamp = root / "demo-stamp.json"
     if head.exists() and stamp.exists() and json.loads(stamp.read_text()) == settings:
@@ -113,14 +115,14 @@ def fit(args, kind: str, store: Path) -> Path:
         return head
     t = stage(f"fit {kind}: {args.epochs} epochs on {store}")
     fit_main("fit", ["-c", str(config), "--model.init_args.target", args.target, "--data.store", str(store),
-                     "--trainer.max_epochs", str(args.epochs), *RECIPE, *KIND_RECIPE.get(kind, [])])
+                     "--trainer.max_epochs", str(args.epochs), *recipe])
     stamp.write_text(json.dumps(settings))
     print(f"fit {kind} took {time.perf_counter() - t:.0f} s")
     return head
 
 
 def make_token_map(store: Path) -> Path:
-    """Medusa, EAGLE-1 and MTP draft over the same most frequent answer tokens as EAGLE-3 (FR-Spec)."""
+    """Medusa, EAGLE-1 and MTP train and draft over the same most frequent answer tokens as EAGLE-3 (FR-Spec)."""
     from training.data.store import Store
     from training.data.vocab import frequent_tokens, write_token_map
 

@@ -38,14 +38,14 @@ def make_head_drafter(engine, config):
         if config.num_speculative_tokens > head.config.num_heads:
             raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds this Medusa head's "
                              f"{head.config.num_heads} heads")
-        return MedusaDrafter(head, hot)
+        return MedusaDrafter(head, hot, config.confidence_threshold)
     if kind == "mtp" and head.config.serve_mode == "chain":
         if config.num_speculative_tokens > head.config.depth:
             raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds this MTP head's depth "
                              f"{head.config.depth} (serve_mode 'chain' drafts one token per module): draft fewer "
                              "tokens or set serve_mode 'reuse_first' in its config.json")
-        return MtpChainDrafter(engine, head, hot)
-    return FeatureDrafter(engine, head, hot)
+        return MtpChainDrafter(engine, head, hot, config.confidence_threshold)
+    return FeatureDrafter(engine, head, hot, config.confidence_threshold)
 
 
 def load_token_map(path, vocab_size: int) -> torch.Tensor:
@@ -64,10 +64,24 @@ def load_token_map(path, vocab_size: int) -> torch.Tensor:
     return ids
 
 
-def _best(logits: torch.Tensor, hot: torch.Tensor | None) -> list:
-    """Target ids of the most likely drafts; with a token map, logits cover only its tokens."""
+def _best(logits: torch.Tensor, hot: torch.Tensor | None, threshold: float = 0.0, to_ids=None) -> tuple[list, list]:
+    """(target ids of the most likely drafts, whether the head gives each a probability >= threshold). With a
+    token map the logits cover only its tokens; `to_ids` maps other reduced vocabularies (EAGLE-3's)."""
     best = logits.argmax(-1)
-    return (best if hot is None else hot[best]).tolist()
+    ids = to_ids(best) if to_ids is not None else best if hot is None else hot[best]
+    if threshold <= 0:
+        return ids.tolist(), torch.ones_like(best, dtype=torch.bool).tolist()
+    # p(best) = 1 / sum(exp(logits - max)), without materialising the softmax
+    confident = (logits.float() - logits.amax(-1, keepdim=True).float()).exp().sum(-1) <= 1 / threshold
+    return ids.tolist(), confident.tolist()
+
+
+def _confident_prefix(tokens: list, confident: list) -> list:
+    """The drafts up to the first one the head is not confident in."""
+    for n, ok in enumerate(confident):
+        if not ok:
+            return tokens[:n]
+    return tokens
 
 
 def _last_rows(step, request) -> tuple[int, int, int]:
@@ -79,8 +93,8 @@ def _last_rows(step, request) -> tuple[int, int, int]:
 
 
 class MedusaDrafter:
-    def __init__(self, head, hot=None):
-        self.head, self.hot = head, hot
+    def __init__(self, head, hot=None, threshold=0.0):
+        self.head, self.hot, self.threshold = head, hot, threshold
         self.aux_layers = ()
         self.draft_probs = {}
 
@@ -94,8 +108,9 @@ class MedusaDrafter:
             first_row, _, num_kept = _last_rows(step, r)
             rows.append(first_row + num_kept - 1)
         logits = self.head(step.out.hidden[torch.tensor(rows)])  # [num_heads, requests, vocab]
-        tokens = [list(t) for t in zip(*_best(logits, self.hot))]
-        return {r.request_id: tokens[n][:budgets[r.request_id]] for n, r in enumerate(requests)}
+        tokens, confident = _best(logits, self.hot, self.threshold)  # [num_heads][requests] each
+        return {r.request_id: _confident_prefix([t[n] for t in tokens], [c[n] for c in confident])[:budgets[r.request_id]]
+                for n, r in enumerate(requests)}
 
     def reset(self, request):
         pass
@@ -105,8 +120,8 @@ class FeatureDrafter:
     """EAGLE-1, EAGLE-3 and MTP with serve_mode 'reuse_first' (module 0 drafts every token). Stateless between
     steps: the pool is rewritten from each step's kept tokens, so rollback and preemption need nothing."""
 
-    def __init__(self, engine, head, hot=None):
-        self.head, self.kind, self.hot = head, head.config.kind, hot
+    def __init__(self, engine, head, hot=None, threshold=0.0):
+        self.head, self.kind, self.hot, self.threshold = head, head.config.kind, hot, threshold
         layer = head.config.layer_config()
         self.cache = KVCache(1, engine.cache.num_blocks, engine.block_size, layer.num_kv_heads, layer.head_dim, engine.dtype)
         self.block_size = engine.block_size
@@ -126,12 +141,12 @@ class FeatureDrafter:
             return self.head.forward_module(0, ids, features, positions, attention)
         return self.head(ids, features, positions, attention)
 
-    def _tokens(self, out: torch.Tensor) -> list[int]:
+    def _tokens(self, out: torch.Tensor) -> tuple[list[int], list[bool]]:
         if self.kind == "mtp":
-            return _best(self.head.logits(0, out), self.hot)
+            return _best(self.head.logits(0, out), self.hot, self.threshold)
         if self.kind == "eagle3":
-            return self.head.to_target_ids(self.head.logits(out).argmax(-1)).tolist()
-        return _best(self.head.logits(out), self.hot)
+            return _best(self.head.logits(out), None, self.threshold, self.head.to_target_ids)
+        return _best(self.head.logits(out), self.hot, self.threshold)
 
     @torch.inference_mode()
     def observe(self, engine, step):
@@ -161,9 +176,11 @@ class FeatureDrafter:
         drafts = {r.request_id: [] for r in requests}
         active = list(range(len(requests)))
         for s in range(max(budgets[r.request_id] for r in requests)):
-            for n, token in zip(active, self._tokens(features)):
-                drafts[requests[n].request_id].append(token)
-            still = [j for j, n in enumerate(active) if budgets[requests[n].request_id] > s + 1]
+            tokens, confident = self._tokens(features)
+            for n, token, ok in zip(active, tokens, confident):
+                if ok:
+                    drafts[requests[n].request_id].append(token)
+            still = [j for j, n in enumerate(active) if confident[j] and budgets[requests[n].request_id] > s + 1]
             if not still:
                 break
             features = features[torch.tensor(still)]
@@ -187,8 +204,8 @@ class MtpChainDrafter:
     are the drafts before it and module j - 1's outputs there. Each step's catch-up rewrites those speculative
     entries, starting module j at c_before - j from module j - 1's output kept from the previous step."""
 
-    def __init__(self, engine, head, hot=None):
-        self.head, self.depth, self.hot = head, head.config.depth, hot
+    def __init__(self, engine, head, hot=None, threshold=0.0):
+        self.head, self.depth, self.hot, self.threshold = head, head.config.depth, hot, threshold
         layer = head.config.layer_config()
         self.cache = KVCache(self.depth, engine.cache.num_blocks, engine.block_size, layer.num_kv_heads, layer.head_dim,
                              engine.dtype)
@@ -247,14 +264,18 @@ class MtpChainDrafter:
                     and self.carry[r.request_id][0][0] == r.num_tokens - 2]
         if not requests:
             return {}
-        first = _best(self.head.logits(0, torch.stack([self.carry[r.request_id][0][1] for r in requests])), self.hot)
-        drafts = {r.request_id: [token] for r, token in zip(requests, first)}
+        first, confident = _best(self.head.logits(0, torch.stack([self.carry[r.request_id][0][1] for r in requests])),
+                                 self.hot, self.threshold)
+        drafts = {r.request_id: [token] for r, token, ok in zip(requests, first, confident) if ok}
+        requests = [r for r in requests if r.request_id in drafts]
+        if not requests:
+            return drafts
         outputs = {r.request_id: torch.empty(0, self.head.config.hidden_size, dtype=engine.dtype) for r in requests}
         for s in range(1, max(budgets[r.request_id] for r in requests)):
             active, chunks = [], []
             for r in requests:
                 c, carried = r.num_tokens - 1, self.carry[r.request_id].get(s - 1)
-                if budgets[r.request_id] <= s or carried is None or carried[0] != c - s:
+                if budgets[r.request_id] <= s or len(drafts[r.request_id]) < s or carried is None or carried[0] != c - s:
                     continue
                 features = torch.cat([carried[1][None], outputs[r.request_id]])  # module s - 1 at c - s .. c - 1
                 chunks.append((drafts[r.request_id][:s], c - s, features, r.block_ids))
@@ -262,10 +283,11 @@ class MtpChainDrafter:
             if not active:
                 break
             outs = self._run(s, chunks)
-            tokens = _best(self.head.logits(s, torch.stack([o[-1] for o in outs])), self.hot)
-            for r, out, token in zip(active, outs, tokens):
-                drafts[r.request_id].append(token)
-                outputs[r.request_id] = out
+            tokens, confident = _best(self.head.logits(s, torch.stack([o[-1] for o in outs])), self.hot, self.threshold)
+            for r, out, token, ok in zip(active, outs, tokens, confident):
+                if ok:
+                    drafts[r.request_id].append(token)
+                    outputs[r.request_id] = out
         return drafts
 
     def reset(self, request):

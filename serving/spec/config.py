@@ -8,6 +8,7 @@ from dataclasses import dataclass
 METHODS = ("ngram", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp")
 NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp")
 TAKES_TOKEN_MAP = ("medusa", "eagle", "mtp")
+HEADS = ("medusa", "eagle", "eagle3", "mtp")
 
 
 @dataclass
@@ -22,6 +23,9 @@ class SpeculativeConfig:
     # medusa/eagle/mtp: a file of token ids (`draftheads token-map`, SGLang's --speculative-token-map): the head
     # drafts among those tokens only, reading just their rows of the LM head (FR-Spec).
     token_map: str | None = None
+    # medusa/eagle/eagle3/mtp: end a chain at the first draft the head gives a probability below this, so steps
+    # where the head is unsure verify fewer tokens (0: always draft num_speculative_tokens).
+    confidence_threshold: float = 0.0
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -39,6 +43,11 @@ class SpeculativeConfig:
         if self.token_map and self.method not in TAKES_TOKEN_MAP:
             raise ValueError(f"token_map applies to {', '.join(TAKES_TOKEN_MAP)} heads, not {self.method!r}"
                              + (" (an EAGLE-3 head drafts over its own draft vocabulary)" if self.method == "eagle3" else ""))
+        if not isinstance(self.confidence_threshold, (int, float)) or not 0 <= self.confidence_threshold < 1:
+            raise ValueError(f"confidence_threshold={self.confidence_threshold!r} must be in [0, 1) "
+                             "(0 drafts num_speculative_tokens every step)")
+        if self.confidence_threshold and self.method not in HEADS:
+            raise ValueError(f"confidence_threshold applies to {', '.join(HEADS)} heads, not {self.method!r}")
         if self.draft_temperature is not None and self.draft_temperature < 0:
             raise ValueError(f"draft_temperature={self.draft_temperature} must be >= 0")
 
@@ -59,4 +68,5 @@ class SpeculativeConfig:
         return cls(**values)
 
     def label(self) -> str:
-        return f"{self.method} k={self.num_speculative_tokens}"
+        """The method, and the confidence threshold when one is set: a bench row's name."""
+        return f"{self.method} p>={self.confidence_threshold:g}" if self.confidence_threshold else self.method

@@ -706,3 +706,70 @@ def test_mtp_chain_refuses_more_drafts_than_modules(tiny_llama, heads_root):
     head_dir = str(heads.save(head, heads_root / "mtp-chain-2"))
     with pytest.raises(ValueError, match="exceeds this MTP head's depth 2"):
         make_engine(tiny_llama, spec_config("mtp", head_dir, k=3))
+
+
+# ---- a confidence threshold ends chains early ------------------------------------------------------------
+
+def median_confidence(folder, head_dir, kind, monkeypatch) -> float:
+    """The median probability the head gives its drafts over a run without a threshold."""
+    from serving.drafters import heads as drafters
+
+    seen, best = [], drafters._best
+
+    def spy(logits, *args):
+        seen.extend(logits.float().softmax(-1).amax(-1).flatten().tolist())
+        return best(logits, *args)
+
+    monkeypatch.setattr(drafters, "_best", spy)
+    make_engine(folder, spec_config(kind, head_dir), **SCENARIOS[1]).generate(PROMPTS, greedy(MAX_TOKENS))
+    monkeypatch.undo()
+    return float(torch.tensor(seen).median())
+
+
+@pytest.mark.parametrize("kind, fixture", HEAD_CASES, ids=[f"{k}-{f}" for k, f in HEAD_CASES])
+def test_a_confidence_threshold_cuts_chains_to_a_prefix_and_keeps_outputs(kind, fixture, heads_root, request, monkeypatch):
+    """With confidence_threshold at the median confidence of the head's drafts, each proposal is a prefix of
+    what the head drafts without one (the dense reference), some are cut short and some are not, and outputs
+    stay plain greedy decoding's."""
+    folder = request.getfixturevalue(fixture)
+    head_dir = random_head_dir(kind, folder, heads_root)
+    threshold = median_confidence(folder, head_dir, kind, monkeypatch)
+    engine = make_engine(folder, dict(spec_config(kind, head_dir), confidence_threshold=threshold), **SCENARIOS[1])
+    proposals = record_proposals(engine)
+    outputs = engine.generate(PROMPTS, greedy(MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == plain_outputs(folder, PROMPTS, MAX_TOKENS)
+    assert_pool_idle(engine)
+    cut = [p for p in proposals if len(p.drafts) < p.budget]
+    assert cut and len(cut) < len(proposals), f"{len(cut)} of {len(proposals)} proposals cut: the threshold tests nothing"
+    head = heads.load(head_dir, target=target_parts(folder)).eval()
+    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
+    num_checked, mismatches = check_against_dense(folder, head, proposals, finals)
+    assert num_checked == len(proposals) and not mismatches, mismatches[:5]
+
+
+def test_confidence_is_the_heads_probability_of_its_draft():
+    from serving.drafters.heads import _best
+
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.45, 0.35]]))
+    assert _best(logits, None, 0.5) == ([0, 1], [True, False])
+    assert _best(logits, None, 0.45 - 1e-6) == ([0, 1], [True, True])
+    assert _best(logits, torch.tensor([7, 8, 9]), 0.0) == ([7, 8], [True, True])
+
+
+def test_mtp_chain_with_a_confidence_threshold_drafts_a_prefix_of_the_chain(tiny_llama, heads_root, monkeypatch):
+    head = perturb(heads.Mtp.from_target(target_parts(tiny_llama), depth=K, serve_mode="chain"), seed=13)
+    head_dir = str(heads.save(head, heads_root / "mtp-chain-threshold"))
+    threshold = median_confidence(tiny_llama, head_dir, "mtp", monkeypatch)
+    prompts = random_prompts([5, 23, 9, 40], seed=46)
+    engine = make_engine(tiny_llama, dict(spec_config("mtp", head_dir), confidence_threshold=threshold), num_blocks=64)
+    proposals = record_proposals(engine)
+    outputs = engine.generate(prompts, greedy(20))
+    assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, prompts, 20)
+    cut = [p for p in proposals if len(p.drafts) < p.budget]
+    assert cut and len(cut) < len(proposals), f"{len(cut)} of {len(proposals)} proposals cut"
+    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
+    loaded = heads.load(head_dir, target=target_parts(tiny_llama)).eval()
+    mismatches = [(p.request_id, len(p.token_ids), p.drafts) for p in proposals
+                  if p.drafts != dense_chain_drafts(loaded, hf_hidden_states(tiny_llama, finals[p.request_id]),
+                                                    p.token_ids, len(p.drafts))]
+    assert not mismatches, mismatches[:5]

@@ -495,6 +495,10 @@ def test_requests_needing_history_decode_plainly_beside_speculating_ones(tiny_ll
     ('{"method": "early_exit"}', 'early_exit needs "num_layers" >= 1'),
     ('{"method": "early_exit", "num_layers": 0}', 'early_exit needs "num_layers" >= 1'),
     ('{"method": "draft_model", "model": "x", "draft_temperature": -1}', "draft_temperature=-1 must be >= 0"),
+    ('{"method": "eagle", "model": "x", "confidence_threshold": 1}', r"confidence_threshold=1 must be in \[0, 1\)"),
+    ('{"method": "eagle", "model": "x", "confidence_threshold": -0.1}', "confidence_threshold=-0.1"),
+    ('{"method": "eagle", "model": "x", "confidence_threshold": "high"}', "confidence_threshold='high'"),
+    ('{"method": "ngram", "confidence_threshold": 0.5}', "confidence_threshold applies to medusa, eagle, eagle3, mtp"),
 ])
 def test_bad_speculative_configs_are_clear_errors(text, message):
     with pytest.raises(ValueError, match=message):

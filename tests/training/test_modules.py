@@ -143,3 +143,41 @@ def test_a_store_without_the_layers_a_head_reads_fails_before_training(tmp_path_
     trainer = Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     with pytest.raises(ValueError, match=r"holds hidden states \['last'\] but this head reads \['last', 'eagle3'\]"):
         trainer.validate(MODULES["eagle3"](target="debug", **SMALL["eagle3"]), data)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "mtp"])
+def test_a_token_map_trains_over_its_rows_and_counts_other_labels_as_misses(kind, debug_store, tmp_path):
+    from training.data.store import Store
+    from training.data.vocab import answer_token_counts, frequent_tokens, write_token_map
+
+    hot = frequent_tokens(Store(debug_store), 64)
+    write_token_map(hot, tmp_path / "map.pt")
+    module = MODULES[kind](target="debug", token_map=str(tmp_path / "map.pt"), **SMALL[kind])
+    full = load_target_parts(module.target_folder)
+    assert torch.equal(module.target_parts.lm_head.weight, full.lm_head.weight[hot])
+    assert all(key.startswith("head.") for key in module.state_dict())  # the map stays out of checkpoints
+    outside = next(t for t in range(full.vocab_size) if t not in set(hot.tolist()))
+    labels = torch.tensor([int(hot[5]), outside, int(hot[0])])
+    rows, valid = module.draft_labels(labels, torch.tensor([True, True, False]))
+    assert rows.tolist()[0] == 5 and valid.tolist() == [True, False, False]
+    assert module.target_ids(torch.tensor([5, 0])).tolist() == [int(hot[5]), int(hot[0])]
+
+    data = DraftDataModule(str(debug_store), target="debug", batch_size=4, heldout_fraction=0.3)
+    trainer = Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      max_steps=2, num_sanity_val_steps=0, limit_val_batches=1)
+    trainer.fit(module, data)
+    assert all(torch.isfinite(p).all() for p in module.head.parameters())
+    [metrics] = trainer.validate(module, data, verbose=False)
+    assert math.isfinite(metrics["val/loss"]) and 1.0 <= metrics["val/tau"] <= 1 + module.hparams.num_draft_tokens
+
+    # a map of tokens no answer holds: every draft is a miss, not a label left out of the metric
+    counts = answer_token_counts(Store(debug_store))
+    write_token_map(torch.nonzero(counts == 0).flatten()[:64], tmp_path / "absent.pt")
+    absent = MODULES[kind](target="debug", token_map=str(tmp_path / "absent.pt"), **SMALL[kind])
+    [metrics] = trainer.validate(absent, data, verbose=False)
+    assert metrics["val/tau"] == 1.0 and metrics["val/acc_1"] == 0.0
+
+
+def test_eagle3_refuses_a_token_map(tmp_path):
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        MODULES["eagle3"](target="debug", token_map=str(tmp_path / "map.pt"))

@@ -9,7 +9,10 @@ and dtypes but never enter its state_dict, its checkpoints or its optimizer, whi
 Validation simulates chain drafting of `num_draft_tokens` drafts against the target's own next tokens, the way the
 engine drafts (for feature heads the layer is unrolled over its own outputs, see unroll.py), and logs the
 conditional accuracy per position (val/acc_1..k) and the mean acceptance length tau it implies (val/tau); see
-chain_accuracy.py. Optimization is AdamW with linear warmup and cosine or linear decay, stepped every optimizer
+chain_accuracy.py. With a token map (`draftheads token-map`), Medusa, EAGLE-1 and MTP heads train to draft among
+its tokens over those rows of the LM head, as the engine serves them with the same file: the LM head, by far
+the largest cost of a training step, shrinks to the map's rows; labels outside the map are left out of the loss
+and count as misses in validation. Optimization is AdamW with linear warmup and cosine or linear decay, stepped every optimizer
 step; gradient clipping and precision are Trainer settings.
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import ClassVar
 
 import torch
 from lightning.pytorch import LightningModule
+from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from heads import load_target_parts
@@ -37,13 +41,16 @@ CHECKPOINT_KEY = "draft_head"
 
 class DraftModule(LightningModule):
     kind: ClassVar[str] = ""
+    takes_token_map: ClassVar[bool] = True
     hidden_layers: ClassVar[tuple[str, ...]] = ("last",)  # the store's hidden states this kind reads
 
     def __init__(self, target: str = targets.DEFAULT_TARGET, num_draft_tokens: int = 4, learning_rate: float = 1e-3,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 100,
-                 schedule: str = "cosine", min_lr_ratio: float = 0.1, target_dtype: str = "float32"):
+                 schedule: str = "cosine", min_lr_ratio: float = 0.1, target_dtype: str = "float32",
+                 token_map: str | None = None):
         """target: the frozen target (a built-in name, a Hugging Face folder or a hub id); num_draft_tokens: k of
-        the simulated chain (the engine's num_speculative_tokens); target_dtype: of the frozen target pieces."""
+        the simulated chain (the engine's num_speculative_tokens); target_dtype: of the frozen target pieces;
+        token_map: a token map file to draft among (Medusa, EAGLE-1, MTP); serve the head with the same file."""
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
@@ -55,6 +62,21 @@ class DraftModule(LightningModule):
         self.target_folder = targets.resolve(target)
         self.target_fingerprint = targets.fingerprint(self.target_folder)
         parts = load_target_parts(self.target_folder, DTYPES[target_dtype], fingerprint=self.target_fingerprint)
+        hot = None
+        if token_map:
+            if not self.takes_token_map:
+                raise ValueError(f"token_map applies to medusa, eagle and mtp heads, not {self.kind}"
+                                 + (": EAGLE-3 trains over its own draft vocabulary (draft_vocab_size)" if self.kind == "eagle3" else ""))
+            from serving.drafters.heads import load_token_map
+
+            hot = load_token_map(token_map, parts.vocab_size)
+            rows = nn.Linear(parts.hidden_size, len(hot), bias=False, device="meta")
+            rows.weight = nn.Parameter(parts.lm_head.weight[hot], requires_grad=False)
+            parts.lm_head = rows
+        # target id -> index in the token map, -1 outside it; empty without a map. Buffers outside the state dict.
+        self.register_buffer("hot_ids", hot, persistent=False)
+        self.register_buffer("hot_index", None if hot is None else torch.full((parts.vocab_size,), -1).index_copy_(
+            0, hot, torch.arange(len(hot))), persistent=False)
         object.__setattr__(self, "target_parts", parts)  # frozen, never a submodule
         object.__setattr__(self, "target_model", None)  # the whole target, loaded for online data only
         self.chain = ChainAccuracy(num_draft_tokens)
@@ -77,6 +99,17 @@ class DraftModule(LightningModule):
     def aux_layers(self) -> tuple[int, ...]:
         """Target layers whose inputs the kind reads as hidden["eagle3"] (EAGLE-3's aux layers); none by default."""
         return ()
+
+    def draft_labels(self, labels: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(labels as LM-head rows, valid and inside the token map); unchanged without a map."""
+        if self.hot_index is None:
+            return labels, valid
+        rows = self.hot_index[labels]
+        return rows.clamp(min=0), valid & (rows >= 0)
+
+    def target_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """LM-head rows (argmax of the head's logits) as target token ids."""
+        return rows if self.hot_ids is None else self.hot_ids[rows]
 
     # ---- the frozen target ----------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ class EagleModule(DraftModule):
         with torch.no_grad():
             target_logprobs = self.target_parts.lm_head(target).float().log_softmax(-1)
         token = kl_divergence(target_logprobs, logits.log_softmax(-1)).sum() / num
-        accuracy = (logits.argmax(-1) == shift_left(batch["input_ids"], 2)[valid]).sum() / num
+        accuracy = (self.target_ids(logits.argmax(-1)) == shift_left(batch["input_ids"], 2)[valid]).sum() / num
         p = self.hparams
         return {"loss": p.feature_weight * feature + p.token_weight * token, "feature_loss": feature,
                 "token_loss": token, "acc_1": accuracy}
@@ -68,5 +68,5 @@ class EagleModule(DraftModule):
         last = hidden["last"]
         outs = unroll(self.head, batch["input_ids"], last, batch["padding_mask"], self.hparams.num_draft_tokens,
                       self.head.config.max_position_embeddings)
-        correct, valid = self.chain_outcomes(batch, outs, lambda s, rows: self.head.logits(rows).argmax(-1))
+        correct, valid = self.chain_outcomes(batch, outs, lambda s, rows: self.target_ids(self.head.logits(rows).argmax(-1)))
         return self._loss(batch, last, outs[0])["loss"], correct, valid

@@ -41,6 +41,7 @@ class MedusaModule(DraftModule):
 
     def _loss(self, logits, labels, valid) -> tuple[torch.Tensor, torch.Tensor]:
         num_heads = logits.shape[0]
+        labels, valid = self.draft_labels(labels, valid)
         ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(num_heads, -1)
         per_head = (ce * valid).sum(-1) / valid.sum(-1).clamp(min=1)  # [K]
         weights = self.hparams.decay ** torch.arange(num_heads, device=per_head.device)
@@ -49,7 +50,7 @@ class MedusaModule(DraftModule):
     def training_loss(self, batch, hidden):
         logits, labels, valid, _ = self._heads(batch, hidden)
         loss, per_head = self._loss(logits, labels, valid)
-        right = (logits.argmax(-1) == labels) & valid
+        right = (self.target_ids(logits.argmax(-1)) == labels) & valid
         accuracy = right.sum(-1) / valid.sum(-1).clamp(min=1)
         terms = {f"loss_{i + 1}": value for i, value in enumerate(per_head)}
         terms.update({f"acc_{i + 1}": value for i, value in enumerate(accuracy)})
@@ -61,6 +62,6 @@ class MedusaModule(DraftModule):
         k = self.hparams.num_draft_tokens
         correct = torch.zeros(*anchors.shape, k, dtype=torch.bool, device=anchors.device)  # [B, S, k]
         is_valid = torch.zeros_like(correct)
-        correct[anchors] = ((logits.argmax(-1) == labels) & valid)[:k].T
+        correct[anchors] = ((self.target_ids(logits.argmax(-1)) == labels) & valid)[:k].T
         is_valid[anchors] = valid[:k].T
         return loss, correct, is_valid

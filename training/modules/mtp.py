@@ -66,11 +66,12 @@ class MtpModule(DraftModule):
             valid = shift_left(batch["loss_mask"], offset + 2)
             num = max(1, int(valid.sum()))
             logits = self.head.logits(module, out[valid]).float()  # [N, vocab]
-            prediction_loss = F.cross_entropy(logits, labels[valid], reduction="sum") / num
+            rows, in_map = self.draft_labels(labels[valid], torch.ones_like(labels[valid], dtype=torch.bool))
+            prediction_loss = (F.cross_entropy(logits, rows, reduction="none") * in_map).sum() / num
             loss = loss + self.hparams.loss_weights[offset] * prediction_loss
             name = f"module{module + 1}_draft{offset + 1}"
             terms[f"loss_{name}"] = prediction_loss
-            terms[f"acc_{name}"] = (logits.argmax(-1) == labels[valid]).sum() / num
+            terms[f"acc_{name}"] = (self.target_ids(logits.argmax(-1)) == labels[valid]).sum() / num
         return loss, terms
 
     def training_loss(self, batch, hidden):
@@ -86,5 +87,5 @@ class MtpModule(DraftModule):
         served = [(j, out) for i, j, out in predictions if (j == 0 if is_reuse else j == i)][:k]
         modules = [j for j, _ in served]
         correct, valid = self.chain_outcomes(batch, [out for _, out in served],
-                                             lambda s, rows: self.head.logits(modules[s], rows).argmax(-1))
+                                             lambda s, rows: self.target_ids(self.head.logits(modules[s], rows).argmax(-1)))
         return loss, correct, valid
