@@ -106,22 +106,47 @@ class PagedMetadata:
 class PagedAttention:
     """Writes this step's K/V into the pool, then attends over each sequence's blocks. Short queries run
     through serving/kernels.c's `paged_attention` where it runs (float32 on CPU, head_dim a multiple of 8),
-    which reads keys in place instead of gathering them."""
+    which reads keys in place instead of gathering them; when every sequence of the step is short, that one
+    call also writes the new K/V."""
 
     def __init__(self, cache: KVCache, meta: PagedMetadata):
         self.cache, self.meta = cache, meta
         k = cache.k
         self.lib = library() if k.device.type == "cpu" and k.dtype == torch.float32 and k.shape[-1] % 8 == 0 else None
+        b = meta.batched
+        if self.lib is not None and b is not None:  # read once per step, used by every layer
+            self.attend = self.lib.paged_attention
+            self.layer_bytes = k[0].numel() * k.element_size()
+            self.pools = (k.data_ptr(), cache.v.data_ptr())
+            self.batched_args = (b.seqs.data_ptr(), len(b.seqs), b.key_slots.data_ptr(), len(b.key_slots) // len(b.seqs))
+            self.new_args = (meta.slot_mapping.data_ptr(), len(meta.slot_mapping)) if not meta.singles else (None, 0)
 
     def __call__(self, layer_idx, q, k, v):
-        k_pool, v_pool, meta = self.cache.k[layer_idx], self.cache.v[layer_idx], self.meta
-        k_pool.index_copy_(0, meta.slot_mapping, k)
-        v_pool.index_copy_(0, meta.slot_mapping, v)
-        if meta.batched is not None and not meta.singles and self.lib is None:
-            b = meta.batched
-            if b.query_index.shape == (q.shape[0], 1):  # decode only: one row per sequence, already in order
-                out = sdpa_gqa(q.unsqueeze(1), *self._gather(k_pool, v_pool, b), b.mask)
-                return out.view(q.shape)
+        meta, b = self.meta, self.meta.batched
+        if self.lib is not None and b is not None:
+            if not meta.singles:
+                return self._kernel(layer_idx, q, k, v)
+            out = self._kernel(layer_idx, q, k, v, self._write_and_attend_singles(layer_idx, q, k, v))
+            return out
+        if self.lib is None and b is not None and not meta.singles and b.query_index.shape == (q.shape[0], 1):
+            # decode only: one row per sequence, already in order
+            k_pool, v_pool = self._write(layer_idx, k, v)
+            return sdpa_gqa(q.unsqueeze(1), *self._gather(k_pool, v_pool, b), b.mask).view(q.shape)
+        out = self._write_and_attend_singles(layer_idx, q, k, v)
+        if b is not None:
+            k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]
+            o = sdpa_gqa(q[b.query_index], *self._gather(k_pool, v_pool, b), b.mask)
+            out.index_copy_(0, b.rows, o.flatten(0, 1)[b.valid])
+        return out
+
+    def _write(self, layer_idx, k, v):
+        k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        k_pool.index_copy_(0, self.meta.slot_mapping, k)
+        v_pool.index_copy_(0, self.meta.slot_mapping, v)
+        return k_pool, v_pool
+
+    def _write_and_attend_singles(self, layer_idx, q, k, v) -> torch.Tensor:
+        k_pool, v_pool = self._write(layer_idx, k, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for s in self.meta.singles:
             if s.key_slots is None:
@@ -129,17 +154,25 @@ class PagedAttention:
             else:
                 o = sdpa_gqa(q[None, s.start:s.end], k_pool[s.key_slots][None], v_pool[s.key_slots][None], s.mask)
             out[s.start:s.end] = o[0]
-        b = meta.batched
-        if b is not None and self.lib is not None:
-            if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
-                q = q.contiguous()
-            num_seqs, (num_heads, head_dim), num_kv = len(b.seqs), q.shape[1:], k_pool.shape[1]
-            self.lib.paged_attention(q.data_ptr(), q.stride(0), out.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-                                     b.seqs.data_ptr(), num_seqs, b.key_slots.data_ptr(), len(b.key_slots) // num_seqs,
-                                     num_heads, num_kv, head_dim, head_dim ** -0.5)
-        elif b is not None:
-            o = sdpa_gqa(q[b.query_index], *self._gather(k_pool, v_pool, b), b.mask)
-            out.index_copy_(0, b.rows, o.flatten(0, 1)[b.valid])
+        return out
+
+    def _kernel(self, layer_idx, q, k, v, out=None):
+        """The short sequences through the C kernel, into `out` (a new tensor when None); it also writes the step's
+        K/V unless `out` is given (the torch path wrote them with the long sequences')."""
+        if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+            q = q.contiguous()
+        if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1]:
+            k = k.contiguous()
+        if v.stride(-1) != 1 or v.stride(-2) != v.shape[-1]:
+            v = v.contiguous()
+        if out is None:
+            out, new = torch.empty(q.shape), self.new_args
+        else:
+            new = (None, 0)
+        offset = layer_idx * self.layer_bytes
+        self.attend(q.data_ptr(), q.stride(0), out.data_ptr(), self.pools[0] + offset, self.pools[1] + offset,
+                    k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), *new, *self.batched_args,
+                    q.shape[1], k.shape[1], q.shape[2], q.shape[2] ** -0.5)
         return out
 
     @staticmethod

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define NR 24
 #define MR 4
@@ -99,14 +100,22 @@ static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-/* Attention of short queries (decode, verify) over keys read in place from the paged pool.
- * q: [tokens, heads, dim] with q_stride floats from token to token; out: [tokens, heads, dim]; k_pool, v_pool: [slots, kv_heads, dim]; seqs: [num_seqs][3] = (first query row,
- * query rows, context length); slots: [num_seqs][slot_stride] key slots in position order. Query row i of a
- * sequence sees keys 0 .. context - rows + i. One task per (sequence, kv head) holds its group's rows and streams
- * the keys once, in blocks of 8, with an online softmax. dim must be a multiple of 8. */
-void paged_attention(const float *q, long q_stride, float *out, const float *k_pool, const float *v_pool, const long *seqs,
-                     long num_seqs, const long *slots, long slot_stride, long heads, long kv_heads, long dim,
-                     float scale) {
+/* Attention of short queries (decode, verify) over keys read in place from the paged pool, after writing this
+ * step's new keys and values (num_new rows of k_new / v_new, strides in floats, into slots new_slots) to it.
+ * q: [tokens, heads, dim] with q_stride floats from token to token; out: [tokens, heads, dim]; k_pool, v_pool:
+ * [slots, kv_heads, dim]; seqs: [num_seqs][3] = (first query row, query rows, context length); slots:
+ * [num_seqs][slot_stride] key slots in position order. Query row i of a sequence sees keys 0 .. context - rows + i.
+ * One task per (sequence, kv head) holds its group's rows and streams the keys once, in blocks of 8, with an
+ * online softmax. dim must be a multiple of 8. */
+void paged_attention(const float *q, long q_stride, float *out, float *k_pool, float *v_pool, const float *k_new,
+                     long k_stride, const float *v_new, long v_stride, const long *new_slots, long num_new,
+                     const long *seqs, long num_seqs, const long *slots, long slot_stride, long heads, long kv_heads,
+                     long dim, float scale) {
+    long row = kv_heads * dim;
+    for (long t = 0; t < num_new; t++) {
+        memcpy(k_pool + new_slots[t] * row, k_new + t * k_stride, row * sizeof(float));
+        memcpy(v_pool + new_slots[t] * row, v_new + t * v_stride, row * sizeof(float));
+    }
     long group = heads / kv_heads, vecs = dim / 8;
     #pragma omp parallel for collapse(2) schedule(dynamic)
     for (long b = 0; b < num_seqs; b++) {

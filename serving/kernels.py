@@ -34,7 +34,8 @@ _long, _ptr, _float = ctypes.c_long, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {
     "gemm_panels": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long],
     "rms_norm": [_ptr, _long, _long, _ptr, _float, _ptr, _long, _long],
-    "paged_attention": [_ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _ptr, _long, _long, _long, _long, _float],
+    "paged_attention": [_ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _ptr, _long, _ptr, _long, _ptr, _long, _ptr, _long,
+                        _long, _long, _long, _float],
 }
 
 
@@ -74,9 +75,25 @@ def _uses_kernels(tensor: torch.Tensor) -> bool:
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
-    if rows.dtype != torch.float32:
-        raise TypeError(f"a float32 layer got {rows.dtype} inputs")
     return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+class _KernelModule(nn.Module):
+    """Calls a kernel with the addresses of its frozen tensors, read once (per-call Python costs add up to
+    milliseconds per step at ~200 calls) and again after any move, which must keep them float32 on CPU."""
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        if self.lib is not None:
+            if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in [*self.parameters(), *self.buffers()]):
+                raise RuntimeError(f"{type(self).__name__} runs serving/kernels.c on float32 CPU tensors: move or cast "
+                                   "the module before serving.kernels.for_inference, not after")
+            self.read_pointers()
+        return self
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -88,48 +105,61 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(num_panels, PANEL, in_features).transpose(1, 2).contiguous()
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(_KernelModule):
     """A frozen nn.Linear for inference: weights as panels for `gemm_panels`, or where the kernels do not run,
     stored transposed, [in, out] (at a few rows torch's x @ W^T runs faster from that layout)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         weight = linear.weight.detach()
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.lib = library() if _uses_kernels(weight) else None
         self.register_buffer("panels", to_panels(weight) if self.lib else None)
         self.register_buffer("weight_t", None if self.lib else weight.t().contiguous())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        if self.lib is not None:
+            self.read_pointers()
+
+    def read_pointers(self):
+        self.gemm, self.panels_ptr, self.bias_ptr = self.lib.gemm_panels, self.panels.data_ptr(), _pointer(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lib is None:
             out = x @ self.weight_t
             return out if self.bias is None else out + self.bias
-        rows = _rows(x)
-        out = torch.empty(rows.shape[0], self.out_features)
-        if rows.shape[0]:
-            self.lib.gemm_panels(rows.data_ptr(), rows.shape[0], rows.stride(0), self.panels.data_ptr(), rows.shape[1],
-                                 self.out_features, None if self.bias is None else self.bias.data_ptr(),
-                                 out.data_ptr(), out.stride(0))
-        return out.view(*x.shape[:-1], self.out_features)
+        if x.dim() != 2 or x.stride(1) != 1:
+            return self.forward(_rows(x)).view(*x.shape[:-1], self.out_features)
+        if x.dtype != torch.float32:
+            raise TypeError(f"a float32 layer got {x.dtype} inputs")
+        out = torch.empty(x.shape[0], self.out_features)
+        self.gemm(x.data_ptr(), x.shape[0], x.stride(0), self.panels_ptr, self.in_features, self.out_features,
+                  self.bias_ptr, out.data_ptr(), self.out_features)
+        return out
 
 
-class FusedRMSNorm(nn.Module):
+class FusedRMSNorm(_KernelModule):
     """An RMSNorm for inference: one `rms_norm` kernel call per tensor where the kernels run."""
 
     def __init__(self, norm: RMSNorm):
         super().__init__()
-        self.reference = norm
+        self.reference, self.size, self.eps = norm, norm.weight.shape[0], norm.eps
         self.lib = library() if _uses_kernels(norm.weight) else None
+        if self.lib is not None:
+            self.read_pointers()
+
+    def read_pointers(self):
+        self.norm, self.weight_ptr = self.lib.rms_norm, self.reference.weight.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lib is None:
             return self.reference(x)
-        rows = _rows(x)
-        out = torch.empty(rows.shape)
-        self.lib.rms_norm(rows.data_ptr(), rows.shape[0], rows.stride(0), self.reference.weight.data_ptr(),
-                          self.reference.eps, out.data_ptr(), out.stride(0), rows.shape[1])
-        return out.view(x.shape)
+        if x.dim() != 2 or x.stride(1) != 1:
+            return self.forward(_rows(x)).view(x.shape)
+        if x.dtype != torch.float32:
+            raise TypeError(f"a float32 norm got {x.dtype} inputs")
+        out = torch.empty(x.shape)
+        self.norm(x.data_ptr(), x.shape[0], x.stride(0), self.weight_ptr, self.eps, out.data_ptr(), self.size, self.size)
+        return out
 
 
 def for_inference(module: nn.Module) -> nn.Module:
