@@ -7,7 +7,8 @@
 3. `draftheads fit` of Medusa, EAGLE-1, EAGLE-3 and MTP heads from configs/ in offline mode on that store,
    each exported to runs/<kind>/heads/best (the folders configs/ name);
 4. `draftheads bench` on MT-bench first turns (one per category) and HumanEval (a fixed subset), concurrency 1,
-   greedy, k=4 chains: plain decoding, n-gram and each trained head;
+   greedy, k=4 chains: plain decoding, n-gram and each trained head, always drafting 4 tokens and with a
+   confidence threshold;
 5. results/bench.json, results/bench.md and results/acceptance.png, also logged to an (offline) wandb run.
 
 Every stage reuses what an earlier run produced with the same settings: generation resumes, a head whose
@@ -34,6 +35,9 @@ RECIPE = ["--data.batch_size", "2", "--data.max_length", "1024", "--model.init_a
 # others through a token map): each draft step then reads a sixth of the LM head. The bench drafts k=4 tokens,
 # so EAGLE-3 unrolls 4 training-time-test steps instead of 7.
 DRAFT_VOCAB_SIZE = 8192
+# Each head is benched twice: always drafting k=4 (the goal's setting), and ending its chain at the first draft it
+# gives a probability below CONFIDENCE_THRESHOLD, so that unsure steps verify fewer tokens.
+CONFIDENCE_THRESHOLD = 0.3
 KIND_RECIPE = {"eagle3": ["--model.init_args.num_steps", "4", "--model.init_args.draft_vocab_size", str(DRAFT_VOCAB_SIZE)]}
 
 
@@ -156,8 +160,8 @@ def bench(args, heads: dict, token_map: Path) -> dict:
     k = NUM_SPECULATIVE_TOKENS
     configs = [SpeculativeConfig(method="ngram", num_speculative_tokens=k)]
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k,
-                                  token_map=str(token_map) if kind in TAKES_TOKEN_MAP else None)
-                for kind, folder in heads.items()]
+                                  token_map=str(token_map) if kind in TAKES_TOKEN_MAP else None, confidence_threshold=p)
+                for p in (0.0, CONFIDENCE_THRESHOLD) for kind, folder in heads.items()]
     engine = Engine(args.target, max_num_seqs=16)
     settings = [(0.0, 1)] + ([(0.0, 4), (0.0, 16), (0.7, 1), (0.7, 4), (0.7, 16)] if args.full else [])
     results = []
