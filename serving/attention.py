@@ -119,15 +119,12 @@ class PagedAttention:
             self.layer_bytes = k[0].numel() * k.element_size()
             self.pools = (k.data_ptr(), cache.v.data_ptr())
             self.batched_args = (b.seqs.data_ptr(), len(b.seqs), b.key_slots.data_ptr(), len(b.key_slots) // len(b.seqs))
-            self.new_args = (meta.slot_mapping.data_ptr(), len(meta.slot_mapping)) if not meta.singles else (None, 0)
+            self.new_args = (meta.slot_mapping.data_ptr(), len(meta.slot_mapping))
 
     def __call__(self, layer_idx, q, k, v):
         meta, b = self.meta, self.meta.batched
         if self.lib is not None and b is not None:
-            if not meta.singles:
-                return self._kernel(layer_idx, q, k, v)
-            out = self._kernel(layer_idx, q, k, v, self._write_and_attend_singles(layer_idx, q, k, v))
-            return out
+            return self._kernel(layer_idx, q, k, v, self._write_and_attend_singles(layer_idx, q, k, v) if meta.singles else None)
         if self.lib is None and b is not None and not meta.singles and b.query_index.shape == (q.shape[0], 1):
             # decode only: one row per sequence, already in order
             k_pool, v_pool = self._write(layer_idx, k, v)
@@ -165,10 +162,9 @@ class PagedAttention:
             k = k.contiguous()
         if v.stride(-1) != 1 or v.stride(-2) != v.shape[-1]:
             v = v.contiguous()
+        new = self.new_args if out is None else (None, 0)
         if out is None:
-            out, new = torch.empty(q.shape), self.new_args
-        else:
-            new = (None, 0)
+            out = torch.empty(q.shape)
         offset = layer_idx * self.layer_bytes
         self.attend(q.data_ptr(), q.stride(0), out.data_ptr(), self.pools[0] + offset, self.pools[1] + offset,
                     k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), *new, *self.batched_args,

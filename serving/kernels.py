@@ -1,12 +1,13 @@
-"""Inference versions of the decoder's linear layers and norms, and the float32 CPU kernels behind them.
+"""The float32 CPU kernels of serving/kernels.c, and the inference versions of the decoder's linear layers and
+norms that call them (serving/attention.py calls `paged_attention`).
 
 At the 1-16 rows of a decode or verify step, the BLAS that ships with torch runs far from this CPU's memory
 bandwidth, its time per step grows with every row added, and each small operator costs more in dispatch
 than in arithmetic. `kernels.c` streams weights stored as column panels, keeps each output a single
-in-order sum (a row's result is the same in any batch), and normalises a row in one pass. It is compiled
-once per machine with the C compiler (`$CC`, default `cc`) into $DRAFTHEADS_CACHE/kernels and runs on the
-OpenMP threads torch already uses. Without a compiler or AVX2, or with DRAFTHEADS_KERNELS=torch, the same
-modules run torch's operators.
+in-order sum (a row's result is the same in any batch), normalises a row in one pass, and attends over paged
+keys in place. It is compiled once per machine with the C compiler (`$CC`, default `cc`) into
+$DRAFTHEADS_CACHE/kernels and runs on the OpenMP threads torch already uses. Without a compiler or AVX2, or with
+DRAFTHEADS_KERNELS=torch, the same modules run torch's operators.
 """
 from __future__ import annotations
 
