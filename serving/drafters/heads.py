@@ -26,9 +26,7 @@ def make_head_drafter(engine, config):
     hot = None
     if config.token_map:
         hot = load_token_map(config.token_map, parts.vocab_size)
-        rows = nn.Linear(parts.hidden_size, len(hot), bias=False, device="meta")
-        rows.weight = nn.Parameter(engine.model.lm_head.weight[hot], requires_grad=False)
-        parts.lm_head = PackedLinear(rows)
+        parts.lm_head = PackedLinear(lm_head_rows(engine.model.lm_head, hot))
     head = for_inference(head.bind_target(parts).to(engine.dtype).eval().requires_grad_(False))
     kind = head.config.kind
     if kind != config.method:
@@ -62,6 +60,13 @@ def load_token_map(path, vocab_size: int) -> torch.Tensor:
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or len(ids.unique()) != len(ids):
         raise ValueError(f"token_map {path} must hold distinct token ids in [0, {vocab_size}) (the target's vocabulary)")
     return ids
+
+
+def lm_head_rows(lm_head: nn.Linear, ids: torch.Tensor) -> nn.Linear:
+    """A frozen LM head over the rows `ids` only (a token map's), without initialising a new weight."""
+    rows = nn.Linear(lm_head.in_features, len(ids), bias=False, device="meta")
+    rows.weight = nn.Parameter(lm_head.weight[ids], requires_grad=False)
+    return rows
 
 
 def _best(logits: torch.Tensor, hot: torch.Tensor | None, threshold: float = 0.0, to_ids=None) -> tuple[list, list]:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp")
 NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp")
+HEADS = ("medusa", "eagle", "eagle3", "mtp")  # trained draft heads: they read the target's hidden states
 TAKES_TOKEN_MAP = ("medusa", "eagle", "mtp")
-HEADS = ("medusa", "eagle", "eagle3", "mtp")
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from serving.drafters import make_drafter
 from serving.request import Request
 from serving.sampler import target_probs
-from serving.spec.config import SpeculativeConfig
+from serving.spec.config import HEADS, SpeculativeConfig
 from serving.spec.metrics import AcceptanceStats
 from serving.spec.verify import verify_greedy, verify_sampled
 
@@ -37,7 +37,7 @@ class Speculator:
         self.config = config
         self.drafter = make_drafter(engine, config)
         self.aux_layers = getattr(self.drafter, "aux_layers", ())
-        self.needs_hidden = config.method in ("medusa", "eagle", "eagle3", "mtp")
+        self.needs_hidden = config.method in HEADS
         self.stats = AcceptanceStats(config.num_speculative_tokens)
 
     @staticmethod

@@ -24,13 +24,13 @@ from typing import ClassVar
 
 import torch
 from lightning.pytorch import LightningModule
-from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from heads import load_target_parts
 from heads.attention import DenseCausalAttention
 from serving import targets
 from serving.engine import DTYPES
+from serving.spec.config import TAKES_TOKEN_MAP
 from training.data.store import HIDDEN_DTYPE
 from training.modules.chain_accuracy import ChainAccuracy
 from training.modules.schedule import SCHEDULES, lr_factor
@@ -41,7 +41,6 @@ CHECKPOINT_KEY = "draft_head"
 
 class DraftModule(LightningModule):
     kind: ClassVar[str] = ""
-    takes_token_map: ClassVar[bool] = True
     hidden_layers: ClassVar[tuple[str, ...]] = ("last",)  # the store's hidden states this kind reads
 
     def __init__(self, target: str = targets.DEFAULT_TARGET, num_draft_tokens: int = 4, learning_rate: float = 1e-3,
@@ -64,15 +63,13 @@ class DraftModule(LightningModule):
         parts = load_target_parts(self.target_folder, DTYPES[target_dtype], fingerprint=self.target_fingerprint)
         hot = None
         if token_map:
-            if not self.takes_token_map:
-                raise ValueError(f"token_map applies to medusa, eagle and mtp heads, not {self.kind}"
+            if self.kind not in TAKES_TOKEN_MAP:
+                raise ValueError(f"token_map applies to {', '.join(TAKES_TOKEN_MAP)} heads, not {self.kind}"
                                  + (": EAGLE-3 trains over its own draft vocabulary (draft_vocab_size)" if self.kind == "eagle3" else ""))
-            from serving.drafters.heads import load_token_map
+            from serving.drafters.heads import lm_head_rows, load_token_map
 
             hot = load_token_map(token_map, parts.vocab_size)
-            rows = nn.Linear(parts.hidden_size, len(hot), bias=False, device="meta")
-            rows.weight = nn.Parameter(parts.lm_head.weight[hot], requires_grad=False)
-            parts.lm_head = rows
+            parts.lm_head = lm_head_rows(parts.lm_head, hot)
         # target id -> index in the token map, -1 outside it; empty without a map. Buffers outside the state dict.
         self.register_buffer("hot_ids", hot, persistent=False)
         self.register_buffer("hot_index", None if hot is None else torch.full((parts.vocab_size,), -1).index_copy_(

@@ -26,7 +26,6 @@ from training.modules.unroll import shift_left, unroll
 
 class Eagle3Module(DraftModule):
     kind = "eagle3"
-    takes_token_map = False  # it trains over its own draft vocabulary
     hidden_layers = ("last", "eagle3")
 
     def __init__(self, num_steps: int = 7, decay: float = 0.8, draft_vocab_size: int = 32000,
