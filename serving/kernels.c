@@ -1,7 +1,7 @@
 /* Float32 CPU kernels (AVX2 and FMA) for the engine's few-row steps; serving/kernels.py builds and calls them.
  *
  * gemm_panels: y[m, n] = x[m, k] @ W[k, n] (+ bias). W is stored as panels of NR columns, [ceil(n / NR)][k][NR], so each thread streams whole panels once and
- * reuses one from its L2 cache for every group of MR rows. Each output is a single running sum over k in
+ * reuses one from its L2 cache for every further group of MR rows. Each output is a single running sum over k in
  * order, whatever m is: a row's result does not depend on the other rows of the batch, so a verify step
  * computes bit for bit what decode steps would. */
 #include <immintrin.h>
@@ -9,28 +9,26 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define NR 24
-#define MR 4
+#define NR 16
+#define MR 6 /* 6 x 2 accumulators: a verify step of up to 5 drafts streams each panel once */
+#define NV (NR / 8)
 
 static inline __attribute__((always_inline)) void tile(int mr, const float *x, long ldx, const float *w, long k,
                                                        const float *bias, float *y, long ldy, int cols) {
-    __m256 acc[MR][3];
-    _Pragma("GCC unroll 4") for (int i = 0; i < mr; i++)
-        _Pragma("GCC unroll 3") for (int j = 0; j < 3; j++) acc[i][j] = _mm256_setzero_ps();
+    __m256 acc[MR][NV];
+    _Pragma("GCC unroll 8") for (int i = 0; i < mr; i++)
+        _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) acc[i][j] = _mm256_setzero_ps();
     for (long p = 0; p < k; p++) {
-        __m256 w0 = _mm256_loadu_ps(w + p * NR), w1 = _mm256_loadu_ps(w + p * NR + 8), w2 = _mm256_loadu_ps(w + p * NR + 16);
-        _Pragma("GCC unroll 4") for (int i = 0; i < mr; i++) {
+        __m256 wv[NV];
+        _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) wv[j] = _mm256_loadu_ps(w + p * NR + 8 * j);
+        _Pragma("GCC unroll 8") for (int i = 0; i < mr; i++) {
             __m256 xi = _mm256_broadcast_ss(x + i * ldx + p);
-            acc[i][0] = _mm256_fmadd_ps(xi, w0, acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(xi, w1, acc[i][1]);
-            acc[i][2] = _mm256_fmadd_ps(xi, w2, acc[i][2]);
+            _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) acc[i][j] = _mm256_fmadd_ps(xi, wv[j], acc[i][j]);
         }
     }
-    _Pragma("GCC unroll 4") for (int i = 0; i < mr; i++) {
+    _Pragma("GCC unroll 8") for (int i = 0; i < mr; i++) {
         float out[NR];
-        _mm256_storeu_ps(out, acc[i][0]);
-        _mm256_storeu_ps(out + 8, acc[i][1]);
-        _mm256_storeu_ps(out + 16, acc[i][2]);
+        _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) _mm256_storeu_ps(out + 8 * j, acc[i][j]);
         for (int j = 0; j < cols; j++) y[i * ldy + j] = bias ? out[j] + bias[j] : out[j];
     }
 }
@@ -46,6 +44,8 @@ void gemm_panels(const float *x, long m, long ldx, const float *w, long k, long 
         long i = 0;
         for (; i + MR <= m; i += MR) tile(MR, x + i * ldx, ldx, wq, k, bq, yq + i * ldy, ldy, cols);
         switch (m - i) {
+            case 5: tile(5, x + i * ldx, ldx, wq, k, bq, yq + i * ldy, ldy, cols); break;
+            case 4: tile(4, x + i * ldx, ldx, wq, k, bq, yq + i * ldy, ldy, cols); break;
             case 3: tile(3, x + i * ldx, ldx, wq, k, bq, yq + i * ldy, ldy, cols); break;
             case 2: tile(2, x + i * ldx, ldx, wq, k, bq, yq + i * ldy, ldy, cols); break;
             case 1: tile(1, x + i * ldx, ldx, wq, k, bq, yq + i * ldy, ldy, cols); break;

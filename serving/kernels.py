@@ -29,7 +29,7 @@ from serving.targets import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
-PANEL = 24  # NR in kernels.c
+PANEL = 16  # NR in kernels.c
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _long, _ptr, _float = ctypes.c_long, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {
