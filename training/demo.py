@@ -61,8 +61,9 @@ def parse_args(argv=None):
     epochs = os.environ.get("DEMO_EPOCHS")
     p.add_argument("--epochs", type=int, default=int(epochs) if epochs else None,
                    help="training epochs of every head (default: " + ", ".join(f"{k} {n}" for k, n in EPOCHS.items()) + ")")
-    p.add_argument("--bench-mt-bench", type=int, default=8, help="MT-bench first turns, one per category first")
-    p.add_argument("--bench-humaneval", type=int, default=4, help="HumanEval prompts")
+    p.add_argument("--bench-mt-bench", type=int, default=None,
+                   help="MT-bench first turns, one per category first (default 8; 80 with --full)")
+    p.add_argument("--bench-humaneval", type=int, default=None, help="HumanEval prompts (default 4; 164 with --full)")
     p.add_argument("--bench-new-tokens", type=int, default=96)
     p.add_argument("--kinds", default=",".join(KINDS), help="head kinds to train and bench")
     p.add_argument("--data", default="data", help="where the store goes")
@@ -71,7 +72,12 @@ def parse_args(argv=None):
     p.add_argument("--full", action="store_true",
                    help="bench-full: every MT-bench question and HumanEval problem, greedy and temperature 0.7, "
                         "concurrency 1, 4 and 16 (hours on a CPU)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.bench_mt_bench is None:
+        args.bench_mt_bench = 80 if args.full else 8
+    if args.bench_humaneval is None:
+        args.bench_humaneval = 164 if args.full else 4
+    return args
 
 
 def stage(title: str):
@@ -88,8 +94,6 @@ def main(argv=None) -> dict:
     store = generate(args)
     token_map = make_token_map(store)
     heads = {kind: fit(args, kind, store, token_map) for kind in args.kinds.split(",")}
-    if args.full:
-        args.bench_mt_bench, args.bench_humaneval = 80, 164
     result = bench(args, heads, token_map)
     print(f"\ndemo finished in {time.perf_counter() - start:.0f} s")
     return result
@@ -156,7 +160,7 @@ def bench_prompts(args):
             rows.append(row)
     rows += [r for r in mt_bench if r not in rows]
     sets = {"mt-bench": rows[:args.bench_mt_bench], "humaneval": list(load_prompts("humaneval", args.bench_humaneval))}
-    return {name: ([first_turn(r["messages"]) for r in rs], [r["category"] for r in rs]) for name, rs in sets.items()}
+    return {name: ([first_turn(r["messages"]) for r in rs], [r["category"] for r in rs]) for name, rs in sets.items() if rs}
 
 
 def bench(args, heads: dict, token_map: Path) -> dict:

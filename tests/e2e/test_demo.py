@@ -40,3 +40,13 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
                "--kinds", ",".join(demo.KINDS)])
     assert stamps == {kind: (tmp_path / "runs" / kind / "heads" / "best" / "model.safetensors").stat().st_mtime_ns
                       for kind in demo.KINDS}
+
+
+def test_bench_sizes_default_to_the_demo_or_the_full_bench_and_explicit_sizes_win():
+    assert (demo.parse_args([]).bench_mt_bench, demo.parse_args([]).bench_humaneval) == (8, 4)
+    full = demo.parse_args(["--full"])
+    assert (full.bench_mt_bench, full.bench_humaneval) == (80, 164)
+    reduced = demo.parse_args(["--full", "--bench-mt-bench", "16", "--bench-humaneval", "0"])
+    assert (reduced.bench_mt_bench, reduced.bench_humaneval) == (16, 0)
+    assert list(demo.bench_prompts(reduced)) == ["mt-bench"]  # a set of 0 prompts is left out
+    assert [len(prompts) for prompts, _ in demo.bench_prompts(reduced).values()] == [16]
