@@ -156,12 +156,8 @@ class PagedAttention:
     def _kernel(self, layer_idx, q, k, v, out=None):
         """The short sequences through the C kernel, into `out` (a new tensor when None); it also writes the step's
         K/V unless `out` is given (the torch path wrote them with the long sequences')."""
-        if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
-            q = q.contiguous()
-        if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1]:
-            k = k.contiguous()
-        if v.stride(-1) != 1 or v.stride(-2) != v.shape[-1]:
-            v = v.contiguous()
+        # the kernel steps tokens by stride(0) and needs each token's heads dense
+        q, k, v = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (q, k, v))
         new = self.new_args if out is None else (None, 0)
         if out is None:
             out = torch.empty(q.shape)
