@@ -7,6 +7,7 @@ run one at a time. Everything derived from the block tables is built once per st
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,15 +40,59 @@ class _Single:
     mask: torch.Tensor | None  # [1, query, context]
 
 
-@dataclass
 class _Batched:
-    query_index: torch.Tensor  # [B, Qmax] rows of the flat batch (padding repeats a valid row)
-    key_slots: torch.Tensor  # [B * Cmax] flattened, for index_select
-    mask: torch.Tensor | None  # [B, Qmax, Cmax]; None when every row may see every key (decode at equal lengths)
-    valid: torch.Tensor  # [B * Qmax] bool: which padded rows are real
-    rows: torch.Tensor  # [num real rows] their rows in the flat batch
-    key_range: tuple[int, int] | None  # (first slot, count) when one sequence's keys lie in consecutive slots
-    seqs: torch.Tensor  # [B, 3] (first row in the flat batch, query rows, context length), for the C kernel
+    """The sequences with short queries, attended as one padded batch of B sequences. The C kernel reads `seqs`
+    and `key_slots`, built with the step; torch's path also reads the padded row indices and mask, built the
+    first time it asks (per-step metadata costs more than a draft layer's arithmetic)."""
+
+    def __init__(self, short, device):
+        self.short, self.device = short, device  # short: (first row, query rows, context length, slots [context])
+        self.max_q = max(q for _, q, _, _ in short)
+        self.max_c = max(c for _, _, c, _ in short)
+        if len(short) == 1:
+            key_slots = short[0][3]
+        else:
+            key_slots = torch.zeros(len(short), self.max_c, dtype=torch.long)
+            for i, (_, _, context_len, slots) in enumerate(short):
+                key_slots[i, :context_len] = slots
+        self.key_slots = key_slots.flatten().to(device)  # [B * Cmax], for index_select
+        # [B, 3] (first row in the flat batch, query rows, context length)
+        self.seqs = torch.tensor([(start, query_len, context_len) for start, query_len, context_len, _ in short],
+                                 device=device)
+
+    @functools.cached_property
+    def query_index(self) -> torch.Tensor:
+        """[B, Qmax] rows of the flat batch (padding repeats a valid row)."""
+        index = torch.tensor([list(range(start, start + q)) + [start] * (self.max_q - q) for start, q, _, _ in self.short])
+        return index.to(self.device)
+
+    @functools.cached_property
+    def valid(self) -> torch.Tensor:
+        """[B * Qmax] bool: which padded rows are real."""
+        return (torch.arange(self.max_q)[None] < self.seqs[:, 1:2].cpu()).flatten().to(self.device)
+
+    @functools.cached_property
+    def rows(self) -> torch.Tensor:
+        """[num real rows] the real padded rows' rows in the flat batch."""
+        return self.query_index.flatten()[self.valid]
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[B, Qmax, Cmax]; None when every row may see every key (decode at equal lengths)."""
+        limit = torch.zeros(len(self.short), self.max_q, dtype=torch.long)  # last key position each row may see
+        for i, (_, query_len, context_len, _) in enumerate(self.short):
+            limit[i, :query_len] = torch.arange(context_len - query_len, context_len)
+        mask = torch.arange(self.max_c)[None, None, :] <= limit[:, :, None]
+        return None if bool(mask.all()) else mask.to(self.device)
+
+    @functools.cached_property
+    def key_range(self) -> tuple[int, int] | None:
+        """(first slot, count) when a lone sequence's keys lie in consecutive slots (concurrency 1, usually): its
+        keys are then a view of the pool."""
+        first = int(self.key_slots[0])
+        if len(self.short) == 1 and bool((self.key_slots == torch.arange(first, first + self.max_c, device=self.device)).all()):
+            return first, self.max_c
+        return None
 
 
 @dataclass
@@ -61,9 +106,12 @@ class PagedMetadata:
         """query_lens[i] tokens of sequence i are scheduled; context_lens[i] = tokens with K/V after this step."""
         slot_parts, singles, short = [], [], []
         start = 0
+        offsets = torch.arange(block_size)
         for query_len, context_len, table in zip(query_lens, context_lens, block_tables):
-            positions = torch.arange(context_len)
-            slots = torch.tensor(table, dtype=torch.long)[positions // block_size] * block_size + positions % block_size
+            num_blocks = -(-context_len // block_size)
+            if len(table) < num_blocks:
+                raise ValueError(f"a block table of {len(table)} blocks cannot hold {context_len} tokens of {block_size}")
+            slots = (torch.tensor(table[:num_blocks], dtype=torch.long)[:, None] * block_size + offsets).flatten()[:context_len]
             slot_parts.append(slots[context_len - query_len:])
             if query_len > MAX_BATCHED_QUERY_LEN:
                 if query_len == context_len:
@@ -74,33 +122,8 @@ class PagedMetadata:
             else:
                 short.append((start, query_len, context_len, slots))
             start += query_len
-        batched = cls._batch(short, device) if short else None
-        return cls(torch.cat(slot_parts).to(device), singles, batched)
-
-    @staticmethod
-    def _batch(short, device):
-        max_q = max(q for _, q, _, _ in short)
-        max_c = max(c for _, _, c, _ in short)
-        num = len(short)
-        query_index = torch.zeros(num, max_q, dtype=torch.long)
-        key_slots = torch.zeros(num, max_c, dtype=torch.long)
-        limit = torch.zeros(num, max_q, dtype=torch.long)  # last key position each query row may see
-        valid = torch.zeros(num, max_q, dtype=torch.bool)
-        for i, (start, query_len, context_len, slots) in enumerate(short):
-            query_index[i, :query_len] = torch.arange(start, start + query_len)
-            query_index[i, query_len:] = start
-            key_slots[i, :context_len] = slots
-            limit[i, :query_len] = torch.arange(context_len - query_len, context_len)
-            valid[i, :query_len] = True
-        mask = torch.arange(max_c)[None, None, :] <= limit[:, :, None]
-        mask = None if bool(mask.all()) else mask.to(device)
-        valid = valid.flatten()
-        first = int(key_slots[0, 0])
-        # A lone sequence (concurrency 1) usually holds consecutive blocks: its keys are then a view of the pool.
-        is_range = num == 1 and bool((key_slots[0] == torch.arange(first, first + max_c)).all())
-        seqs = torch.tensor([(start, query_len, context_len) for start, query_len, context_len, _ in short])
-        return _Batched(query_index.to(device), key_slots.flatten().to(device), mask, valid.to(device),
-                        query_index.flatten()[valid].to(device), (first, max_c) if is_range else None, seqs.to(device))
+        slot_mapping = slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts)
+        return cls(slot_mapping.to(device), singles, _Batched(short, device) if short else None)
 
 
 class PagedAttention:

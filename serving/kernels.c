@@ -3,7 +3,8 @@
  * gemm_panels: y[m, n] = x[m, k] @ W[k, n] (+ bias). W is stored as panels of NR columns, [ceil(n / NR)][k][NR], so each thread streams whole panels once and
  * reuses one from its L2 cache for every further group of MR rows. Each output is a single running sum over k in
  * order, whatever m is: a row's result does not depend on the other rows of the batch, so a verify step
- * computes bit for bit what decode steps would. */
+ * computes bit for bit what decode steps would. gemm_panels_bf16 reads W as bfloat16 (half the bytes a drafter
+ * streams) and computes in float32 all the same. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
@@ -13,14 +14,22 @@
 #define MR 6 /* 6 x 2 accumulators: a verify step of up to 5 drafts streams each panel once */
 #define NV (NR / 8)
 
-static inline __attribute__((always_inline)) void tile(int mr, const float *x, long ldx, const float *w, long k,
+/* 8 weights from column 8 * j of row p of a panel: float32, or bfloat16 widened to float32 (the same bits, shifted). */
+static inline __attribute__((always_inline)) __m256 load_w(const void *w, int bf16, long p, int j) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const unsigned short *)w + p * NR + 8 * j))), 16));
+    return _mm256_loadu_ps((const float *)w + p * NR + 8 * j);
+}
+
+static inline __attribute__((always_inline)) void tile(int mr, const float *x, long ldx, const void *w, int bf16, long k,
                                                        const float *bias, float *y, long ldy, int cols) {
     __m256 acc[MR][NV];
     _Pragma("GCC unroll 8") for (int i = 0; i < mr; i++)
         _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) acc[i][j] = _mm256_setzero_ps();
     for (long p = 0; p < k; p++) {
         __m256 wv[NV];
-        _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) wv[j] = _mm256_loadu_ps(w + p * NR + 8 * j);
+        _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) wv[j] = load_w(w, bf16, p, j);
         _Pragma("GCC unroll 8") for (int i = 0; i < mr; i++) {
             __m256 xi = _mm256_broadcast_ss(x + i * ldx + p);
             _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) acc[i][j] = _mm256_fmadd_ps(xi, wv[j], acc[i][j]);
@@ -33,24 +42,35 @@ static inline __attribute__((always_inline)) void tile(int mr, const float *x, l
     }
 }
 
-void gemm_panels(const float *x, long m, long ldx, const float *w, long k, long n, const float *bias,
-                 float *y, long ldy) {
-    long panels = (n + NR - 1) / NR;
+static inline __attribute__((always_inline)) void gemm(const float *x, long m, long ldx, const void *w, int bf16,
+                                                       long k, long n, const float *bias, float *y, long ldy) {
+    long panels = (n + NR - 1) / NR, panel_size = k * NR * (bf16 ? 2 : 4);
     #pragma omp parallel for schedule(static)
     for (long q = 0; q < panels; q++) {
-        const float *wq = w + q * k * NR, *bq = bias ? bias + q * NR : 0;
+        const void *wq = (const char *)w + q * panel_size;
+        const float *bq = bias ? bias + q * NR : 0;
         int cols = n - q * NR < NR ? (int)(n - q * NR) : NR;
         float *yq = y + q * NR;
         long i = 0;
-        for (; i + MR <= m; i += MR) tile(MR, x + i * ldx, ldx, wq, k, bq, yq + i * ldy, ldy, cols);
+        for (; i + MR <= m; i += MR) tile(MR, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols);
         switch (m - i) {
-            case 5: tile(5, x + i * ldx, ldx, wq, k, bq, yq + i * ldy, ldy, cols); break;
-            case 4: tile(4, x + i * ldx, ldx, wq, k, bq, yq + i * ldy, ldy, cols); break;
-            case 3: tile(3, x + i * ldx, ldx, wq, k, bq, yq + i * ldy, ldy, cols); break;
-            case 2: tile(2, x + i * ldx, ldx, wq, k, bq, yq + i * ldy, ldy, cols); break;
-            case 1: tile(1, x + i * ldx, ldx, wq, k, bq, yq + i * ldy, ldy, cols); break;
+            case 5: tile(5, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
+            case 4: tile(4, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
+            case 3: tile(3, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
+            case 2: tile(2, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
+            case 1: tile(1, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
         }
     }
+}
+
+void gemm_panels(const float *x, long m, long ldx, const float *w, long k, long n, const float *bias,
+                 float *y, long ldy) {
+    gemm(x, m, ldx, w, 0, k, n, bias, y, ldy);
+}
+
+void gemm_panels_bf16(const float *x, long m, long ldx, const unsigned short *w, long k, long n, const float *bias,
+                      float *y, long ldy) {
+    gemm(x, m, ldx, w, 1, k, n, bias, y, ldy);
 }
 
 /* y = x / sqrt(mean(x^2) + eps) * w over rows of n, as float32 reference implementations do. */

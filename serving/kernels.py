@@ -34,6 +34,7 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _long, _ptr, _float = ctypes.c_long, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {
     "gemm_panels": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long],
+    "gemm_panels_bf16": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long],
     "rms_norm": [_ptr, _long, _long, _ptr, _float, _ptr, _long, _long],
     "paged_attention": [_ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _ptr, _long, _ptr, _long, _ptr, _long, _ptr, _long,
                         _long, _long, _long, _float],
@@ -87,10 +88,13 @@ class _KernelModule(nn.Module):
     """Calls a kernel with the addresses of its frozen tensors, read once (per-call Python costs add up to
     milliseconds per step at ~200 calls) and again after any move, which must keep them float32 on CPU."""
 
+    weight_dtype = torch.float32  # of the tensors the kernel reads as weights
+
     def _apply(self, fn, *args, **kwargs):
         super()._apply(fn, *args, **kwargs)
         if self.lib is not None:
-            if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in [*self.parameters(), *self.buffers()]):
+            if any(t.device.type != "cpu" or t.dtype not in (torch.float32, self.weight_dtype)
+                   for t in [*self.parameters(), *self.buffers()]) or self.weights().dtype != self.weight_dtype:
                 raise RuntimeError(f"{type(self).__name__} runs serving/kernels.c on float32 CPU tensors: move or cast "
                                    "the module before serving.kernels.for_inference, not after")
             self.read_pointers()
@@ -108,21 +112,32 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
 
 class PackedLinear(_KernelModule):
     """A frozen nn.Linear for inference: weights as panels for `gemm_panels`, or where the kernels do not run,
-    stored transposed, [in, out] (at a few rows torch's x @ W^T runs faster from that layout)."""
+    stored transposed, [in, out] (at a few rows torch's x @ W^T runs faster from that layout).
 
-    def __init__(self, linear: nn.Linear):
+    weight_dtype=torch.bfloat16 stores the weights rounded to bfloat16 (half the bytes to stream per step) and
+    still computes in float32; for drafters, whose precision moves acceptance but never the output."""
+
+    def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype = torch.float32):
         super().__init__()
+        if weight_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"PackedLinear stores weights as float32 or bfloat16, not {weight_dtype}")
         weight = linear.weight.detach()
         self.out_features, self.in_features = weight.shape
         self.lib = library() if _uses_kernels(weight) else None
+        self.weight_dtype = weight_dtype
+        weight = weight.to(weight_dtype)  # without the kernels, torch computes in the module's dtype over these values
         self.register_buffer("panels", to_panels(weight) if self.lib else None)
-        self.register_buffer("weight_t", None if self.lib else weight.t().contiguous())
+        self.register_buffer("weight_t", None if self.lib else weight.to(linear.weight.dtype).t().contiguous())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         if self.lib is not None:
             self.read_pointers()
 
+    def weights(self) -> torch.Tensor:
+        return self.panels
+
     def read_pointers(self):
-        self.gemm, self.panels_ptr, self.bias_ptr = self.lib.gemm_panels, self.panels.data_ptr(), _pointer(self.bias)
+        self.gemm = self.lib.gemm_panels_bf16 if self.weight_dtype == torch.bfloat16 else self.lib.gemm_panels
+        self.panels_ptr, self.bias_ptr = self.panels.data_ptr(), _pointer(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lib is None:
@@ -148,6 +163,9 @@ class FusedRMSNorm(_KernelModule):
         if self.lib is not None:
             self.read_pointers()
 
+    def weights(self) -> torch.Tensor:
+        return self.reference.weight
+
     def read_pointers(self):
         self.norm, self.weight_ptr = self.lib.rms_norm, self.reference.weight.data_ptr()
 
@@ -163,14 +181,14 @@ class FusedRMSNorm(_KernelModule):
         return out
 
 
-def for_inference(module: nn.Module) -> nn.Module:
-    """Replace, in place, every nn.Linear inside `module` by a PackedLinear and every RMSNorm by a FusedRMSNorm;
-    returns `module`. Call it after the module has its final device and dtype."""
+def for_inference(module: nn.Module, weight_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Replace, in place, every nn.Linear inside `module` by a PackedLinear (weights stored as `weight_dtype`) and
+    every RMSNorm by a FusedRMSNorm; returns `module`. Call it after the module has its final device and dtype."""
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child))
+            setattr(module, name, PackedLinear(child, weight_dtype))
         elif isinstance(child, RMSNorm):
             setattr(module, name, FusedRMSNorm(child))
         else:
-            for_inference(child)
+            for_inference(child, weight_dtype)
     return module

@@ -105,6 +105,7 @@ class Model(nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope = Rope(c.layer.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
+        self._packed_lm_heads: dict[torch.dtype, PackedLinear] = {}  # not submodules: made for drafters on demand
 
     @classmethod
     def from_folder(cls, folder, dtype=torch.float32, device="cpu") -> "Model":
@@ -117,6 +118,14 @@ class Model(nn.Module):
         model.norm = FusedRMSNorm(model.norm)
         model.logits_head = PackedLinear(model.lm_head)  # a packed copy for forward; the embedding stays as it is
         return model
+
+    def packed_lm_head(self, weight_dtype: torch.dtype) -> PackedLinear:
+        """The LM head packed with its weights stored as weight_dtype, for drafters; made once per dtype."""
+        if weight_dtype == self.logits_head.weight_dtype or self.lm_head.weight.dtype != torch.float32:
+            return self.logits_head
+        if weight_dtype not in self._packed_lm_heads:
+            self._packed_lm_heads[weight_dtype] = PackedLinear(self.lm_head, weight_dtype)
+        return self._packed_lm_heads[weight_dtype]
 
     def load_safetensors(self, folder: Path):
         shards: dict[str, dict[int, torch.Tensor]] = {}

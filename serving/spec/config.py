@@ -9,6 +9,7 @@ METHODS = ("ngram", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "m
 NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp")
 HEADS = ("medusa", "eagle", "eagle3", "mtp")  # trained draft heads: they read the target's hidden states
 TAKES_TOKEN_MAP = ("medusa", "eagle", "mtp")
+DRAFT_WEIGHTS = ("bfloat16", "float32")
 
 
 @dataclass
@@ -26,6 +27,10 @@ class SpeculativeConfig:
     # medusa/eagle/eagle3/mtp: end a chain at the first draft the head gives a probability below this, so steps
     # where the head is unsure verify fewer tokens (0: always draft num_speculative_tokens).
     confidence_threshold: float = 0.0
+    # medusa/eagle/eagle3/mtp: how the head's weights (and its token map's LM-head rows) are stored for the CPU
+    # kernels: "bfloat16" (default when unset) streams half the bytes per draft and still computes in float32;
+    # drafts may differ from float32 ones, outputs never do (the target verifies every draft).
+    draft_weights: str | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -48,6 +53,11 @@ class SpeculativeConfig:
                              "(0 drafts num_speculative_tokens every step)")
         if self.confidence_threshold and self.method not in HEADS:
             raise ValueError(f"confidence_threshold applies to {', '.join(HEADS)} heads, not {self.method!r}")
+        if self.draft_weights is not None:
+            if self.method not in HEADS:
+                raise ValueError(f"draft_weights applies to {', '.join(HEADS)} heads, not {self.method!r}")
+            if self.draft_weights not in DRAFT_WEIGHTS:
+                raise ValueError(f"draft_weights={self.draft_weights!r} must be one of {', '.join(DRAFT_WEIGHTS)}")
         if self.draft_temperature is not None and self.draft_temperature < 0:
             raise ValueError(f"draft_temperature={self.draft_temperature} must be >= 0")
 
@@ -68,5 +78,6 @@ class SpeculativeConfig:
         return cls(**values)
 
     def label(self) -> str:
-        """The method, and the confidence threshold when one is set: a bench row's name."""
-        return f"{self.method} p>={self.confidence_threshold:g}" if self.confidence_threshold else self.method
+        """The method, the confidence threshold when one is set, and float32 draft weights: a bench row's name."""
+        label = f"{self.method} p>={self.confidence_threshold:g}" if self.confidence_threshold else self.method
+        return label + (f" ({self.draft_weights} weights)" if self.draft_weights == "float32" else "")

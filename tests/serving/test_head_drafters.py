@@ -294,6 +294,22 @@ def test_random_heads_reproduce_plain_greedy(kind, fixture, concurrency, heads_r
 # ---- paged equals dense ----------------------------------------------------------------------------------
 
 
+def load_as_drafted(head_dir, folder, draft_weights="bfloat16"):
+    """The head in head_dir, bound to the target in `folder`, with the weights the engine's drafter computes with:
+    its own linear layers and the target's LM head rounded to draft_weights (the embedding stays as it is)."""
+    dtype = getattr(torch, draft_weights)
+    parts = target_parts(folder)
+    lm_head = torch.nn.Linear(parts.hidden_size, parts.vocab_size, bias=False).requires_grad_(False)
+    lm_head.weight.copy_(parts.lm_head.weight.to(dtype))
+    parts.lm_head = lm_head  # untied: rounding it leaves the embedding alone
+    head = heads.load(head_dir, target=parts).eval()
+    with torch.no_grad():
+        for module in head.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(module.weight.to(dtype))
+    return head
+
+
 def check_against_dense(folder, head, proposals, finals) -> tuple[int, list[str]]:
     """Every recorded proposal against dense_drafts (dense_medusa_drafts for Medusa); `finals` maps request ids
     to their final token ids (prompt + output). Returns (number checked, mismatch descriptions)."""
@@ -324,11 +340,31 @@ def test_paged_drafts_equal_dense_drafts(kind, fixture, concurrency, heads_root,
     folder = request.getfixturevalue(fixture)
     head_dir = random_head_dir(kind, folder, heads_root)
     run = spec_run(kind, folder, concurrency, head_dir)
-    head = heads.load(head_dir, target=target_parts(folder)).eval()
+    head = load_as_drafted(head_dir, folder)
     finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in run.outputs}
     num_checked, mismatches = check_against_dense(folder, head, run.proposals, finals)
     assert num_checked >= 8 * 4
     assert not mismatches, f"{len(mismatches)} of {num_checked} proposals differ:\n" + "\n".join(mismatches[:10])
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_float32_draft_weights_draft_what_the_unrounded_head_drafts(kind, tiny_llama, heads_root):
+    """draft_weights "float32" keeps the head's weights as trained: proposals equal the dense head's exactly,
+    and some of them differ from the default bfloat16 drafter's (the rounding is real), while both runs'
+    outputs are plain greedy decoding's."""
+    head_dir = random_head_dir(kind, tiny_llama, heads_root)
+    runs = {}
+    for weights in ("float32", "bfloat16"):
+        engine = make_engine(tiny_llama, dict(spec_config(kind, head_dir), draft_weights=weights))
+        proposals = record_proposals(engine)
+        outputs = engine.generate(PROMPTS, greedy(MAX_TOKENS))
+        assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, PROMPTS, MAX_TOKENS)
+        runs[weights] = proposals
+    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
+    num_checked, mismatches = check_against_dense(tiny_llama, load_as_drafted(head_dir, tiny_llama, "float32"),
+                                                  runs["float32"], finals)
+    assert num_checked >= 8 * 4 and not mismatches, mismatches[:5]
+    assert [p.drafts for p in runs["float32"]] != [p.drafts for p in runs["bfloat16"]]
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
@@ -347,7 +383,7 @@ def test_paged_drafts_equal_dense_drafts_after_prefix_cache_hits(kind, tiny_llam
     outputs = engine.generate(prompts, greedy(8))
     assert [o.metrics["num_cached_tokens"] for o in outputs] == [8] * 6 + [12] * 6
     assert [o.token_ids for o in warm + outputs] == plain_outputs(tiny_llama, [first] + prompts, 8)
-    head = heads.load(head_dir, target=target_parts(tiny_llama)).eval()
+    head = load_as_drafted(head_dir, tiny_llama)
     finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in warm + outputs}
     num_checked, mismatches = check_against_dense(tiny_llama, head, proposals, finals)
     assert num_checked >= 7 * 2
@@ -366,7 +402,7 @@ def test_paged_drafts_equal_dense_drafts_when_the_prefix_was_cached_before_the_h
     out = engine.generate([prompt], greedy(12))[0]
     assert out.metrics["num_cached_tokens"] == 0
     assert out.token_ids == plain_outputs(tiny_llama, [prompt], 12)[0]
-    head = heads.load(head_dir, target=target_parts(tiny_llama)).eval()
+    head = load_as_drafted(head_dir, tiny_llama)
     num_checked, mismatches = check_against_dense(tiny_llama, head, proposals,
                                                   {out.request_id: out.prompt_token_ids + out.token_ids})
     assert num_checked >= 3
@@ -691,7 +727,7 @@ def test_mtp_chain_drafts_equal_dense_chain_and_outputs_equal_plain(tiny_llama, 
         assert sum(o.metrics["num_preemptions"] for o in outputs) > 0
     finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
     preempted = {o.request_id for o in outputs if o.metrics["num_preemptions"]}
-    loaded = heads.load(head_dir, target=target_parts(tiny_llama)).eval()
+    loaded = load_as_drafted(head_dir, tiny_llama)
     checked = [p for p in proposals if p.request_id not in preempted]
     assert len(checked) >= 4 * min(concurrency, 4) and all(len(p.drafts) <= K for p in proposals)
     mismatches = [(p.request_id, len(p.token_ids), p.drafts, dense)
@@ -741,7 +777,7 @@ def test_a_confidence_threshold_cuts_chains_to_a_prefix_and_keeps_outputs(kind, 
     assert_pool_idle(engine)
     cut = [p for p in proposals if len(p.drafts) < p.budget]
     assert cut and len(cut) < len(proposals), f"{len(cut)} of {len(proposals)} proposals cut: the threshold tests nothing"
-    head = heads.load(head_dir, target=target_parts(folder)).eval()
+    head = load_as_drafted(head_dir, folder)
     finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
     num_checked, mismatches = check_against_dense(folder, head, proposals, finals)
     assert num_checked == len(proposals) and not mismatches, mismatches[:5]
@@ -768,7 +804,7 @@ def test_mtp_chain_with_a_confidence_threshold_drafts_a_prefix_of_the_chain(tiny
     cut = [p for p in proposals if len(p.drafts) < p.budget]
     assert cut and len(cut) < len(proposals), f"{len(cut)} of {len(proposals)} proposals cut"
     finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
-    loaded = heads.load(head_dir, target=target_parts(tiny_llama)).eval()
+    loaded = load_as_drafted(head_dir, tiny_llama)
     mismatches = [(p.request_id, len(p.token_ids), p.drafts) for p in proposals
                   if p.drafts != dense_chain_drafts(loaded, hf_hidden_states(tiny_llama, finals[p.request_id]),
                                                     p.token_ids, len(p.drafts))]

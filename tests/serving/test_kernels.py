@@ -45,6 +45,42 @@ def test_packed_linear_matches_f_linear(rows, in_features, out_features, bias):
     torch.testing.assert_close(kernels.PackedLinear(layer)(x), F.linear(x, layer.weight, layer.bias))
 
 
+@pytest.mark.parametrize("rows", [1, 5, 7, 13])
+@pytest.mark.parametrize("in_features,out_features", [(7, 23), (64, 25), (576, 100)])
+@pytest.mark.parametrize("kernels_run", [True, False])
+def test_bfloat16_weights_compute_in_float32_over_the_rounded_weights(rows, in_features, out_features, kernels_run,
+                                                                       monkeypatch):
+    if not kernels_run:
+        monkeypatch.setenv("DRAFTHEADS_KERNELS", "torch")
+    kernels.library.cache_clear()
+    try:
+        layer = linear(in_features, out_features, True)
+        packed = kernels.PackedLinear(layer, torch.bfloat16)
+        x = torch.randn(rows, in_features)
+        rounded = layer.weight.to(torch.bfloat16).float()
+        assert not torch.equal(rounded, layer.weight)  # the rounding is visible ...
+        out = packed(x)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, F.linear(x, rounded, layer.bias))  # ... and the layer computes with it
+        if packed.lib is not None:
+            assert packed.panels.dtype == torch.bfloat16
+            assert packed.panels.nbytes * 2 == kernels.PackedLinear(layer).panels.nbytes
+            for i in range(rows):  # still one in-order sum per output
+                assert torch.equal(out[i:i + 1], packed(x[i:i + 1]))
+    finally:
+        monkeypatch.undo()
+        kernels.library.cache_clear()
+
+
+def test_for_inference_stores_every_linear_in_the_weight_dtype():
+    layer = kernels.for_inference(DecoderLayer(LayerConfig(hidden_size=64, num_heads=4, num_kv_heads=2,
+                                                           intermediate_size=96)), torch.bfloat16)
+    linears = [layer.qkv, layer.o, layer.gate_up, layer.down]
+    assert all(linear.weight_dtype == torch.bfloat16 for linear in linears)
+    with pytest.raises(ValueError, match="float16"):
+        kernels.PackedLinear(linear(8, 8, False), torch.float16)
+
+
 def test_packed_linear_takes_any_leading_shape_and_strides():
     layer = linear(48, 30, True)
     packed = kernels.PackedLinear(layer)
