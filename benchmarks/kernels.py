@@ -1,6 +1,7 @@
 """serving/kernels.c against torch's operators, side by side in one run: the linear layers of the default target
 at the row counts of decode (1), verify (2-17), concurrency 16 and prefill chunks, RMSNorm, and paged attention of
-decode and verify queries. Each case streams its weights from memory, as a forward through 30 layers does.
+decode and verify queries; and the same layers with weights stored as bfloat16 (drafters' `draft_weights`). Each
+case streams its weights from memory, as a forward through 30 layers does.
 
     python benchmarks/kernels.py [--target smollm2-135m-instruct] [--repeats 20]
 """
@@ -48,15 +49,19 @@ def main() -> None:
     linears = [(nn.Linear(i, o, bias=False).requires_grad_(False), name) for _ in range(c.num_layers)
                for name, (i, o) in shapes.items()]
     packed = [kernels.PackedLinear(lin) for lin, _ in linears]
+    halved = [kernels.PackedLinear(lin, torch.bfloat16) for lin, _ in linears]
     transposed = [lin.weight.t().contiguous() for lin, _ in linears]
     print(f"target {args.target}: {c.num_layers} layers' linear weights, {torch.get_num_threads()} threads, "
           f"median of {args.repeats}")
-    print("\n| rows | torch x @ W^T ms | kernels.c ms | speedup |\n|---|---|---|---|")
+    print("\n| rows | torch x @ W^T ms | kernels.c ms | speedup | bfloat16 weights ms | vs float32 weights |\n"
+          "|---|---|---|---|---|---|")
     for rows in (1, 2, 5, 9, 17, 32, 128, 512):
         xs = {name: torch.randn(rows, lin.in_features) for lin, name in linears[:4]}
         torch_s = timed(lambda: [xs[name] @ w for (_, name), w in zip(linears, transposed)], args.repeats)
         ours_s = timed(lambda: [p(xs[name]) for (_, name), p in zip(linears, packed)], args.repeats)
-        print(f"| {rows} | {torch_s * 1e3:.2f} | {ours_s * 1e3:.2f} | {torch_s / ours_s:.2f}x |")
+        half_s = timed(lambda: [p(xs[name]) for (_, name), p in zip(linears, halved)], args.repeats)
+        print(f"| {rows} | {torch_s * 1e3:.2f} | {ours_s * 1e3:.2f} | {torch_s / ours_s:.2f}x | {half_s * 1e3:.2f} | "
+              f"{ours_s / half_s:.2f}x |")
 
     norm = RMSNorm(layer.hidden_size, layer.rms_norm_eps)
     fused = kernels.FusedRMSNorm(norm)

@@ -1,5 +1,6 @@
 """Where a speculative step's time goes at concurrency 1: the target's forward (verify), the drafter (catch-up
-and drafting) and the rest of the engine step, per method, measured side by side in one run.
+and drafting) and the rest of the engine step, per method, measured side by side in one run (methods take turns
+prompt by prompt).
 
     python benchmarks/spec_step.py --speculative-config '{"method": "eagle", "model": "runs/eagle/heads/best"}' \
         [--speculative-config ...] [--num-prompts 3] [--max-new-tokens 64]
@@ -54,29 +55,38 @@ def main() -> None:
           f"{torch.get_num_threads()} threads; milliseconds per engine step")
     print("| method | tau | step | target forward | drafter | rest | tok/s |")
     print("|---|---|---|---|---|---|---|")
-    for text in [None, *args.speculative_config]:
-        config = SpeculativeConfig.from_json(text) if text else None
+    configs = [None, *(SpeculativeConfig.from_json(text) for text in args.speculative_config)]
+    totals = [{"elapsed": 0.0, "target": 0.0, "drafter": 0.0, "steps": 0, "emitted": 0, "stats": AcceptanceStats()}
+              for _ in configs]
+    for config in configs:  # warm-up
         engine.set_speculative_config(config)
-        engine.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up
-        drafter = Timer()
-        if engine.speculator:
-            for name in ("observe", "propose"):
-                if hasattr(engine.speculator.drafter, name):
-                    drafter.wrap(engine.speculator.drafter, name)
-        target.seconds, num_steps_before, emitted, stats = 0.0, engine.num_steps, 0, AcceptanceStats()
-        start = time.perf_counter()
-        for prompt in prompts:
+        engine.generate(prompts[:1], SamplingParams(max_tokens=8))
+    # Methods take turns prompt by prompt, so that a shared machine's drift falls on all of them alike.
+    for prompt in prompts:
+        for config, total in zip(configs, totals):
+            engine.set_speculative_config(config)
+            drafter = Timer()
+            if engine.speculator:
+                for name in ("observe", "propose"):
+                    if hasattr(engine.speculator.drafter, name):
+                        drafter.wrap(engine.speculator.drafter, name)
+            target.seconds, num_steps_before = 0.0, engine.num_steps
+            start = time.perf_counter()
             [out] = engine.generate([prompt], params)
-            emitted += len(out.token_ids)
+            total["elapsed"] += time.perf_counter() - start
+            total["target"] += target.seconds
+            total["drafter"] += drafter.seconds
+            total["steps"] += engine.num_steps - num_steps_before
+            total["emitted"] += len(out.token_ids)
             if out.metrics.get("spec"):
-                stats.merge(AcceptanceStats.from_dict(out.metrics["spec"]))
-        elapsed = time.perf_counter() - start
-        steps = engine.num_steps - num_steps_before
-        tau = stats.tau if config else 1.0
+                total["stats"].merge(AcceptanceStats.from_dict(out.metrics["spec"]))
+    for config, total in zip(configs, totals):
+        tau = total["stats"].tau if config else 1.0
         label = "plain" if config is None else config.label() + (" + token map" if config.token_map else "")
-        ms = [x / steps * 1e3 for x in (elapsed, target.seconds, drafter.seconds, elapsed - target.seconds - drafter.seconds)]
-        print(f"| {label} | {tau:.2f} | " + " | ".join(f"{x:.1f}" for x in ms) + f" | {emitted / elapsed:.1f} |")
-
+        elapsed, steps = total["elapsed"], total["steps"]
+        ms = [x / steps * 1e3 for x in (elapsed, total["target"], total["drafter"],
+                                        elapsed - total["target"] - total["drafter"])]
+        print(f"| {label} | {tau:.2f} | " + " | ".join(f"{x:.1f}" for x in ms) + f" | {total['emitted'] / elapsed:.1f} |")
 
 if __name__ == "__main__":
     main()
