@@ -88,6 +88,32 @@ def test_chain_accuracy_is_conditional_on_earlier_drafts_and_gives_tau():
     assert math.isclose(float(result["tau"]), 1 + 3 / 4 + 3 / 4 * 2 / 3 + 3 / 4 * 2 / 3 * 1 / 2, rel_tol=1e-6)
 
 
+def test_tau_walk_starts_each_chain_where_the_engine_would():
+    """Two examples, k=2. Example 0: anchors 0-1 are prompt, 2-7 answer. At anchor 2 both drafts land (3 tokens),
+    the next chain starts at anchor 5: one draft lands (2 tokens), the next at 7: its second label lies past the
+    answer, so only the first can land, and it does (2 tokens). Example 1: every anchor is answer and no draft
+    lands: 4 chains of 1 token. Anchors skipped over (3, 4, 6) never count, whatever their drafts."""
+    metric = ChainAccuracy(2)
+    correct = torch.zeros(2, 8, 2, dtype=torch.bool)
+    valid = torch.zeros(2, 8, 2, dtype=torch.bool)
+    valid[0, 2:, :] = True
+    valid[0, 7, 1] = False
+    correct[0, 2] = True
+    correct[0, 3:5] = False
+    correct[0, 5] = torch.tensor([True, False])
+    correct[0, 6] = True
+    correct[0, 7] = True
+    valid[1, 4:] = True
+    metric.update(correct, valid)
+    result = metric.compute()
+    assert math.isclose(float(result["tau_walk"]), (3 + 2 + 2 + 4) / (3 + 4), rel_tol=1e-6)
+    # the per-anchor formula counts anchors 3, 4 and 6 too
+    assert not math.isclose(float(result["tau"]), float(result["tau_walk"]), rel_tol=1e-3)
+    metric = ChainAccuracy(3)
+    metric.update(torch.ones(1, 6, 3, dtype=torch.bool), torch.ones(1, 6, 3, dtype=torch.bool))
+    assert float(metric.compute()["tau_walk"]) == 4.0  # chains of k + 1 = 4 tokens from anchors 0 and 4
+
+
 def test_learning_rate_warms_up_then_decays_to_its_floor():
     cosine = partial(lr_factor, num_warmup_steps=10, num_training_steps=110, schedule="cosine", min_lr_ratio=0.1)
     linear = partial(lr_factor, num_warmup_steps=10, num_training_steps=110, schedule="linear", min_lr_ratio=0.0)
@@ -117,6 +143,7 @@ def test_offline_and_online_batches_give_the_same_loss(kind, debug_store):
             assert module.target_model is not None and "hidden" not in next(iter(data.val_dataloader()))
     assert math.isclose(metrics["offline"]["val/loss"], metrics["online"]["val/loss"], rel_tol=1e-4)
     assert math.isclose(metrics["offline"]["val/tau"], metrics["online"]["val/tau"], abs_tol=1e-4)
+    assert math.isclose(metrics["offline"]["val/tau_walk"], metrics["online"]["val/tau_walk"], abs_tol=1e-4)
 
 
 def test_length_batches_reshuffle_per_epoch_group_lengths_and_resume_mid_epoch():
@@ -175,7 +202,7 @@ def test_a_token_map_trains_over_its_rows_and_counts_other_labels_as_misses(kind
     write_token_map(torch.nonzero(counts == 0).flatten()[:64], tmp_path / "absent.pt")
     absent = MODULES[kind](target="debug", token_map=str(tmp_path / "absent.pt"), **SMALL[kind])
     [metrics] = trainer.validate(absent, data, verbose=False)
-    assert metrics["val/tau"] == 1.0 and metrics["val/acc_1"] == 0.0
+    assert metrics["val/tau"] == 1.0 and metrics["val/acc_1"] == 0.0 and metrics["val/tau_walk"] == 1.0
 
 
 def test_eagle3_refuses_a_token_map(tmp_path):
