@@ -23,11 +23,13 @@ def make_head_drafter(engine, config):
     head = heads.load(config.model, engine.fingerprint)
     parts = heads.load_target_parts(engine.folder, fingerprint=engine.fingerprint, weights=False)
     weight_dtype = getattr(torch, config.draft_weights or "bfloat16")
-    parts.embed, parts.norm, parts.lm_head = engine.model.embed, engine.model.norm, engine.model.packed_lm_head(weight_dtype)
     hot = None
     if config.token_map:
         hot = load_token_map(config.token_map, parts.vocab_size)
-        parts.lm_head = PackedLinear(lm_head_rows(engine.model.lm_head, hot), weight_dtype)
+        lm_head = PackedLinear(lm_head_rows(engine.model.lm_head, hot), weight_dtype)
+    else:
+        lm_head = engine.model.packed_lm_head(weight_dtype)
+    parts.embed, parts.norm, parts.lm_head = engine.model.embed, engine.model.norm, lm_head
     head = for_inference(head.bind_target(parts).to(engine.dtype).eval().requires_grad_(False), weight_dtype)
     kind = head.config.kind
     if kind != config.method:
