@@ -8,12 +8,13 @@ and dtypes but never enter its state_dict, its checkpoints or its optimizer, whi
 
 Validation simulates chain drafting of `num_draft_tokens` drafts against the target's own next tokens, the way the
 engine drafts (for feature heads the layer is unrolled over its own outputs, see unroll.py), and logs the
-conditional accuracy per position (val/acc_1..k), the mean acceptance length tau it implies (val/tau), and tau
-with chains started where the engine starts them (val/tau_walk); see chain_accuracy.py. With a token map (`draftheads token-map`), Medusa, EAGLE-1 and MTP heads train to draft among
-its tokens over those rows of the LM head, as the engine serves them with the same file: the LM head, by far
-the largest cost of a training step, shrinks to the map's rows; labels outside the map are left out of the loss
-and count as misses in validation. Optimization is AdamW with linear warmup and cosine or linear decay, stepped every optimizer
-step; gradient clipping and precision are Trainer settings.
+conditional accuracy per position (val/acc_1..k), the mean acceptance length tau it implies (val/tau), and tau with
+chains started where the engine starts them (val/tau_walk); see chain_accuracy.py. With a token map
+(`draftheads token-map`), Medusa, EAGLE-1 and MTP heads train to draft among its tokens over those rows of the LM head, as the
+engine serves them with the same file: the LM head, by far the largest cost of a training step, shrinks to the
+map's rows; labels outside the map are left out of the loss and count as misses in validation. Optimization is
+AdamW with linear warmup and cosine or linear decay, stepped every optimizer step; gradient clipping and precision
+are Trainer settings.
 """
 from __future__ import annotations
 
