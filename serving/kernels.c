@@ -42,35 +42,34 @@ static inline __attribute__((always_inline)) void tile(int mr, const float *x, l
     }
 }
 
-static inline __attribute__((always_inline)) void gemm(const float *x, long m, long ldx, const void *w, int bf16,
-                                                       long k, long n, const float *bias, float *y, long ldy) {
-    long panels = (n + NR - 1) / NR, panel_size = k * NR * (bf16 ? 2 : 4);
-    #pragma omp parallel for schedule(static)
-    for (long q = 0; q < panels; q++) {
-        const void *wq = (const char *)w + q * panel_size;
-        const float *bq = bias ? bias + q * NR : 0;
-        int cols = n - q * NR < NR ? (int)(n - q * NR) : NR;
-        float *yq = y + q * NR;
-        long i = 0;
-        for (; i + MR <= m; i += MR) tile(MR, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols);
-        switch (m - i) {
-            case 5: tile(5, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
-            case 4: tile(4, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
-            case 3: tile(3, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
-            case 2: tile(2, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
-            case 1: tile(1, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
-        }
+/* One panel's columns of y for every row; bf16 is a constant in each caller, so the loops carry no test of it. */
+static inline __attribute__((always_inline)) void panel(const float *x, long m, long ldx, const void *w, int bf16,
+                                                        long k, long n, const float *bias, float *y, long ldy, long q) {
+    const void *wq = (const char *)w + q * k * NR * (bf16 ? 2 : 4);
+    const float *bq = bias ? bias + q * NR : 0;
+    int cols = n - q * NR < NR ? (int)(n - q * NR) : NR;
+    float *yq = y + q * NR;
+    long i = 0;
+    for (; i + MR <= m; i += MR) tile(MR, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols);
+    switch (m - i) {
+        case 5: tile(5, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
+        case 4: tile(4, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
+        case 3: tile(3, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
+        case 2: tile(2, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
+        case 1: tile(1, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
     }
 }
 
 void gemm_panels(const float *x, long m, long ldx, const float *w, long k, long n, const float *bias,
                  float *y, long ldy) {
-    gemm(x, m, ldx, w, 0, k, n, bias, y, ldy);
+    #pragma omp parallel for schedule(static)
+    for (long q = 0; q < (n + NR - 1) / NR; q++) panel(x, m, ldx, w, 0, k, n, bias, y, ldy, q);
 }
 
 void gemm_panels_bf16(const float *x, long m, long ldx, const unsigned short *w, long k, long n, const float *bias,
                       float *y, long ldy) {
-    gemm(x, m, ldx, w, 1, k, n, bias, y, ldy);
+    #pragma omp parallel for schedule(static)
+    for (long q = 0; q < (n + NR - 1) / NR; q++) panel(x, m, ldx, w, 1, k, n, bias, y, ldy, q);
 }
 
 /* y = x / sqrt(mean(x^2) + eps) * w over rows of n, as float32 reference implementations do. */
