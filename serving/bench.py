@@ -159,18 +159,21 @@ def bandwidth_floor(engine, plain_row) -> dict:
 
 
 def to_markdown(result: dict) -> str:
+    has_hf = "hf_tokens_per_s" in result
     lines = [f"target {result['target']} | {result['num_prompts']} prompts x {result['max_new_tokens']} tokens | "
              f"concurrency {result['concurrency']} | temperature {result['temperature']} | {result['dtype']}, "
              f"{result['threads']} threads", "",
-             "| method | k | tau | accept rate | per-position conditional | tokens/s | speedup | identical |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| method | k | tau | accept rate | per-position conditional | tokens/s | speedup |"
+             + (" vs generate |" if has_hf else "") + " identical |",
+             "|---|---|---|---|---|---|---|" + ("---|" if has_hf else "") + "---|"]
     for row in result["rows"]:
         conditional = " ".join(f"{p['conditional']:.2f}" for p in row["per_position"]) or "-"
         rate = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.2f}"
         identical = {True: "yes", False: "NO", None: "n/a"}[row["identical_to_plain"]]
+        vs_hf = f" {row['speed_vs_hf']:.2f}x |" if has_hf else ""
         lines.append(f"| {row['method']} | {row['num_speculative_tokens'] or '-'} | {row['tau']:.2f} | {rate} | "
-                     f"{conditional} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | {identical} |")
-    if "hf_tokens_per_s" in result:
+                     f"{conditional} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x |{vs_hf} {identical} |")
+    if has_hf:
         lines += ["", f"transformers generate: {result['hf_tokens_per_s']:.1f} tokens/s; engine plain / transformers = "
                   f"{result['speed_vs_hf']:.2f}x; identical to transformers: {result['identical_to_hf']}"]
     lines += ["", f"bandwidth floor: {result['weight_bytes'] / 1e6:.0f} MB of weights at {result['copy_bandwidth_gbs']:.1f} GB/s "

@@ -8,7 +8,7 @@
    each exported to runs/<kind>/heads/best (the folders configs/ name);
 4. `draftheads bench` on MT-bench first turns (one per category) and HumanEval (a fixed subset), concurrency 1,
    greedy, k=4 chains: plain decoding, n-gram and each trained head, always drafting 4 tokens and with a
-   confidence threshold;
+   confidence threshold, and transformers' `generate` on the same prompts (each row's "vs generate");
 5. results/bench.json, results/bench.md and results/acceptance.png, also logged to an (offline) wandb run.
 
 Every stage reuses what an earlier run produced with the same settings: generation resumes, a head whose
@@ -180,8 +180,10 @@ def bench(args, heads: dict, token_map: Path) -> dict:
     for name, (prompts, categories) in bench_prompts(args).items():
         for temperature, concurrency in settings:
             t = stage(f"bench {name}: {len(prompts)} prompts x {args.bench_new_tokens} tokens, temperature {temperature}, "
-                      f"concurrency {concurrency}, plain + {len(configs)} drafters")
-            result = run_bench(engine, prompts, categories, configs, args.bench_new_tokens, concurrency, temperature)
+                      f"concurrency {concurrency}, plain + {len(configs)} drafters"
+                      + (" + transformers' generate" if (temperature, concurrency) == (0.0, 1) else ""))
+            result = run_bench(engine, prompts, categories, configs, args.bench_new_tokens, concurrency, temperature,
+                               baseline="hf" if (temperature, concurrency) == (0.0, 1) else None)
             result["name"] = name if not args.full else f"{name} T={temperature} c={concurrency}"
             results.append(result)
             print(to_markdown(result))
@@ -213,12 +215,13 @@ def log_to_wandb(results: list[dict], out: Path) -> None:
 
     os.environ.setdefault("WANDB_MODE", "offline")
     run = wandb.init(project="draftheads", name="demo-bench", dir=str(out), reinit=True)
-    columns = ["prompts", "method", "k", "tau", "acceptance_rate", "tokens_per_s", "speedup", "identical_to_plain"]
+    columns = ["prompts", "method", "k", "tau", "acceptance_rate", "tokens_per_s", "speedup", "speed_vs_generate",
+               "identical_to_plain"]
     table = wandb.Table(columns=columns)
     for result in results:
         for r in result["rows"]:
             table.add_data(result["name"], r["method"], r["num_speculative_tokens"], r["tau"], r["acceptance_rate"],
-                           r["tokens_per_s"], r["speedup"], r["identical_to_plain"])
+                           r["tokens_per_s"], r["speedup"], r.get("speed_vs_hf"), r["identical_to_plain"])
     run.log({"bench": table, "acceptance": wandb.Image(str(out / "acceptance.png"))})
     run.finish()
 

@@ -16,8 +16,11 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
         methods = [row["method"] for row in result["rows"]]
         cut = [f"{kind} p>={demo.CONFIDENCE_THRESHOLD:g}" for kind in demo.KINDS]
         assert methods == ["plain", "ngram", *demo.KINDS, *cut]
+        assert result["identical_to_hf"] is True  # greedy at concurrency 1: transformers' generate ran alongside
+        assert result["speed_vs_hf"] == result["rows"][0]["tokens_per_s"] / result["hf_tokens_per_s"]
         for row in result["rows"]:
             assert {"tau", "acceptance_rate", "per_position", "tokens_per_s", "speedup", "identical_to_plain"} <= row.keys()
+            assert row["speed_vs_hf"] == row["tokens_per_s"] / result["hf_tokens_per_s"]
             assert row["identical_to_plain"] is True, row["method"]
             assert row["tau"] >= 1.0
         for row in result["rows"][1:]:
@@ -29,7 +32,7 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
             assert {"position", "proposed", "reached", "accepted", "conditional", "survival"} <= row["per_position"][0].keys()
             assert row["per_category"]
     markdown = (tmp_path / "results" / "bench.md").read_text()
-    assert "| eagle3 |" in markdown and "tau per category" in markdown
+    assert "| eagle3 |" in markdown and "tau per category" in markdown and "| vs generate |" in markdown
     assert (tmp_path / "results" / "acceptance.png").stat().st_size > 10_000
     for kind in demo.KINDS:
         assert (tmp_path / "runs" / kind / "heads" / "best" / "model.safetensors").exists()
