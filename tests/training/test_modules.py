@@ -208,3 +208,40 @@ def test_a_token_map_trains_over_its_rows_and_counts_other_labels_as_misses(kind
 def test_eagle3_refuses_a_token_map(tmp_path):
     with pytest.raises(ValueError, match="draft_vocab_size"):
         MODULES["eagle3"](target="debug", token_map=str(tmp_path / "map.pt"))
+
+
+def test_eagle_unrolled_training_scores_step_s_against_the_next_feature_and_token(debug_store):
+    """With num_unroll_steps=3, step 0's terms are those of a one-step run, and step 1 (its input: the layer's own
+    output) is scored, anchor by anchor, against h_{t+2} and x_{t+3}; later steps are weighted decay^s."""
+    import torch.nn.functional as F
+
+    one = MODULES["eagle"](target="debug", noise=0.0)
+    three = MODULES["eagle"](target="debug", noise=0.0, num_unroll_steps=3)
+    with torch.no_grad():
+        for param in one.head.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(2)))
+    three.load_state_dict(one.state_dict())
+    data = DraftDataModule(str(debug_store), target="debug", batch_size=4, heldout_fraction=0.3)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    loss_1, terms_1 = one.training_loss(batch, one.hidden_states(batch))
+    loss_3, terms_3 = three.training_loss(batch, three.hidden_states(batch))
+    for name in ("feature_loss", "token_loss", "acc_1"):
+        torch.testing.assert_close(terms_3[name], terms_1[name])
+    later = sum(0.8 ** s * (terms_3[f"feature_loss_{s + 1}"] + 0.1 * terms_3[f"token_loss_{s + 1}"]) for s in (1, 2))
+    torch.testing.assert_close(loss_3, loss_1 + later)
+
+    ids, mask, last = batch["input_ids"], batch["loss_mask"], three.hidden_states(batch)["last"]
+    out = unroll(three.head, ids, last, batch["padding_mask"], 2, three.head.config.max_position_embeddings)[1]
+    features, right, count = 0.0, 0, 0
+    for b in range(ids.shape[0]):
+        for t in range(ids.shape[1] - 3):
+            if mask[b, t + 3]:
+                features += F.smooth_l1_loss(out[b, t], last[b, t + 2]).item()
+                right += int(three.head.logits(out[b, t]).argmax()) == int(ids[b, t + 3])
+                count += 1
+    assert count > 0
+    assert math.isclose(terms_3["feature_loss_2"].item(), features / count, rel_tol=1e-4)
+    assert math.isclose(terms_3["acc_2"].item(), right / count, rel_tol=1e-6)
+    with pytest.raises(ValueError, match="num_unroll_steps=0"):
+        MODULES["eagle"](target="debug", num_unroll_steps=0)

@@ -6,7 +6,10 @@ regresses the next feature h_{t+1} (heads/eagle.py). The loss is EAGLE's:
     feature_weight * SmoothL1(out_t, h_{t+1})                    (mean over the hidden size; EAGLE's v_w = 1.0)
   + token_weight * KL(softmax(lm_head(h_{t+1})) || softmax(lm_head(out_t)))   (EAGLE's p_w = 0.1)
 
-averaged over the anchors whose label x_{t+2} is an answer token. The KL term is EAGLE's soft cross-entropy less
+averaged over the anchors whose label x_{t+2} is an answer token. With `num_unroll_steps` > 1 the layer is also
+trained as it drafts after its first draft (training-time test, as EAGLE-3 and HASS do): unrolled over its own
+outputs with the engine's attention (unroll.py), step s reads (x_{t+s+1}, out^{s-1}_t) and is scored the same way
+against h_{t+s+1} and x_{t+s+2}, weighted decay^s. The KL term is EAGLE's soft cross-entropy less
 the target distribution's entropy: the same gradient, and zero at a perfect fit, so the logged loss shows how far
 the head is from the target rather than how uncertain the target is. Input features get uniform noise
 U(-noise, +noise) during training. EAGLE's code draws (U(0, 1) - 0.5) * 0.2 * 512 / T for a sequence of T
@@ -22,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from heads import Eagle
-from heads.attention import DenseCausalAttention
 from training.modules.base import DraftModule, kl_divergence
 from training.modules.unroll import shift_left, unroll
 
@@ -31,26 +33,39 @@ class EagleModule(DraftModule):
     kind = "eagle"
 
     def __init__(self, feature_weight: float = 1.0, token_weight: float = 0.1, noise: float = 0.1, seed: int = 0,
-                 **kwargs):
+                 num_unroll_steps: int = 1, decay: float = 0.8, **kwargs):
         """feature_weight, token_weight: of the SmoothL1 feature loss and the soft cross-entropy; noise: amplitude
-        of the uniform noise on input features (0 turns it off); seed: of that noise."""
+        of the uniform noise on input features (0 turns it off); seed: of that noise; num_unroll_steps: steps the
+        layer is unrolled over its own outputs in training; decay: loss weight decay^s of unrolled step s."""
         super().__init__(**kwargs)
+        if num_unroll_steps < 1:
+            raise ValueError(f"num_unroll_steps={num_unroll_steps} must be >= 1")
         self.head = Eagle.from_target(self.target_parts)
 
-    def _loss(self, batch: dict, last: torch.Tensor, out: torch.Tensor) -> dict[str, torch.Tensor]:
-        """out: [B, S, hidden] the layer's step-0 output, ~ h_{t+1} at anchor t."""
-        valid = shift_left(batch["loss_mask"], 2)  # [B, S] x_{t+2} is an answer token
-        predicted, target = out[valid], shift_left(last, 1)[valid]  # [N, hidden]
+    def _step_loss(self, batch: dict, last: torch.Tensor, out: torch.Tensor, s: int) -> dict[str, torch.Tensor]:
+        """out: [B, S, hidden] unrolled step s's output, ~ h_{t+s+1} at anchor t."""
+        valid = shift_left(batch["loss_mask"], s + 2)  # [B, S] x_{t+s+2} is an answer token
+        predicted, target = out[valid], shift_left(last, s + 1)[valid]  # [N, hidden]
         num = max(1, predicted.shape[0])
         feature = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1).sum() / num
         logits = self.head.logits(predicted).float()  # [N, vocab]
         with torch.no_grad():
             target_logprobs = self.target_parts.lm_head(target).float().log_softmax(-1)
         token = kl_divergence(target_logprobs, logits.log_softmax(-1)).sum() / num
-        accuracy = (self.target_ids(logits.argmax(-1)) == shift_left(batch["input_ids"], 2)[valid]).sum() / num
+        accuracy = (self.target_ids(logits.argmax(-1)) == shift_left(batch["input_ids"], s + 2)[valid]).sum() / num
         p = self.hparams
         return {"loss": p.feature_weight * feature + p.token_weight * token, "feature_loss": feature,
-                "token_loss": token, "acc_1": accuracy}
+                "token_loss": token, "acc": accuracy}
+
+    def _loss(self, batch: dict, last: torch.Tensor, outs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        loss, terms = 0.0, {}
+        for s, out in enumerate(outs):
+            step = self._step_loss(batch, last, out, s)
+            loss = loss + self.hparams.decay ** s * step.pop("loss")
+            suffix = f"_{s + 1}" if s else ""
+            terms.update({f"{name}{suffix}": value for name, value in step.items() if name != "acc"})
+            terms[f"acc_{s + 1}"] = step["acc"]
+        return loss, terms
 
     def training_loss(self, batch, hidden):
         last = hidden["last"]  # [B, S, hidden]
@@ -59,14 +74,14 @@ class EagleModule(DraftModule):
             generator = torch.Generator(last.device).manual_seed(self.hparams.seed * 1_000_003 + self.global_step)
             noise = torch.rand(last.shape, generator=generator, device=last.device, dtype=torch.float32)
             features = last + ((2 * noise - 1) * self.hparams.noise).to(last.dtype)
-        positions = torch.arange(last.shape[1], device=last.device).expand(last.shape[:2])
-        out = self.head(shift_left(batch["input_ids"], 1), features, positions, DenseCausalAttention(batch["padding_mask"]))
-        terms = self._loss(batch, last, out)
-        return terms.pop("loss"), terms
+        outs = unroll(self.head, batch["input_ids"], features, batch["padding_mask"], self.hparams.num_unroll_steps,
+                      self.head.config.max_position_embeddings)
+        return self._loss(batch, last, outs)
 
     def validation_outputs(self, batch, hidden):
         last = hidden["last"]
-        outs = unroll(self.head, batch["input_ids"], last, batch["padding_mask"], self.hparams.num_draft_tokens,
-                      self.head.config.max_position_embeddings)
-        correct, valid = self.chain_outcomes(batch, outs, lambda s, rows: self.target_ids(self.head.logits(rows).argmax(-1)))
-        return self._loss(batch, last, outs[0])["loss"], correct, valid
+        outs = unroll(self.head, batch["input_ids"], last, batch["padding_mask"],
+                      max(self.hparams.num_draft_tokens, self.hparams.num_unroll_steps), self.head.config.max_position_embeddings)
+        correct, valid = self.chain_outcomes(batch, outs[:self.hparams.num_draft_tokens],
+                                             lambda s, rows: self.target_ids(self.head.logits(rows).argmax(-1)))
+        return self._loss(batch, last, outs[:self.hparams.num_unroll_steps])[0], correct, valid
