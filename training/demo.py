@@ -179,11 +179,12 @@ def bench(args, heads: dict, token_map: Path) -> dict:
     results = []
     for name, (prompts, categories) in bench_prompts(args).items():
         for temperature, concurrency in settings:
+            with_generate = (temperature, concurrency) == (0.0, 1)  # the goal's setting
             t = stage(f"bench {name}: {len(prompts)} prompts x {args.bench_new_tokens} tokens, temperature {temperature}, "
                       f"concurrency {concurrency}, plain + {len(configs)} drafters"
-                      + (" + transformers' generate" if (temperature, concurrency) == (0.0, 1) else ""))
+                      + (" + transformers' generate" if with_generate else ""))
             result = run_bench(engine, prompts, categories, configs, args.bench_new_tokens, concurrency, temperature,
-                               baseline="hf" if (temperature, concurrency) == (0.0, 1) else None)
+                               baseline="hf" if with_generate else None)
             result["name"] = name if not args.full else f"{name} T={temperature} c={concurrency}"
             results.append(result)
             print(to_markdown(result))
