@@ -13,6 +13,7 @@ from serving import targets
 from serving.attention import KVCache, PagedAttention
 from serving.batch import Batch
 from serving.blocks import BlockManager
+from serving.kernels import argmax
 from serving.model import Model
 from serving.request import Request, RequestOutput, SamplingParams
 from serving.sampler import make_generator, next_token
@@ -160,7 +161,7 @@ class Engine:
                          return_hidden=self.capture_hidden or bool(self.speculator and self.speculator.needs_hidden), aux_layers=self.aux_layers)
         self.num_steps += 1
         finished, num_accepted = [], {}
-        best = out.logits.argmax(-1).tolist() if out.logits is not None else []  # one call for the whole batch
+        best = argmax(out.logits) if out.logits is not None else []  # one call for the whole batch
         for i, (request, num) in enumerate(scheduled.scheduled):
             if self.capture_hidden:
                 rows = slice(batch.token_start[i], batch.token_start[i] + num)
@@ -168,7 +169,8 @@ class Engine:
             request.num_computed_tokens += num
             row = batch.logits_start[i]
             if row >= 0 and not request.finish_reason:
-                self._emit(request, out.logits[row:row + 1 + len(request.spec_token_ids)], num_accepted, best[row])
+                rows = slice(row, row + 1 + len(request.spec_token_ids))
+                self._emit(request, out.logits[rows], num_accepted, best[rows])
             self.block_manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
             # A capturing request runs one more step over its last token, so every token has its hidden state.
             is_capture_pending = self.capture_hidden and request.num_computed_tokens < request.num_tokens
@@ -183,16 +185,16 @@ class Engine:
             self.speculator.propose(self, StepOutputs(batch, out, num_accepted))
         return finished
 
-    def _emit(self, request: Request, logits: torch.Tensor, num_accepted: dict, argmax: int) -> None:
-        """logits: [1 + drafts, vocab]; argmax: of its first row. Plain decoding samples one token; speculation
+    def _emit(self, request: Request, logits: torch.Tensor, num_accepted: dict, best: list[int]) -> None:
+        """logits: [1 + drafts, vocab]; best: each row's argmax. Plain decoding samples one token; speculation
         verifies and rolls back."""
         is_decode = request.num_output_tokens > 0
         if self.speculator is None or not self.speculator.can_speculate(request):
-            token, logprob = next_token(logits[0], request, self.generators.get(request.request_id), argmax)
+            token, logprob = next_token(logits[0], request, self.generators.get(request.request_id), best[0])
             self._append(request, [token], [logprob])
             return
         num_drafts = len(request.spec_token_ids)
-        accepted, tokens = self.speculator.verify(self, request, logits)
+        accepted, tokens = self.speculator.verify(self, request, logits, best)
         num_before = request.num_tokens
         self._append(request, tokens, [None] * len(tokens))
         num_accepted[request.request_id] = accepted

@@ -195,3 +195,43 @@ void paged_attention(const float *q, long q_stride, float *out, float *k_pool, f
         }
     }
 }
+
+/* The index of each row's largest value, the first one on ties and the first NaN if any, as torch.argmax:
+ * rows of n floats, ldx apart. Each lane keeps its own first best; the lanes then resolve by value and index. */
+void argmax_rows(const float *x, long rows, long ldx, long n, long *out) {
+    #pragma omp parallel for schedule(static) if (rows >= 4)
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        long best = 0;
+        if (n >= 8) {
+            __m256 bv = _mm256_loadu_ps(xr);
+            __m256i bi = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), idx = bi, step = _mm256_set1_epi32(8);
+            long i = 8;
+            for (; i + 8 <= n; i += 8) {
+                __m256 v = _mm256_loadu_ps(xr + i);
+                idx = _mm256_add_epi32(idx, step);
+                /* v wins if larger, or if it is the lane's first NaN */
+                __m256 win = _mm256_or_ps(_mm256_cmp_ps(v, bv, _CMP_GT_OQ),
+                                          _mm256_and_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), _mm256_cmp_ps(bv, bv, _CMP_ORD_Q)));
+                bv = _mm256_blendv_ps(bv, v, win);
+                bi = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bi), _mm256_castsi256_ps(idx), win));
+            }
+            float lv[8];
+            int li[8];
+            _mm256_storeu_ps(lv, bv);
+            _mm256_storeu_si256((__m256i *)li, bi);
+            best = li[0];
+            for (int j = 1; j < 8; j++) {
+                float a = lv[j], b = xr[best];
+                int better = isnan(a) ? (!isnan(b) || li[j] < best) : (!isnan(b) && (a > b || (a == b && li[j] < best)));
+                if (better) best = li[j];
+            }
+            for (; i < n; i++)
+                if (!isnan(xr[best]) && (isnan(xr[i]) || xr[i] > xr[best])) best = i;
+        } else {
+            for (long i = 1; i < n; i++)
+                if (!isnan(xr[best]) && (isnan(xr[i]) || xr[i] > xr[best])) best = i;
+        }
+        out[r] = best;
+    }
+}

@@ -38,6 +38,7 @@ SIGNATURES = {
     "rms_norm": [_ptr, _long, _long, _ptr, _float, _ptr, _long, _long],
     "paged_attention": [_ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _ptr, _long, _ptr, _long, _ptr, _long, _ptr, _long,
                         _long, _long, _long, _float],
+    "argmax_rows": [_ptr, _long, _long, _long, _ptr],
 }
 
 
@@ -69,6 +70,17 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
     return lib
+
+
+def argmax(x: torch.Tensor) -> list[int]:
+    """Each row's argmax of [rows, n] float32 values as a list, as x.argmax(-1).tolist() (the first index on ties,
+    the first NaN if any) but vectorised: torch's CPU argmax reads ~1 float per ns, 0.3 ms for a 5-row verify's
+    logits over a 49k vocabulary."""
+    if x.dim() != 2 or not x.shape[0] or not x.shape[1] or x.stride(-1) != 1 or not _uses_kernels(x):
+        return x.argmax(-1).tolist()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    library().argmax_rows(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], out.data_ptr())
+    return out.tolist()
 
 
 def _uses_kernels(tensor: torch.Tensor) -> bool:

@@ -44,12 +44,12 @@ class Speculator:
     def can_speculate(request: Request) -> bool:
         return not request.params.needs_history
 
-    def verify(self, engine, request: Request, logits: torch.Tensor) -> tuple[int, list[int]]:
-        """logits: [1 + drafts, vocab] at the last real token and at each draft. Rolls the request back to
-        its accepted tokens (before + 1 + accepted) and returns (accepted, tokens to emit)."""
+    def verify(self, engine, request: Request, logits: torch.Tensor, best: list[int]) -> tuple[int, list[int]]:
+        """logits: [1 + drafts, vocab] at the last real token and at each draft; best: their argmaxes. Rolls the
+        request back to its accepted tokens (before + 1 + accepted) and returns (accepted, tokens to emit)."""
         drafts, request.spec_token_ids = request.spec_token_ids, []
         if request.params.is_greedy:
-            accepted, emitted = verify_greedy(logits.argmax(-1).tolist(), drafts)
+            accepted, emitted = verify_greedy(best, drafts)
         else:
             probs = target_probs(logits, request.params)
             draft_probs = self.drafter.draft_probs.pop(request.request_id, None)

@@ -193,3 +193,29 @@ def test_paged_attention_kernel_matches_torch(num_heads, num_kv, head_dim):
     reference = PagedAttention(cache, meta)
     reference.lib = None
     torch.testing.assert_close(fast(1, q, k, v), reference(1, q, k, v))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 16])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 23, 4096, 49157])
+def test_argmax_matches_torch_with_ties_and_nans(rows, n):
+    """The first index of the largest value on ties, the first NaN when a row has one, on strided rows."""
+    if kernels.library() is None:
+        pytest.skip("the kernels do not run here")
+    torch.manual_seed(rows * n)
+    cases = [torch.randn(rows, n), torch.randint(0, 3, (rows, n)).float(), torch.full((rows, n), -float("inf")),
+             torch.randn(rows, n + 5)[:, 2:2 + n]]
+    with_nans = torch.randn(rows, n)
+    with_nans[0, n // 2] = with_nans[-1, n - 1] = float("nan")
+    cases.append(with_nans)
+    for x in cases:
+        assert kernels.argmax(x) == x.argmax(-1).tolist()
+    # the largest value where a lane's later entries are all smaller and the row's tail holds the maximum
+    x = torch.zeros(rows, n)
+    x[:, -1] = 1.0
+    assert kernels.argmax(x) == [n - 1] * rows
+
+
+def test_argmax_falls_back_to_torch(no_kernels):
+    x = torch.randn(3, 50)
+    assert kernels.argmax(x) == x.argmax(-1).tolist()
+    assert kernels.argmax(x.to(torch.bfloat16)) == x.to(torch.bfloat16).argmax(-1).tolist()
