@@ -202,12 +202,11 @@ void argmax_rows(const float *x, long rows, long ldx, long n, long *out) {
     #pragma omp parallel for schedule(static) if (rows >= 4)
     for (long r = 0; r < rows; r++) {
         const float *xr = x + r * ldx;
-        long best = 0;
+        long best = 0, i = 1;
         if (n >= 8) {
             __m256 bv = _mm256_loadu_ps(xr);
             __m256i bi = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), idx = bi, step = _mm256_set1_epi32(8);
-            long i = 8;
-            for (; i + 8 <= n; i += 8) {
+            for (i = 8; i + 8 <= n; i += 8) {
                 __m256 v = _mm256_loadu_ps(xr + i);
                 idx = _mm256_add_epi32(idx, step);
                 /* v wins if larger, or if it is the lane's first NaN */
@@ -226,12 +225,9 @@ void argmax_rows(const float *x, long rows, long ldx, long n, long *out) {
                 int better = isnan(a) ? (!isnan(b) || li[j] < best) : (!isnan(b) && (a > b || (a == b && li[j] < best)));
                 if (better) best = li[j];
             }
-            for (; i < n; i++)
-                if (!isnan(xr[best]) && (isnan(xr[i]) || xr[i] > xr[best])) best = i;
-        } else {
-            for (long i = 1; i < n; i++)
-                if (!isnan(xr[best]) && (isnan(xr[i]) || xr[i] > xr[best])) best = i;
         }
+        for (; i < n; i++)  /* the tail past the last 8, or the whole row when it is shorter */
+            if (!isnan(xr[best]) && (isnan(xr[i]) || xr[i] > xr[best])) best = i;
         out[r] = best;
     }
 }

@@ -69,8 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--data", default="data", help="where the store goes")
     p.add_argument("--results", default="results", help="where bench.json, bench.md and acceptance.png go")
     p.add_argument("--concurrency", type=int, default=64,
-                   help="conversations answered at once while generating (the store is the same at any concurrency; "
-                        "64 wrote answer tokens 8%% faster than 32)")
+                   help="conversations answered at once while generating (the answers are the same at any concurrency, "
+                        "stored in another order; 64 wrote them 3-8%% faster than 32)")
     p.add_argument("--full", action="store_true",
                    help="bench-full: every MT-bench question and HumanEval problem, greedy and temperature 0.7, "
                         "concurrency 1, 4 and 16 (hours on a CPU)")
