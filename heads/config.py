@@ -32,6 +32,9 @@ class HeadConfig:
     rope_scaling: dict | None = None
     target_fingerprint: dict = field(default_factory=dict)
     metadata: dict = field(default_factory=dict)
+    # p(draft) = softmax(logits / T_i)[draft] at draft position i for the engine's confidence cut, fitted on held-out
+    # data by training (training/modules/calibration.py); empty: T = 1 at every position
+    confidence_temperatures: list = field(default_factory=list)
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
@@ -44,6 +47,11 @@ class HeadConfig:
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         if not isinstance(self.target_fingerprint, dict) or not isinstance(self.metadata, dict):
             raise ValueError("target_fingerprint and metadata must be JSON objects (dicts)")
+        temperatures = self.confidence_temperatures
+        if not isinstance(temperatures, list) or not all(
+                isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 for t in temperatures):
+            raise ValueError(f"confidence_temperatures={temperatures!r} must be a list of positive numbers, one per "
+                             "draft position (empty for none)")
         recorded = self.mismatches(self.target_fingerprint)
         if recorded:
             raise ValueError(f"target_fingerprint disagrees with the head's own sizes: {'; '.join(recorded)}")

@@ -72,24 +72,38 @@ def lm_head_rows(lm_head: nn.Linear, ids: torch.Tensor) -> nn.Linear:
     return rows
 
 
-def _best(logits: torch.Tensor, hot: torch.Tensor | None, threshold: float = 0.0, to_ids=None) -> tuple[list, list]:
-    """(target ids of the most likely drafts, whether the head gives each a probability >= threshold). With a
-    token map the logits cover only its tokens; `to_ids` maps other reduced vocabularies (EAGLE-3's)."""
+def _best(logits: torch.Tensor, hot: torch.Tensor | None, temperature: float | None = None, to_ids=None) -> tuple[list, list]:
+    """(target ids of the most likely drafts, the head's probability of each at `temperature`, or ones without
+    one). With a token map the logits cover only its tokens; `to_ids` maps other reduced vocabularies (EAGLE-3's)."""
     best = logits.argmax(-1)
     ids = to_ids(best) if to_ids is not None else best if hot is None else hot[best]
-    if threshold <= 0:
-        return ids.tolist(), torch.ones_like(best, dtype=torch.bool).tolist()
-    # p(best) = 1 / sum(exp(logits - max)), without materialising the softmax
-    confident = (logits.float() - logits.amax(-1, keepdim=True).float()).exp().sum(-1) <= 1 / threshold
-    return ids.tolist(), confident.tolist()
+    if temperature is None:
+        return ids.tolist(), [1.0] * len(best)
+    # p(best) = 1 / sum(exp((logits - max) / T)), without materialising the softmax
+    shifted = (logits.float() - logits.amax(-1, keepdim=True).float()) / temperature
+    return ids.tolist(), shifted.exp().sum(-1).reciprocal().tolist()
 
 
-def _confident_prefix(tokens: list, confident: list) -> list:
-    """The drafts up to the first one the head is not confident in."""
-    for n, ok in enumerate(confident):
-        if not ok:
-            return tokens[:n]
-    return tokens
+class ChainCut:
+    """Where a chain ends under `confidence_threshold`: before the first draft whose chain probability, the product
+    of the head's probabilities of the drafts so far at its fitted temperatures (its estimate that the target
+    accepts them all), falls below the threshold. A draft pays when that estimate exceeds what verifying and
+    drafting one more token costs as a share of a step."""
+
+    def __init__(self, head, threshold: float):
+        self.threshold = threshold
+        self.temperatures = list(head.config.confidence_temperatures)
+
+    def temperature(self, position: int) -> float | None:
+        """T of draft `position` (0-based); None when no cut is set, so that no probability is computed."""
+        if self.threshold <= 0:
+            return None
+        return self.temperatures[position] if position < len(self.temperatures) else 1.0
+
+    def keeps(self, chain_p: float, p: float) -> tuple[float, bool]:
+        """(the chain probability with a draft of probability p added, whether the chain keeps that draft)."""
+        chain_p *= p
+        return chain_p, chain_p >= self.threshold
 
 
 def _last_rows(step, request) -> tuple[int, int, int]:
@@ -102,7 +116,7 @@ def _last_rows(step, request) -> tuple[int, int, int]:
 
 class MedusaDrafter:
     def __init__(self, head, hot=None, threshold=0.0):
-        self.head, self.hot, self.threshold = head, hot, threshold
+        self.head, self.hot, self.cut = head, hot, ChainCut(head, threshold)
         self.aux_layers = ()
         self.draft_probs = {}
 
@@ -116,9 +130,18 @@ class MedusaDrafter:
             first_row, _, num_kept = _last_rows(step, r)
             rows.append(first_row + num_kept - 1)
         logits = self.head(step.out.hidden[torch.tensor(rows)])  # [num_heads, requests, vocab]
-        tokens, confident = _best(logits, self.hot, self.threshold)  # [num_heads][requests] each
-        return {r.request_id: _confident_prefix([t[n] for t in tokens], [c[n] for c in confident])[:budgets[r.request_id]]
-                for n, r in enumerate(requests)}
+        drafted = [_best(logits[i], self.hot, self.cut.temperature(i))
+                   for i in range(max(budgets[r.request_id] for r in requests))]  # (ids, probs) per head
+        drafts = {}
+        for n, r in enumerate(requests):
+            chain, chain_p = [], 1.0
+            for tokens, probs in drafted[:budgets[r.request_id]]:
+                chain_p, ok = self.cut.keeps(chain_p, probs[n])
+                if not ok:
+                    break
+                chain.append(tokens[n])
+            drafts[r.request_id] = chain
+        return drafts
 
     def reset(self, request):
         pass
@@ -129,7 +152,7 @@ class FeatureDrafter:
     steps: the pool is rewritten from each step's kept tokens, so rollback and preemption need nothing."""
 
     def __init__(self, engine, head, hot=None, threshold=0.0):
-        self.head, self.kind, self.hot, self.threshold = head, head.config.kind, hot, threshold
+        self.head, self.kind, self.hot, self.cut = head, head.config.kind, hot, ChainCut(head, threshold)
         layer = head.config.layer_config()
         self.cache = KVCache(1, engine.cache.num_blocks, engine.block_size, layer.num_kv_heads, layer.head_dim, engine.dtype)
         self.block_size = engine.block_size
@@ -149,12 +172,13 @@ class FeatureDrafter:
             return self.head.forward_module(0, ids, features, positions, attention)
         return self.head(ids, features, positions, attention)
 
-    def _tokens(self, out: torch.Tensor) -> tuple[list[int], list[bool]]:
+    def _tokens(self, out: torch.Tensor, position: int) -> tuple[list[int], list[float]]:
+        temperature = self.cut.temperature(position)
         if self.kind == "mtp":
-            return _best(self.head.logits(0, out), self.hot, self.threshold)
+            return _best(self.head.logits(0, out), self.hot, temperature)
         if self.kind == "eagle3":
-            return _best(self.head.logits(out), None, self.threshold, self.head.to_target_ids)
-        return _best(self.head.logits(out), self.hot, self.threshold)
+            return _best(self.head.logits(out), None, temperature, self.head.to_target_ids)
+        return _best(self.head.logits(out), self.hot, temperature)
 
     @torch.inference_mode()
     def observe(self, engine, step):
@@ -183,12 +207,16 @@ class FeatureDrafter:
         features = torch.stack([self.newest[r.request_id] for r in requests])  # [requests, hidden]
         drafts = {r.request_id: [] for r in requests}
         active = list(range(len(requests)))
+        chain_p = [1.0] * len(requests)
         for s in range(max(budgets[r.request_id] for r in requests)):
-            tokens, confident = self._tokens(features)
-            for n, token, ok in zip(active, tokens, confident):
+            tokens, probs = self._tokens(features, s)
+            kept = []
+            for n, token, p in zip(active, tokens, probs):
+                chain_p[n], ok = self.cut.keeps(chain_p[n], p)
                 if ok:
                     drafts[requests[n].request_id].append(token)
-            still = [j for j, n in enumerate(active) if confident[j] and budgets[requests[n].request_id] > s + 1]
+                kept.append(ok)
+            still = [j for j, n in enumerate(active) if kept[j] and budgets[requests[n].request_id] > s + 1]
             if not still:
                 break
             features = features[torch.tensor(still)]
@@ -213,7 +241,7 @@ class MtpChainDrafter:
     entries, starting module j at c_before - j from module j - 1's output kept from the previous step."""
 
     def __init__(self, engine, head, hot=None, threshold=0.0):
-        self.head, self.depth, self.hot, self.threshold = head, head.config.depth, hot, threshold
+        self.head, self.depth, self.hot, self.cut = head, head.config.depth, hot, ChainCut(head, threshold)
         layer = head.config.layer_config()
         self.cache = KVCache(self.depth, engine.cache.num_blocks, engine.block_size, layer.num_kv_heads, layer.head_dim,
                              engine.dtype)
@@ -272,9 +300,10 @@ class MtpChainDrafter:
                     and self.carry[r.request_id][0][0] == r.num_tokens - 2]
         if not requests:
             return {}
-        first, confident = _best(self.head.logits(0, torch.stack([self.carry[r.request_id][0][1] for r in requests])),
-                                 self.hot, self.threshold)
-        drafts = {r.request_id: [token] for r, token, ok in zip(requests, first, confident) if ok}
+        first, probs = _best(self.head.logits(0, torch.stack([self.carry[r.request_id][0][1] for r in requests])),
+                             self.hot, self.cut.temperature(0))
+        chain_p = {r.request_id: self.cut.keeps(1.0, p) for r, p in zip(requests, probs)}  # -> (chain p, kept)
+        drafts = {r.request_id: [token] for r, token in zip(requests, first) if chain_p[r.request_id][1]}
         requests = [r for r in requests if r.request_id in drafts]
         if not requests:
             return drafts
@@ -291,9 +320,11 @@ class MtpChainDrafter:
             if not active:
                 break
             outs = self._run(s, chunks)
-            tokens, confident = _best(self.head.logits(s, torch.stack([o[-1] for o in outs])), self.hot, self.threshold)
-            for r, out, token, ok in zip(active, outs, tokens, confident):
-                if ok:
+            tokens, probs = _best(self.head.logits(s, torch.stack([o[-1] for o in outs])), self.hot,
+                                  self.cut.temperature(s))
+            for r, out, token, p in zip(active, outs, tokens, probs):
+                chain_p[r.request_id] = self.cut.keeps(chain_p[r.request_id][0], p)
+                if chain_p[r.request_id][1]:
                     drafts[r.request_id].append(token)
                     outputs[r.request_id] = out
         return drafts

@@ -24,8 +24,10 @@ class SpeculativeConfig:
     # medusa/eagle/mtp: a file of token ids (`draftheads token-map`, SGLang's --speculative-token-map): the head
     # drafts among those tokens only, reading just their rows of the LM head (FR-Spec).
     token_map: str | None = None
-    # medusa/eagle/eagle3/mtp: end a chain at the first draft the head gives a probability below this, so steps
-    # where the head is unsure verify fewer tokens (0: always draft num_speculative_tokens).
+    # medusa/eagle/eagle3/mtp: end a chain before the first draft where the product of the head's probabilities of
+    # the chain's drafts (at the temperatures its fit calibrated, `confidence_temperatures` in its config.json)
+    # falls below this, so steps where the head is unsure verify fewer tokens (0: always draft
+    # num_speculative_tokens).
     confidence_threshold: float = 0.0
     # medusa/eagle/eagle3/mtp: how the head's weights (and its token map's LM-head rows) are stored for the CPU
     # kernels: "bfloat16" (default when unset) streams half the bytes per draft and still computes in float32;

@@ -188,6 +188,13 @@ def test_invalid_config_fields(saved):
     rewrite_config(saved, hidden_size=64, depth=2)
     with pytest.raises(ValueError, match="unknown eagle config field\\(s\\) \\['depth'\\]"):
         load(saved)
+    config = json.loads((saved / "config.json").read_text())
+    del config["depth"]
+    (saved / "config.json").write_text(json.dumps(config))
+    for bad in ([1.0, 0], [1.0, "2"], 1.5):
+        rewrite_config(saved, confidence_temperatures=bad)
+        with pytest.raises(ValueError, match="confidence_temperatures=.* must be a list of positive numbers"):
+            load(saved)
 
 
 def test_missing_weights_file(saved):

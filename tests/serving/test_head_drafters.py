@@ -196,11 +196,11 @@ def dense_drafts(head, states, tokens, num_drafts):
     """The drafts after `tokens` (T of them; `states` cover at least T-1 positions): the head over the pairs
     (h_p, x_{p+1}) at positions p in [0, T-2] with dense causal attention gives draft 1 from its last output;
     draft s+1 comes from the entry (draft s, the previous output) at position T-2+s. Returns the drafts and the
-    top-2 logit margin of each (near-ties could flip between paged and dense)."""
+    top-2 logit margin and the logits of each (near-ties could flip between paged and dense)."""
     T = len(tokens)
     features = head_features(head, states, T - 1)  # [T-1, hidden]
     ids = list(tokens[1:])
-    drafts, margins = [], []
+    drafts, margins, all_logits = [], [], []
     for _ in range(num_drafts):
         num = len(ids)
         out = head_forward(head, torch.tensor(ids)[None], features[None], torch.arange(num)[None],
@@ -208,11 +208,12 @@ def dense_drafts(head, states, tokens, num_drafts):
         logits = head_logits(head, out[-1])
         top = logits.topk(2).values
         margins.append(float(top[0] - top[1]))
+        all_logits.append(logits)
         token = int(to_target_ids(head, logits.argmax(-1)))
         drafts.append(token)
         ids.append(token)
         features = torch.cat([features, out[-1:]])
-    return drafts, margins
+    return drafts, margins, all_logits
 
 
 @torch.no_grad()
@@ -323,7 +324,7 @@ def check_against_dense(folder, head, proposals, finals) -> tuple[int, list[str]
         if head.config.kind == "medusa":
             dense, margins = dense_medusa_drafts(head, states[p.request_id], p.token_ids, len(p.drafts)), []
         else:
-            dense, margins = dense_drafts(head, states[p.request_id], p.token_ids, len(p.drafts))
+            dense, margins, _ = dense_drafts(head, states[p.request_id], p.token_ids, len(p.drafts))
         num_checked += 1
         if dense != p.drafts:
             mismatches.append(f"request {p.request_id} at T={len(p.token_ids)}: paged {p.drafts}, dense {dense} "
@@ -701,17 +702,20 @@ def test_mtp_chain_mode_is_a_clear_error(tiny_llama, tmp_path):
 @torch.no_grad()
 def dense_chain_drafts(head, states, tokens, num_drafts):
     """Module s over every position t in [0, T-2] with the pairs (h^s_t, y_{t+s+1}), y = tokens then the drafts
-    so far, dense causal attention; draft s + 1 from its output at T-2. h^0 is the target's final hidden state."""
+    so far, dense causal attention; draft s + 1 from its output at T-2. h^0 is the target's final hidden state.
+    Returns the drafts and their logits."""
     T = len(tokens)
-    y, features, drafts = list(tokens), states[-1][:T - 1], []
+    y, features, drafts, all_logits = list(tokens), states[-1][:T - 1], [], []
     for s in range(num_drafts):
         out = head.forward_module(s, torch.tensor(y[s + 1:T + s])[None], features[None], torch.arange(T - 1)[None],
                                   DenseCausalAttention())[0]  # [T-1, hidden]
-        token = int(head.logits(s, out[-1]).argmax())
+        logits = head.logits(s, out[-1])
+        token = int(logits.argmax())
         drafts.append(token)
+        all_logits.append(logits)
         y.append(token)
         features = out
-    return drafts
+    return drafts, all_logits
 
 
 @pytest.mark.parametrize("concurrency, num_blocks", [(1, 64), (8, 48)])
@@ -733,7 +737,7 @@ def test_mtp_chain_drafts_equal_dense_chain_and_outputs_equal_plain(tiny_llama, 
     mismatches = [(p.request_id, len(p.token_ids), p.drafts, dense)
                   for p in checked
                   if p.drafts != (dense := dense_chain_drafts(loaded, hf_hidden_states(tiny_llama, finals[p.request_id]),
-                                                              p.token_ids, len(p.drafts)))]
+                                                              p.token_ids, len(p.drafts))[0])]
     assert not mismatches, mismatches[:5]
 
 
@@ -746,14 +750,25 @@ def test_mtp_chain_refuses_more_drafts_than_modules(tiny_llama, heads_root):
 
 # ---- a confidence threshold ends chains early ------------------------------------------------------------
 
+TEMPERATURES = [1.7, 0.6, 1.3]  # confidence_temperatures of the heads the cut is tested with
+
+
+def calibrated_head_dir(kind, folder, root) -> str:
+    """random_head_dir's head with fitted temperatures in its config.json, as a fit writes them."""
+    head = heads.load(random_head_dir(kind, folder, root), target=target_parts(folder))
+    head.config.confidence_temperatures = list(TEMPERATURES)
+    return str(heads.save(head, root / f"{kind}-{folder.name}-calibrated"))
+
+
 def median_confidence(folder, head_dir, kind, monkeypatch) -> float:
-    """The median probability the head gives its drafts over a run without a threshold."""
+    """The median probability (at the first draft's temperature) the head gives its drafts in a run without a
+    threshold."""
     from serving.drafters import heads as drafters
 
     seen, best = [], drafters._best
 
     def spy(logits, *args):
-        seen.extend(logits.float().softmax(-1).amax(-1).flatten().tolist())
+        seen.extend((logits.float() / TEMPERATURES[0]).softmax(-1).amax(-1).flatten().tolist())
         return best(logits, *args)
 
     monkeypatch.setattr(drafters, "_best", spy)
@@ -762,13 +777,28 @@ def median_confidence(folder, head_dir, kind, monkeypatch) -> float:
     return float(torch.tensor(seen).median())
 
 
+def expected_cut(logits, threshold: float) -> int | None:
+    """How many drafts a chain keeps: those before the first whose chain probability, the product of
+    softmax(logits_i / T_i)[argmax], is below the threshold; None when a product lies within float error of it."""
+    chain_p = 1.0
+    for i, row in enumerate(logits):
+        chain_p *= float((row.double() / TEMPERATURES[i]).softmax(-1).max())
+        if abs(chain_p - threshold) < 1e-4 * threshold:
+            return None
+        if chain_p < threshold:
+            return i
+    return len(logits)
+
+
 @pytest.mark.parametrize("kind, fixture", HEAD_CASES, ids=[f"{k}-{f}" for k, f in HEAD_CASES])
-def test_a_confidence_threshold_cuts_chains_to_a_prefix_and_keeps_outputs(kind, fixture, heads_root, request, monkeypatch):
-    """With confidence_threshold at the median confidence of the head's drafts, each proposal is a prefix of
-    what the head drafts without one (the dense reference), some are cut short and some are not, and outputs
-    stay plain greedy decoding's."""
+def test_a_confidence_threshold_cuts_chains_where_their_probability_falls_below_it(kind, fixture, heads_root, request,
+                                                                                 monkeypatch):
+    """With confidence_threshold at the median confidence of the head's first drafts, each proposal is the
+    dense reference's chain up to the first draft where the product of the head's probabilities at its config's
+    temperatures falls below the threshold; some are cut short and some are not, and outputs stay plain greedy
+    decoding's."""
     folder = request.getfixturevalue(fixture)
-    head_dir = random_head_dir(kind, folder, heads_root)
+    head_dir = calibrated_head_dir(kind, folder, heads_root)
     threshold = median_confidence(folder, head_dir, kind, monkeypatch)
     engine = make_engine(folder, dict(spec_config(kind, head_dir), confidence_threshold=threshold), **SCENARIOS[1])
     proposals = record_proposals(engine)
@@ -781,19 +811,38 @@ def test_a_confidence_threshold_cuts_chains_to_a_prefix_and_keeps_outputs(kind, 
     finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
     num_checked, mismatches = check_against_dense(folder, head, proposals, finals)
     assert num_checked == len(proposals) and not mismatches, mismatches[:5]
+    num_compared, wrong = 0, []
+    for p in proposals:
+        states = hf_hidden_states(folder, finals[p.request_id])
+        if kind == "medusa":
+            with torch.no_grad():
+                logits = list(head(states[-1][len(p.token_ids) - 2])[:p.budget])
+        else:
+            logits = dense_drafts(head, states, p.token_ids, p.budget)[2]
+        expected = expected_cut(logits, threshold)
+        num_compared += expected is not None
+        if expected is not None and expected != len(p.drafts):
+            wrong.append((p.request_id, len(p.token_ids), len(p.drafts), expected))
+    assert num_compared > 0.9 * len(proposals) and not wrong, wrong[:5]
 
 
-def test_confidence_is_the_heads_probability_of_its_draft():
+def test_confidence_is_the_heads_probability_of_its_draft_at_a_temperature():
     from serving.drafters.heads import _best
 
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.45, 0.35]]))
-    assert _best(logits, None, 0.5) == ([0, 1], [True, False])
-    assert _best(logits, None, 0.45 - 1e-6) == ([0, 1], [True, True])
-    assert _best(logits, torch.tensor([7, 8, 9]), 0.0) == ([7, 8], [True, True])
+    ids, probs = _best(logits, None, 1.0)
+    assert ids == [0, 1]
+    torch.testing.assert_close(torch.tensor(probs), torch.tensor([0.6, 0.45]))
+    ids, probs = _best(logits, torch.tensor([7, 8, 9]), 2.0)
+    assert ids == [7, 8]
+    torch.testing.assert_close(torch.tensor(probs), (logits / 2).softmax(-1).amax(-1))
+    assert _best(logits, None, None) == ([0, 1], [1.0, 1.0])  # no cut: no probability computed
 
 
-def test_mtp_chain_with_a_confidence_threshold_drafts_a_prefix_of_the_chain(tiny_llama, heads_root, monkeypatch):
+def test_mtp_chain_with_a_confidence_threshold_cuts_the_chain_where_its_probability_falls_below_it(
+        tiny_llama, heads_root, monkeypatch):
     head = perturb(heads.Mtp.from_target(target_parts(tiny_llama), depth=K, serve_mode="chain"), seed=13)
+    head.config.confidence_temperatures = list(TEMPERATURES)
     head_dir = str(heads.save(head, heads_root / "mtp-chain-threshold"))
     threshold = median_confidence(tiny_llama, head_dir, "mtp", monkeypatch)
     prompts = random_prompts([5, 23, 9, 40], seed=46)
@@ -805,7 +854,12 @@ def test_mtp_chain_with_a_confidence_threshold_drafts_a_prefix_of_the_chain(tiny
     assert cut and len(cut) < len(proposals), f"{len(cut)} of {len(proposals)} proposals cut"
     finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
     loaded = load_as_drafted(head_dir, tiny_llama)
-    mismatches = [(p.request_id, len(p.token_ids), p.drafts) for p in proposals
-                  if p.drafts != dense_chain_drafts(loaded, hf_hidden_states(tiny_llama, finals[p.request_id]),
-                                                    p.token_ids, len(p.drafts))]
-    assert not mismatches, mismatches[:5]
+    wrong, num_compared = [], 0
+    for p in proposals:
+        drafts, logits = dense_chain_drafts(loaded, hf_hidden_states(tiny_llama, finals[p.request_id]), p.token_ids,
+                                            p.budget)
+        expected = expected_cut(logits, threshold)
+        num_compared += expected is not None
+        if p.drafts != drafts[:len(p.drafts)] or expected not in (None, len(p.drafts)):
+            wrong.append((p.request_id, len(p.token_ids), p.drafts, drafts, expected))
+    assert num_compared > 0.9 * len(proposals) and not wrong, wrong[:5]

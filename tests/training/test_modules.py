@@ -15,7 +15,8 @@ from heads import Eagle, Eagle3, Mtp, load_target_parts
 from serving.attention import KVCache, PagedAttention, PagedMetadata
 from training.data.datamodule import DraftDataModule, LengthBatches
 from training.modules import MODULES, MedusaModule
-from training.modules.chain_accuracy import ChainAccuracy
+from training.modules.calibration import TEMPERATURES, Calibration
+from training.modules.chain_accuracy import ChainAccuracy, reached
 from training.modules.schedule import lr_factor
 from training.modules.unroll import unroll
 
@@ -112,6 +113,65 @@ def test_tau_walk_starts_each_chain_where_the_engine_would():
     metric = ChainAccuracy(3)
     metric.update(torch.ones(1, 6, 3, dtype=torch.bool), torch.ones(1, 6, 3, dtype=torch.bool))
     assert float(metric.compute()["tau_walk"]) == 4.0  # chains of k + 1 = 4 tokens from anchors 0 and 4
+
+
+def test_calibration_finds_the_temperature_at_which_confidence_is_accuracy():
+    """Position 0: logits twice those of a softmax whose top probability q is the chance the draft is right, so
+    T = 2 is calibrated; position 1: right with probability q of the logits themselves (T = 1); position 2 never
+    reached (T = 1). The grid's neighbours of 2 (1.68, 2.38) fit worse with 40,000 draws."""
+    generator = torch.Generator().manual_seed(0)
+    num, vocab = 40_000, 16
+    q = 0.1 + 0.8 * torch.rand(num, generator=generator)
+    logits = torch.log(((1 - q) / (vocab - 1))[:, None].expand(num, vocab).clone())
+    logits[:, 3] = torch.log(q)
+    right = torch.rand(num, generator=generator) < q
+    metric = Calibration(3)
+    metric.update(0, 2 * logits[: num // 2], right[: num // 2])
+    metric.update(0, 2 * logits[num // 2:], right[num // 2:])
+    metric.update(1, logits, right)
+    metric.update(2, logits[:0], right[:0])
+    assert metric.compute() == [2.0, 1.0, 1.0]
+    assert 2.0 in TEMPERATURES and 1.0 in TEMPERATURES
+
+
+def test_reached_marks_drafts_whose_earlier_drafts_are_all_right():
+    correct = torch.tensor([[1, 1, 0], [0, 1, 1], [1, 0, 1]], dtype=torch.bool)
+    valid = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    assert reached(correct, valid).tolist() == [[True, True, True], [True, False, False], [True, True, False]]
+
+
+@pytest.mark.parametrize("kind", list(MODULES))
+def test_validation_calibrates_on_the_drafts_the_chain_reaches(kind, debug_store, monkeypatch):
+    """Calibration sees, per position, exactly the anchors the chain metric counts as reached, with the head's
+    logits there (whose argmax is right exactly where the chain metric counts a draft accepted), and the fitted
+    temperatures land in the head's config, which a fit exports."""
+    seen = {}
+    update = Calibration.update
+
+    def spy(self, position, logits, right):
+        count, num_right = seen.get(position, (0, 0))
+        seen[position] = (count + len(right), num_right + int(right.sum()))
+        return update(self, position, logits, right)
+
+    monkeypatch.setattr(Calibration, "update", spy)
+    chain = {}
+    compute = ChainAccuracy.compute
+
+    def keep(self):
+        chain.update(reached=self.reached.tolist(), accepted=self.accepted.tolist())
+        return compute(self)
+
+    monkeypatch.setattr(ChainAccuracy, "compute", keep)
+    module = MODULES[kind](target="debug", **SMALL[kind])  # metrics wrap their methods when made
+    data = DraftDataModule(str(debug_store), target="debug", batch_size=4, heldout_fraction=0.3)
+    trainer = Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    [metrics] = trainer.validate(module, data, verbose=False)
+    k = module.hparams.num_draft_tokens
+    assert [seen[i][0] for i in range(k)] == chain["reached"] and chain["reached"][0] > 0
+    assert [seen[i][1] for i in range(k)] == chain["accepted"]
+    temperatures = module.head.config.confidence_temperatures
+    assert len(temperatures) == k and all(t in TEMPERATURES for t in temperatures)
+    assert [metrics[f"val/temperature_{i + 1}"] for i in range(k)] == pytest.approx(temperatures)
 
 
 def test_learning_rate_warms_up_then_decays_to_its_floor():

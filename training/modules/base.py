@@ -33,11 +33,13 @@ from serving import targets
 from serving.engine import DTYPES
 from serving.spec.config import TAKES_TOKEN_MAP
 from training.data.store import HIDDEN_DTYPE
-from training.modules.chain_accuracy import ChainAccuracy
+from training.modules.calibration import Calibration
+from training.modules.chain_accuracy import ChainAccuracy, reached
 from training.modules.schedule import SCHEDULES, lr_factor
 from training.modules.unroll import shift_left
 
 CHECKPOINT_KEY = "draft_head"
+FITTED = ("metadata", "confidence_temperatures")  # config fields a fit writes, not settings a resume must match
 
 
 class DraftModule(LightningModule):
@@ -78,6 +80,7 @@ class DraftModule(LightningModule):
         object.__setattr__(self, "target_parts", parts)  # frozen, never a submodule
         object.__setattr__(self, "target_model", None)  # the whole target, loaded for online data only
         self.chain = ChainAccuracy(num_draft_tokens)
+        self.calibration = Calibration(num_draft_tokens)
         self.val_accuracy: list[float] = []
 
     # ---- what each kind defines -----------------------------------------------------------------------
@@ -86,8 +89,9 @@ class DraftModule(LightningModule):
         """(loss, named terms to log) on a batch; hidden: the store's layers as [B, S, width] in the module's dtype."""
         raise NotImplementedError
 
-    def validation_outputs(self, batch: dict, hidden: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss, correct [B, S, k], valid [B, S, k]) of the simulated chain at every anchor."""
+    def validation_outputs(self, batch: dict, hidden: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+        """(loss, correct [B, S, k], valid [B, S, k], logits) of the simulated chain at every anchor; logits[i]:
+        [N_i, vocab] the head's logits for draft i+1 at the anchors where valid[..., i] holds, in [B, S] order."""
         raise NotImplementedError
 
     def use_store(self, store) -> None:
@@ -176,8 +180,11 @@ class DraftModule(LightningModule):
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        loss, correct, valid = self.validation_outputs(batch, self.hidden_states(batch))
+        loss, correct, valid, logits = self.validation_outputs(batch, self.hidden_states(batch))
         self.chain.update(correct, valid)
+        on_chain = reached(correct, valid)
+        for i, rows in enumerate(logits):
+            self.calibration.update(i, rows[on_chain[..., i][valid[..., i]]], correct[..., i][on_chain[..., i]])
         self.log("val/loss", loss, sync_dist=True, batch_size=batch["input_ids"].shape[0])
 
     def on_validation_epoch_end(self) -> None:
@@ -188,18 +195,25 @@ class DraftModule(LightningModule):
             self.log(f"val/acc_{position}", accuracy)
         self.log("val/tau", result["tau"], prog_bar=True)
         self.log("val/tau_walk", result["tau_walk"])
+        self.head.config.confidence_temperatures = self.calibration.compute()
+        self.calibration.reset()
+        for position, temperature in enumerate(self.head.config.confidence_temperatures, start=1):
+            self.log(f"val/temperature_{position}", temperature)
 
-    def chain_outcomes(self, batch: dict, outs, tokens) -> tuple[torch.Tensor, torch.Tensor]:
-        """outs[s]: [B, S, ...] what drafts token s+1 at each anchor; tokens(s, rows) -> [N] its target ids.
-        Returns (correct, valid) [B, S, len(outs)]: draft s+1 at anchor t is judged against x_{t+s+2}."""
-        correct, valid = [], []
+    def chain_outcomes(self, batch: dict, outs, logits, to_ids) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """outs[s]: [B, S, ...] what drafts token s+1 at each anchor; logits(s, rows) -> [N, vocab] the head's
+        logits there; to_ids: their argmax as target ids. Returns validation_outputs' (correct, valid, logits):
+        draft s+1 at anchor t is judged against x_{t+s+2}."""
+        correct, valid, drafted = [], [], []
         for s, out in enumerate(outs):
             is_answer = shift_left(batch["loss_mask"], s + 2)  # [B, S]
             right = torch.zeros_like(is_answer)
-            right[is_answer] = tokens(s, out[is_answer]) == shift_left(batch["input_ids"], s + 2)[is_answer]
+            rows = logits(s, out[is_answer])
+            right[is_answer] = to_ids(rows.argmax(-1)) == shift_left(batch["input_ids"], s + 2)[is_answer]
             correct.append(right)
             valid.append(is_answer)
-        return torch.stack(correct, -1), torch.stack(valid, -1)
+            drafted.append(rows)
+        return torch.stack(correct, -1), torch.stack(valid, -1), drafted
 
     # ---- optimizer ------------------------------------------------------------------------------------
 
@@ -238,7 +252,7 @@ class DraftModule(LightningModule):
         ours = json.loads(json.dumps(self.head.config.to_dict()))
         theirs = json.loads(json.dumps(saved["config"]))
         differences = [f"{key}: checkpoint {theirs.get(key)!r}, config {ours.get(key)!r}"
-                       for key in sorted(ours.keys() | theirs.keys()) if key != "metadata" and ours.get(key) != theirs.get(key)]
+                       for key in sorted(ours.keys() | theirs.keys()) if key not in FITTED and ours.get(key) != theirs.get(key)]
         if differences:
             raise ValueError(f"{where} holds a head of kind {self.kind} that differs from this config's: "
                              f"{'; '.join(differences)}. Resume with the settings (and target) it was trained with")

@@ -36,11 +36,9 @@ class ChainAccuracy(Metric):
         anchor t of an example, and its label an answer token."""
         accepted = (correct & valid).long().cumprod(-1).sum(-1)  # [..., S] drafts a chain at each anchor would land
         self._walk(accepted.reshape(-1, accepted.shape[-1]).tolist(), valid[..., 0].reshape(-1, valid.shape[-2]).tolist())
-        correct, valid = correct.flatten(0, -2), valid.flatten(0, -2)
-        all_right = correct.long().cumprod(-1).bool()  # [N, k] drafts 1..i all right
-        before_right = torch.cat([torch.ones_like(all_right[:, :1]), all_right[:, :-1]], dim=-1)
-        self.reached += (valid & before_right).sum(0)
-        self.accepted += (valid & all_right).sum(0)
+        all_right = correct.long().cumprod(-1).bool()  # [..., k] drafts 1..i all right
+        self.reached += reached(correct, valid).flatten(0, -2).sum(0)
+        self.accepted += (valid & all_right).flatten(0, -2).sum(0)
 
     def _walk(self, accepted: list[list[int]], starts: list[list[bool]]) -> None:
         steps = emitted = 0
@@ -61,3 +59,9 @@ class ChainAccuracy(Metric):
         accuracy = self.accepted.double() / self.reached.clamp(min=1).double()
         tau_walk = self.walk_emitted.double() / self.walk_steps.clamp(min=1).double()
         return {"accuracy": accuracy.float(), "tau": (1 + accuracy.cumprod(0).sum()).float(), "tau_walk": tau_walk.float()}
+
+
+def reached(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[..., k] bool: draft i's label is an answer token and drafts 1..i-1 are all right (the chain reaches i)."""
+    all_right = correct.long().cumprod(-1).bool()
+    return valid & torch.cat([torch.ones_like(all_right[..., :1]), all_right[..., :-1]], dim=-1)

@@ -82,6 +82,6 @@ class EagleModule(DraftModule):
         last = hidden["last"]
         outs = unroll(self.head, batch["input_ids"], last, batch["padding_mask"],
                       max(self.hparams.num_draft_tokens, self.hparams.num_unroll_steps), self.head.config.max_position_embeddings)
-        correct, valid = self.chain_outcomes(batch, outs[:self.hparams.num_draft_tokens],
-                                             lambda s, rows: self.target_ids(self.head.logits(rows).argmax(-1)))
-        return self._loss(batch, last, outs[:self.hparams.num_unroll_steps])[0], correct, valid
+        correct, valid, logits = self.chain_outcomes(batch, outs[:self.hparams.num_draft_tokens],
+                                                     lambda s, rows: self.head.logits(rows), self.target_ids)
+        return self._loss(batch, last, outs[:self.hparams.num_unroll_steps])[0], correct, valid, logits

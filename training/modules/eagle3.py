@@ -82,6 +82,6 @@ class Eagle3Module(DraftModule):
         k, num_steps = self.hparams.num_draft_tokens, self.hparams.num_steps
         outs = self._steps(batch, hidden, max(k, num_steps))
         loss, _ = self._loss(batch, hidden["last"], outs[:num_steps])
-        correct, valid = self.chain_outcomes(batch, outs[:k],
-                                             lambda s, rows: self.head.to_target_ids(self.head.logits(rows).argmax(-1)))
-        return loss, correct, valid
+        correct, valid, logits = self.chain_outcomes(batch, outs[:k], lambda s, rows: self.head.logits(rows),
+                                                     self.head.to_target_ids)
+        return loss, correct, valid, logits

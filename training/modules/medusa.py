@@ -64,4 +64,4 @@ class MedusaModule(DraftModule):
         is_valid = torch.zeros_like(correct)
         correct[anchors] = ((self.target_ids(logits.argmax(-1)) == labels) & valid)[:k].T
         is_valid[anchors] = valid[:k].T
-        return loss, correct, is_valid
+        return loss, correct, is_valid, [logits[i][valid[i]] for i in range(k)]

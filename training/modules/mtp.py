@@ -86,6 +86,6 @@ class MtpModule(DraftModule):
         loss, _ = self._loss(batch, trained)
         served = [(j, out) for i, j, out in predictions if (j == 0 if is_reuse else j == i)][:k]
         modules = [j for j, _ in served]
-        correct, valid = self.chain_outcomes(batch, [out for _, out in served],
-                                             lambda s, rows: self.target_ids(self.head.logits(modules[s], rows).argmax(-1)))
-        return loss, correct, valid
+        correct, valid, logits = self.chain_outcomes(batch, [out for _, out in served],
+                                                     lambda s, rows: self.head.logits(modules[s], rows), self.target_ids)
+        return loss, correct, valid, logits
