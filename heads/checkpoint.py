@@ -35,14 +35,20 @@ def save(module: DraftHead, path, metadata: dict | None = None) -> Path:
     if not isinstance(module, DraftHead):
         raise TypeError(f"save takes a draft head ({', '.join(cls.__name__ for cls in HEADS.values())}), "
                         f"got {type(module).__name__}")
-    path = Path(path)
     config = module.config.to_dict()
     config["metadata"] = {**config["metadata"], **(metadata or {})}
+    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in module.state_dict().items()}
+    return write_folder(path, config, tensors, {"format": "pt", "kind": module.config.kind})
+
+
+def write_folder(path, config: dict, tensors: dict[str, torch.Tensor], file_metadata: dict[str, str]) -> Path:
+    """Write config.json and model.safetensors to the folder `path` through a temporary sibling renamed into
+    place, replacing a folder that holds only those two files and refusing any other."""
+    path = Path(path)
     try:
         config_text = json.dumps(config, indent=2)
     except TypeError as error:
         raise ValueError(f"head config or metadata is not JSON-serializable: {error}") from error
-    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in module.state_dict().items()}
     if path.exists() and not _is_replaceable(path):
         raise ValueError(f"refusing to replace {path}: it is not a head checkpoint folder "
                          f"(a head checkpoint holds only {CONFIG_FILE} and {WEIGHTS_FILE}); choose another path")
@@ -52,7 +58,7 @@ def save(module: DraftHead, path, metadata: dict | None = None) -> Path:
     previous = None
     try:
         (partial / CONFIG_FILE).write_text(config_text + "\n")
-        save_file(tensors, str(partial / WEIGHTS_FILE), metadata={"format": "pt", "kind": module.config.kind})
+        save_file(tensors, str(partial / WEIGHTS_FILE), metadata=file_metadata)
         if path.exists():
             previous = _sibling(path, "old")
             os.replace(path, previous)

@@ -2,7 +2,7 @@
 
 EAGLE drafts at the feature level. At position t it reads the target's feature h_t (the final hidden state
 after the final norm) and the embedding of the token that follows, x_{t+1}, fuses them with
-`fc(concat(embed(x_{t+1}), h_t))` (2h -> h, with bias) and runs one decoder layer, without an input norm as
+`fc(concat(embed(x_{t+1}), h_t))` (2h -> h, with a bias unless fc_bias is off) and runs one decoder layer, without an input norm as
 EAGLE's reference code has it, to predict the next feature h_{t+1}. The target's frozen LM head turns that
 feature into logits for x_{t+2}; features live in the target's post-norm space, so no norm comes before it.
 Drafting continues autoregressively on the head's own predicted features: the next step reads (x_{t+2},
@@ -25,13 +25,15 @@ from heads.layer import DecoderLayer
 class EagleConfig(HeadConfig):
     kind = "eagle"
 
+    fc_bias: bool = True  # EAGLE's fc has a bias; vLLM's EAGLE-1 layer has none (export for vLLM needs False)
+
 
 class Eagle(DraftHead):
     config_class = EagleConfig
 
     def __init__(self, config: EagleConfig):
         super().__init__(config)
-        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
         self.layer = DecoderLayer(config.layer_config(), layer_idx=0, input_norm=False)
         self.rope = config.rope()
 

@@ -33,14 +33,15 @@ class EagleModule(DraftModule):
     kind = "eagle"
 
     def __init__(self, feature_weight: float = 1.0, token_weight: float = 0.1, noise: float = 0.1, seed: int = 0,
-                 num_unroll_steps: int = 1, decay: float = 0.8, **kwargs):
+                 num_unroll_steps: int = 1, decay: float = 0.8, fc_bias: bool = True, **kwargs):
         """feature_weight, token_weight: of the SmoothL1 feature loss and the soft cross-entropy; noise: amplitude
         of the uniform noise on input features (0 turns it off); seed: of that noise; num_unroll_steps: steps the
-        layer is unrolled over its own outputs in training; decay: loss weight decay^s of unrolled step s."""
+        layer is unrolled over its own outputs in training; decay: loss weight decay^s of unrolled step s;
+        fc_bias: give the fusing fc a bias, as EAGLE does (off for a head to export to vLLM, whose layer has none)."""
         super().__init__(**kwargs)
         if num_unroll_steps < 1:
             raise ValueError(f"num_unroll_steps={num_unroll_steps} must be >= 1")
-        self.head = Eagle.from_target(self.target_parts)
+        self.head = Eagle.from_target(self.target_parts, fc_bias=fc_bias)
 
     def _step_loss(self, batch: dict, last: torch.Tensor, out: torch.Tensor, s: int) -> dict[str, torch.Tensor]:
         """out: [B, S, hidden] unrolled step s's output, ~ h_{t+s+1} at anchor t."""

@@ -1,0 +1,158 @@
+"""`draftheads export`: each exported file, read back into transformers' own Llama layers wired the way vLLM and
+SGLang wire their draft models, gives the logits our head gives."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+import heads
+from heads.attention import DenseCausalAttention
+from training import export as exporting
+from training.cli import main as cli_main
+
+NUM_POSITIONS = 11
+
+
+def perturbed(head, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=generator))
+    return head
+
+
+def inputs(parts, seed: int, width: int | None = None):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, parts.vocab_size, (1, NUM_POSITIONS), generator=generator)
+    features = torch.randn(1, NUM_POSITIONS, width or parts.hidden_size, generator=generator)
+    return ids, features, torch.arange(NUM_POSITIONS)[None]
+
+
+def read(folder):
+    return json.loads((folder / "config.json").read_text()), load_file(str(folder / "model.safetensors"))
+
+
+def hf_layer(config: dict, tensors: dict, prefix: str, attention_input_size: int | None = None) -> LlamaDecoderLayer:
+    """transformers' Llama decoder layer holding the exported tensors under `prefix`, strictly (every name)."""
+    hf_config = LlamaConfig(**config)
+    hf_config._attn_implementation = "eager"
+    layer = LlamaDecoderLayer(hf_config, layer_idx=0)
+    if attention_input_size:  # EAGLE-3's q/k/v read the 2h-wide concatenation
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(attention_input_size, old.out_features, bias=old.bias is not None))
+    own = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix) and "hidden_norm" not in name}
+    if "input_layernorm.weight" not in own:
+        layer.input_layernorm = nn.Identity()
+    layer.load_state_dict(own, strict=True)
+    return layer.eval()
+
+
+def rope_and_mask(config: dict, x: torch.Tensor, positions: torch.Tensor):
+    cos, sin = LlamaRotaryEmbedding(LlamaConfig(**config))(x, positions)
+    causal = torch.full((NUM_POSITIONS, NUM_POSITIONS), float("-inf")).triu(1)[None, None]
+    return (cos, sin), causal
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_eagle1_export_runs_in_a_llama_layer_as_ours(engine, tiny_llama, tmp_path):
+    parts = heads.load_target_parts(tiny_llama)
+    head = perturbed(heads.Eagle.from_target(parts, fc_bias=engine == "sglang"), seed=1).eval()
+    config, tensors = read(exporting.export(head, engine, tmp_path / "out"))
+    assert config["architectures"] == [exporting.ARCHITECTURES["eagle", engine]] and config["num_hidden_layers"] == 1
+    assert not any(name.startswith(("embed_tokens", "lm_head", "model.")) for name in tensors)
+    assert ("fc.bias" in tensors) == (engine == "sglang")
+    ids, hidden, positions = inputs(parts, seed=2)
+    with torch.no_grad():
+        ours = head.logits(head(ids, hidden, positions, DenseCausalAttention()))
+        fc = nn.Linear(2 * parts.hidden_size, parts.hidden_size, bias="fc.bias" in tensors)
+        fc.load_state_dict({name[3:]: t for name, t in tensors.items() if name.startswith("fc.")})
+        x = fc(torch.cat([parts.embed(ids), hidden], dim=-1))  # the embedding first
+        position_embeddings, mask = rope_and_mask(config, x, positions)
+        out = hf_layer(config, tensors, "layers.0.")(x, attention_mask=mask, position_embeddings=position_embeddings)
+        theirs = parts.lm_head(out[0] if isinstance(out, tuple) else out)  # no final norm: the target's LM head
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_eagle3_export_runs_in_a_llama_layer_as_ours(engine, tiny_llama, tmp_path):
+    parts = heads.load_target_parts(tiny_llama)
+    head = heads.Eagle3.from_target(parts, draft_token_ids=torch.arange(0, parts.vocab_size, 3))
+    head = perturbed(head, seed=3).eval()
+    config, tensors = read(exporting.export(head, engine, tmp_path / "out"))
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["draft_vocab_size"] == head.config.draft_vocab_size
+    expected_ids = [i - (engine == "sglang") for i in head.config.aux_layers]  # SGLang names the layer before
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == expected_ids
+    h = parts.hidden_size
+    ids, aux, positions = inputs(parts, seed=4, width=len(head.config.aux_layers) * h)
+    with torch.no_grad():
+        ours_out = head(ids, head.fuse(aux), positions, DenseCausalAttention())
+        ours = head.to_target_ids(head.logits(ours_out).argmax(-1))
+        g = aux @ tensors["fc.weight"].T
+        norm = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config["rms_norm_eps"]) * w
+        attention_input = torch.cat([norm(parts.embed(ids), tensors["midlayer.input_layernorm.weight"]),
+                                     norm(g, tensors["midlayer.hidden_norm.weight"])], dim=-1)
+        layer = hf_layer({k: v for k, v in config.items()}, tensors, "midlayer.", attention_input_size=2 * h)
+        position_embeddings, mask = rope_and_mask(config, g, positions)
+        attended = layer.self_attn(attention_input, position_embeddings=position_embeddings, attention_mask=mask)[0]
+        out = g + attended  # the residual stream is g, not the concatenation
+        out = out + layer.mlp(layer.post_attention_layernorm(out))
+        draft = (norm(out, tensors["norm.weight"]) @ tensors["lm_head.weight"].T).argmax(-1)
+        theirs = draft + tensors["d2t"][draft]  # target id = draft id + d2t[draft id]
+    torch.testing.assert_close(out, ours_out, rtol=1e-4, atol=1e-4)
+    assert torch.equal(theirs, ours)
+    assert tensors["t2d"].dtype == torch.bool and int(tensors["t2d"].sum()) == head.config.draft_vocab_size
+
+
+@pytest.mark.parametrize("own_lm_head", [False, True])
+def test_medusa_export_gives_each_heads_logits(own_lm_head, tiny_llama, tmp_path):
+    parts = heads.load_target_parts(tiny_llama)
+    head = perturbed(heads.Medusa.from_target(parts, num_heads=3, num_layers=2, own_lm_head=own_lm_head), seed=5)
+    config, tensors = read(exporting.export(head.eval(), "vllm", tmp_path / "out"))
+    assert config["architectures"] == ["MedusaModel"] and config["num_heads"] == 3 and config["num_hidden_layers"] == 2
+    assert config["original_lm_head"] == (not own_lm_head)
+    hidden = inputs(parts, seed=6)[1]
+    with torch.no_grad():
+        ours = head(hidden)
+        for i in range(3):
+            x = hidden
+            for j in range(2):
+                x = x + torch.nn.functional.silu(x @ tensors[f"blocks.{i}.layers.{j}.weight"].T
+                                                 + tensors[f"blocks.{i}.layers.{j}.bias"])
+            lm_head = tensors[f"lm_heads.{i if own_lm_head else 0}.weight"]
+            torch.testing.assert_close(x @ lm_head.T, ours[i], rtol=1e-4, atol=1e-4)
+
+
+def test_exports_neither_engine_loads_are_clear_errors(tiny_llama, tmp_path):
+    parts = heads.load_target_parts(tiny_llama)
+    with pytest.raises(ValueError, match="cannot export a mtp head for vllm: neither vLLM nor SGLang loads MTP"):
+        exporting.export(heads.Mtp.from_target(parts), "vllm", tmp_path / "mtp")
+    with pytest.raises(ValueError, match="SGLang has no Medusa drafter: export it --format vllm"):
+        exporting.export(heads.Medusa.from_target(parts), "sglang", tmp_path / "medusa")
+    biased = perturbed(heads.Eagle.from_target(parts), seed=7)
+    with pytest.raises(ValueError, match="train with --model.init_args.fc_bias false"):
+        exporting.export(biased, "vllm", tmp_path / "eagle")
+    assert not any(tmp_path.iterdir()), "a refused export writes nothing"
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="refusing to replace"):
+        exporting.export(biased, "sglang", tmp_path / "busy")
+    assert (tmp_path / "busy" / "notes.txt").read_text() == "keep me"
+
+
+def test_the_cli_exports_a_saved_head(tiny_llama, tmp_path, capsys):
+    parts = heads.load_target_parts(tiny_llama)
+    saved = heads.save(perturbed(heads.Medusa.from_target(parts, num_heads=2), seed=8), tmp_path / "head")
+    assert cli_main(["export", str(saved), "--format", "vllm", "--out", str(tmp_path / "out"),
+                     "--target", str(tiny_llama)]) == 0
+    assert "wrote a medusa draft model for vllm" in capsys.readouterr().out
+    _, tensors = read(tmp_path / "out")
+    assert torch.equal(tensors["lm_heads.0.weight"], parts.lm_head.weight)
