@@ -38,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = argparse.ArgumentParser(prog=f"draftheads {name}", description=COMMANDS[name][1],
                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     module.add_arguments(sub)
-    return module.run(sub.parse_args(rest)) or 0
+    args = sub.parse_args(rest)
+    try:
+        return module.run(args) or 0
+    except (ValueError, FileNotFoundError) as error:  # bad input: the message says what to do, no traceback
+        print(f"draftheads {name}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -47,11 +47,11 @@ def run(args) -> int:
     from serving import targets
 
     head = heads.load(args.head)
-    if head.config.kind == "medusa" and not head.config.own_lm_head:
+    if (head.config.kind, args.format) == ("medusa", "vllm") and not head.config.own_lm_head:
         folder = targets.resolve(args.target or targets.DEFAULT_TARGET)
         head.bind_target(heads.load_target_parts(folder, fingerprint=targets.fingerprint(folder)))
     out = export(head, args.format, args.out)
-    print(f"wrote a {head.config.kind} draft model for {args.format} to {out}")
+    print(f"wrote the {head.config.kind} head as a {args.format} draft model to {out}")
     return 0
 
 

@@ -153,6 +153,9 @@ def test_the_cli_exports_a_saved_head(tiny_llama, tmp_path, capsys):
     saved = heads.save(perturbed(heads.Medusa.from_target(parts, num_heads=2), seed=8), tmp_path / "head")
     assert cli_main(["export", str(saved), "--format", "vllm", "--out", str(tmp_path / "out"),
                      "--target", str(tiny_llama)]) == 0
-    assert "wrote a medusa draft model for vllm" in capsys.readouterr().out
+    assert "wrote the medusa head as a vllm draft model" in capsys.readouterr().out
     _, tensors = read(tmp_path / "out")
     assert torch.equal(tensors["lm_heads.0.weight"], parts.lm_head.weight)
+    assert cli_main(["export", str(saved), "--format", "sglang", "--out", str(tmp_path / "other")]) == 2
+    assert "draftheads export: error: cannot export a medusa head for sglang" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
