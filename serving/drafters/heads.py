@@ -79,9 +79,14 @@ def _best(logits: torch.Tensor, hot: torch.Tensor | None, temperature: float | N
     ids = to_ids(best) if to_ids is not None else best if hot is None else hot[best]
     if temperature is None:
         return ids.tolist(), [1.0] * len(best)
-    # p(best) = 1 / sum(exp((logits - max) / T)), without materialising the softmax
-    shifted = (logits.float() - logits.amax(-1, keepdim=True).float()) / temperature
-    return ids.tolist(), shifted.exp().sum(-1).reciprocal().tolist()
+    return ids.tolist(), log_confidence(logits, temperature).exp().tolist()
+
+
+def log_confidence(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(argmax) under softmax(logits / temperature), without materialising the softmax: [..., vocab] -> [...].
+    The one definition the cut reads and training calibrates against."""
+    shifted = logits.float() - logits.amax(-1, keepdim=True).float()
+    return -torch.logsumexp(shifted / temperature, dim=-1)
 
 
 class ChainCut:

@@ -11,13 +11,9 @@ from __future__ import annotations
 import torch
 from torchmetrics import Metric
 
+from serving.drafters.heads import log_confidence
+
 TEMPERATURES = tuple(2 ** (k / 4) for k in range(-4, 13))  # 0.5 .. 8
-
-
-def log_confidence(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(argmax) under softmax(logits / temperature): [..., vocab] -> [...]."""
-    shifted = logits.float() - logits.amax(-1, keepdim=True).float()
-    return -torch.logsumexp(shifted / temperature, dim=-1)
 
 
 class Calibration(Metric):

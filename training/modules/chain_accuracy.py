@@ -36,9 +36,9 @@ class ChainAccuracy(Metric):
         anchor t of an example, and its label an answer token."""
         accepted = (correct & valid).long().cumprod(-1).sum(-1)  # [..., S] drafts a chain at each anchor would land
         self._walk(accepted.reshape(-1, accepted.shape[-1]).tolist(), valid[..., 0].reshape(-1, valid.shape[-2]).tolist())
-        all_right = correct.long().cumprod(-1).bool()  # [..., k] drafts 1..i all right
-        self.reached += reached(correct, valid).flatten(0, -2).sum(0)
-        self.accepted += (valid & all_right).flatten(0, -2).sum(0)
+        on_chain = reached(correct, valid)
+        self.reached += on_chain.flatten(0, -2).sum(0)
+        self.accepted += (on_chain & correct).flatten(0, -2).sum(0)
 
     def _walk(self, accepted: list[list[int]], starts: list[list[bool]]) -> None:
         steps = emitted = 0
