@@ -305,3 +305,87 @@ def test_eagle_unrolled_training_scores_step_s_against_the_next_feature_and_toke
     assert math.isclose(terms_3["acc_2"].item(), right / count, rel_tol=1e-6)
     with pytest.raises(ValueError, match="num_unroll_steps=0"):
         MODULES["eagle"](target="debug", num_unroll_steps=0)
+
+
+def greedy_before(module, last: torch.Tensor) -> torch.Tensor:
+    """[B, S] the target's greedy token after each position, among the LM-head rows the head drafts from."""
+    if module.kind == "eagle3":
+        ids = module.head.draft_token_ids
+    elif module.hot_ids is not None:
+        ids = module.hot_ids
+    else:
+        ids = torch.arange(module.target_parts.vocab_size)
+    weight = load_target_parts(module.target_folder).lm_head.weight[ids]
+    return ids[torch.einsum("bsh,vh->bsv", last.double(), weight.double()).argmax(-1)]
+
+
+def prompt_loss_modules(kind: str, store, **settings):
+    """Two modules with the same head, without and with prompt_loss."""
+    from training.data.store import Store
+
+    modules = []
+    for prompt_loss in (False, True):
+        module = MODULES[kind](target="debug", prompt_loss=prompt_loss, **SMALL[kind], **settings)
+        module.use_store(Store(store))
+        modules.append(module)
+    with torch.no_grad():
+        for param in modules[0].head.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(3)))
+    modules[1].load_state_dict(modules[0].state_dict())
+    return modules
+
+
+@pytest.mark.parametrize("kind,token_map", [("medusa", False), ("medusa", True), ("eagle", False), ("eagle3", False)])
+def test_prompt_loss_labels_each_prompt_token_with_the_targets_greedy_token_there(kind, token_map, debug_store,
+                                                                                  tmp_path):
+    """Answer tokens label themselves; with prompt_loss a prompt token after the first is labelled by the target's
+    greedy token after the tokens before it, among the rows the head drafts from, not by the prompt's own token."""
+    from training.data.store import Store
+    from training.data.vocab import frequent_tokens, write_token_map
+
+    settings = {}
+    if token_map:
+        write_token_map(frequent_tokens(Store(debug_store), 64), tmp_path / "map.pt")
+        settings["token_map"] = str(tmp_path / "map.pt")
+    off, on = prompt_loss_modules(kind, debug_store, **settings)
+    data = DraftDataModule(str(debug_store), target="debug", batch_size=4, heldout_fraction=0.3)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    last = on.hidden_states(batch)["last"]
+    ids, answer, padding = batch["input_ids"], batch["loss_mask"], batch["padding_mask"]
+    labels, has_label = off.loss_labels(batch, last)
+    assert torch.equal(labels, ids) and torch.equal(has_label, answer)
+
+    rows = on.draft_rows() if kind == "eagle3" else None
+    labels, has_label = on.loss_labels(batch, last, rows, on.head.to_target_ids if kind == "eagle3" else None)
+    prompt = padding & ~answer
+    prompt[:, 0] = False
+    assert torch.equal(has_label, answer | prompt) and prompt.any()
+    assert torch.equal(labels[answer], ids[answer])
+    expected = greedy_before(on, last)[:, :-1][prompt[:, 1:]]
+    assert torch.equal(labels[prompt], expected)
+    assert not torch.equal(expected, ids[prompt])  # the prompt's own tokens are not the target's
+
+
+@pytest.mark.parametrize("kind", list(MODULES))
+def test_prompt_loss_trains_on_prompt_tokens_as_on_answers_of_the_target(kind, debug_store):
+    """Where every prompt token is the target's greedy token, training with prompt_loss is training on a batch whose
+    every token (but the first) is an answer token; and it changes the loss of the store's own batch."""
+    off, on = prompt_loss_modules(kind, debug_store)
+    data = DraftDataModule(str(debug_store), target="debug", batch_size=4, heldout_fraction=0.3)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    hidden = on.hidden_states(batch)
+    prompt = batch["padding_mask"] & ~batch["loss_mask"]
+    prompt[:, 0] = False
+    greedy = torch.zeros_like(batch["input_ids"])
+    greedy[:, 1:] = greedy_before(on, hidden["last"])[:, :-1]
+    as_target = {**batch, "input_ids": torch.where(prompt, greedy, batch["input_ids"])}
+    all_answers = {**as_target, "loss_mask": batch["loss_mask"] | prompt}
+    loss_on, terms_on = on.training_loss(as_target, hidden)
+    loss_off, terms_off = off.training_loss(all_answers, hidden)
+    torch.testing.assert_close(loss_on, loss_off)
+    assert terms_on.keys() == terms_off.keys()
+    for name in terms_on:
+        torch.testing.assert_close(terms_on[name], terms_off[name])
+    assert not torch.isclose(on.training_loss(batch, hidden)[0], off.training_loss(batch, hidden)[0])

@@ -49,10 +49,11 @@ class DraftModule(LightningModule):
     def __init__(self, target: str = targets.DEFAULT_TARGET, num_draft_tokens: int = 4, learning_rate: float = 1e-3,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 100,
                  schedule: str = "cosine", min_lr_ratio: float = 0.1, target_dtype: str = "float32",
-                 token_map: str | None = None):
+                 token_map: str | None = None, prompt_loss: bool = False):
         """target: the frozen target (a built-in name, a Hugging Face folder or a hub id); num_draft_tokens: k of
         the simulated chain (the engine's num_speculative_tokens); target_dtype: of the frozen target pieces;
-        token_map: a token map file to draft among (Medusa, EAGLE-1, MTP); serve the head with the same file."""
+        token_map: a token map file to draft among (Medusa, EAGLE-1, MTP); serve the head with the same file;
+        prompt_loss: train at prompt tokens too, against the target's greedy token there (see loss_labels)."""
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
@@ -112,6 +113,26 @@ class DraftModule(LightningModule):
     def target_ids(self, rows: torch.Tensor) -> torch.Tensor:
         """LM-head rows (argmax of the head's logits) as target token ids."""
         return rows if self.hot_ids is None else self.hot_ids[rows]
+
+    @torch.no_grad()
+    def loss_labels(self, batch: dict, last: torch.Tensor, rows: torch.Tensor | None = None,
+                    to_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(labels [B, S], has_label [B, S]): the token the training loss teaches the head to draft at each
+        position. An answer token labels itself. With prompt_loss a prompt token (after the first) is a label too:
+        the target's greedy token after the tokens before it, i.e. the argmax of LM-head `rows` (default: the rows
+        the head drafts from; to_ids maps a row to its token id) at the previous position's last hidden state.
+        A prompt's own next token is someone else's choice, but the target's features and distribution over the
+        prompt are its own: on a store of a few hundred answers this nearly doubles the positions to learn from."""
+        ids, answer = batch["input_ids"], batch["loss_mask"]
+        if not self.hparams.prompt_loss:
+            return ids, answer
+        prompt = batch["padding_mask"] & ~answer
+        prompt[:, 0] = False
+        before = last[:, :-1][prompt[:, 1:]]
+        greedy = (self.target_parts.lm_head(before) if rows is None else before @ rows.to(before.dtype).T).argmax(-1)
+        labels = ids.clone()
+        labels[prompt] = (to_ids or self.target_ids)(greedy)
+        return labels, answer | prompt
 
     # ---- the frozen target ----------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ regresses the next feature h_{t+1} (heads/eagle.py). The loss is EAGLE's:
     feature_weight * SmoothL1(out_t, h_{t+1})                    (mean over the hidden size; EAGLE's v_w = 1.0)
   + token_weight * KL(softmax(lm_head(h_{t+1})) || softmax(lm_head(out_t)))   (EAGLE's p_w = 0.1)
 
-averaged over the anchors whose label x_{t+2} is an answer token. With `num_unroll_steps` > 1 the layer is also
+averaged over the anchors whose label x_{t+2} is an answer token (with prompt_loss, any token but the first:
+base.loss_labels). With `num_unroll_steps` > 1 the layer is also
 trained as it drafts after its first draft (training-time test, as EAGLE-3 and HASS do): unrolled over its own
 outputs with the engine's attention (unroll.py), step s reads (x_{t+s+1}, out^{s-1}_t) and is scored the same way
 against h_{t+s+1} and x_{t+s+2}, weighted decay^s. The KL term is EAGLE's soft cross-entropy less
@@ -43,9 +44,10 @@ class EagleModule(DraftModule):
             raise ValueError(f"num_unroll_steps={num_unroll_steps} must be >= 1")
         self.head = Eagle.from_target(self.target_parts, fc_bias=fc_bias)
 
-    def _step_loss(self, batch: dict, last: torch.Tensor, out: torch.Tensor, s: int) -> dict[str, torch.Tensor]:
-        """out: [B, S, hidden] unrolled step s's output, ~ h_{t+s+1} at anchor t."""
-        valid = shift_left(batch["loss_mask"], s + 2)  # [B, S] x_{t+s+2} is an answer token
+    def _step_loss(self, labels: torch.Tensor, has_label: torch.Tensor, last: torch.Tensor, out: torch.Tensor,
+                   s: int) -> dict[str, torch.Tensor]:
+        """out: [B, S, hidden] unrolled step s's output, ~ h_{t+s+1} at anchor t; labels, has_label: [B, S]."""
+        valid = shift_left(has_label, s + 2)  # [B, S] x_{t+s+2} is a label
         predicted, target = out[valid], shift_left(last, s + 1)[valid]  # [N, hidden]
         num = max(1, predicted.shape[0])
         feature = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1).sum() / num
@@ -53,15 +55,16 @@ class EagleModule(DraftModule):
         with torch.no_grad():
             target_logprobs = self.target_parts.lm_head(target).float().log_softmax(-1)
         token = kl_divergence(target_logprobs, logits.log_softmax(-1)).sum() / num
-        accuracy = (self.target_ids(logits.argmax(-1)) == shift_left(batch["input_ids"], s + 2)[valid]).sum() / num
+        accuracy = (self.target_ids(logits.argmax(-1)) == shift_left(labels, s + 2)[valid]).sum() / num
         p = self.hparams
         return {"loss": p.feature_weight * feature + p.token_weight * token, "feature_loss": feature,
                 "token_loss": token, "acc": accuracy}
 
-    def _loss(self, batch: dict, last: torch.Tensor, outs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    def _loss(self, labels: torch.Tensor, has_label: torch.Tensor, last: torch.Tensor,
+              outs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
         loss, terms = 0.0, {}
         for s, out in enumerate(outs):
-            step = self._step_loss(batch, last, out, s)
+            step = self._step_loss(labels, has_label, last, out, s)
             loss = loss + self.hparams.decay ** s * step.pop("loss")
             suffix = f"_{s + 1}" if s else ""
             terms.update({f"{name}{suffix}": value for name, value in step.items() if name != "acc"})
@@ -77,7 +80,7 @@ class EagleModule(DraftModule):
             features = last + ((2 * noise - 1) * self.hparams.noise).to(last.dtype)
         outs = unroll(self.head, batch["input_ids"], features, batch["padding_mask"], self.hparams.num_unroll_steps,
                       self.head.config.max_position_embeddings)
-        return self._loss(batch, last, outs)
+        return self._loss(*self.loss_labels(batch, last), last, outs)
 
     def validation_outputs(self, batch, hidden):
         last = hidden["last"]
@@ -85,4 +88,5 @@ class EagleModule(DraftModule):
                       max(self.hparams.num_draft_tokens, self.hparams.num_unroll_steps), self.head.config.max_position_embeddings)
         correct, valid, logits = self.chain_outcomes(batch, outs[:self.hparams.num_draft_tokens],
                                                      lambda s, rows: self.head.logits(rows), self.target_ids)
-        return self._loss(batch, last, outs[:self.hparams.num_unroll_steps])[0], correct, valid, logits
+        loss, _ = self._loss(batch["input_ids"], batch["loss_mask"], last, outs[:self.hparams.num_unroll_steps])
+        return loss, correct, valid, logits

@@ -9,7 +9,8 @@ renormalised over the draft vocabulary (the same as a softmax over the draft voc
 decay^s (0.8 in EAGLE-3 and SpecForge), less that distribution's entropy: KL(target || draft), the same gradient
 and zero at a perfect fit. Anchors whose label x_{t+s+2} is no answer token, or lies outside the draft
 vocabulary, are left out of the loss (the draft cannot be right there; SpecForge masks on the target's argmax,
-which for a greedy store is that same token). The draft vocabulary is the store's `draft_vocab_size` most frequent
+which for a greedy store is that same token). With prompt_loss, prompt tokens are labels too, as the target's
+greedy token among the draft vocabulary (base.loss_labels). The draft vocabulary is the store's `draft_vocab_size` most frequent
 answer tokens (training/data/vocab.py), chosen when training starts; the head's `norm` and `lm_head` rows start
 from the target's. The store must hold the aux layers the head fuses (by default both use 2, L//2, L-3) and the
 last hidden state, which gives the target's distribution.
@@ -59,12 +60,16 @@ class Eagle3Module(DraftModule):
         return unroll(self.head, batch["input_ids"], g, batch["padding_mask"], num_steps,
                       self.head.config.max_position_embeddings)
 
-    def _loss(self, batch: dict, last: torch.Tensor, outs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
-        draft_rows = self.target_parts.lm_head.weight[self.head.draft_token_ids]  # [draft_vocab, hidden]
+    def draft_rows(self) -> torch.Tensor:
+        return self.target_parts.lm_head.weight[self.head.draft_token_ids]  # [draft_vocab, hidden]
+
+    def _loss(self, labels: torch.Tensor, has_label: torch.Tensor, last: torch.Tensor,
+              outs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        draft_rows = self.draft_rows()
         loss, terms = 0.0, {}
         for s, out in enumerate(outs):
-            labels = shift_left(batch["input_ids"], s + 2)  # [B, S]
-            valid = shift_left(batch["loss_mask"], s + 2) & self.head.t2d[labels]
+            label = shift_left(labels, s + 2)  # [B, S]
+            valid = shift_left(has_label, s + 2) & self.head.t2d[label]
             num = max(1, int(valid.sum()))
             logits = self.head.logits(out[valid]).float()  # [N, draft_vocab]
             with torch.no_grad():
@@ -72,16 +77,18 @@ class Eagle3Module(DraftModule):
             step_loss = kl_divergence(target_logprobs, logits.log_softmax(-1)).sum() / num
             loss = loss + self.hparams.decay ** s * step_loss
             terms[f"loss_{s + 1}"] = step_loss
-            terms[f"acc_{s + 1}"] = (self.head.to_target_ids(logits.argmax(-1)) == labels[valid]).sum() / num
+            terms[f"acc_{s + 1}"] = (self.head.to_target_ids(logits.argmax(-1)) == label[valid]).sum() / num
         return loss, terms
 
     def training_loss(self, batch, hidden):
-        return self._loss(batch, hidden["last"], self._steps(batch, hidden, self.hparams.num_steps))
+        last = hidden["last"]
+        labels = self.loss_labels(batch, last, self.draft_rows(), self.head.to_target_ids)
+        return self._loss(*labels, last, self._steps(batch, hidden, self.hparams.num_steps))
 
     def validation_outputs(self, batch, hidden):
         k, num_steps = self.hparams.num_draft_tokens, self.hparams.num_steps
         outs = self._steps(batch, hidden, max(k, num_steps))
-        loss, _ = self._loss(batch, hidden["last"], outs[:num_steps])
+        loss, _ = self._loss(batch["input_ids"], batch["loss_mask"], hidden["last"], outs[:num_steps])
         correct, valid, logits = self.chain_outcomes(batch, outs[:k], lambda s, rows: self.head.logits(rows),
                                                      self.head.to_target_ids)
         return loss, correct, valid, logits

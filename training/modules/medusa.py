@@ -2,7 +2,8 @@
 
 Head i (0-based) reads h_t, the target's final hidden state after the final norm, and predicts x_{t+2+i}
 (heads/medusa.py). The loss is the cross-entropy of head i against the target's own token x_{t+2+i}, averaged over
-the anchors whose label is an answer token, weighted by decay^i (Medusa's 0.8 by default) and summed over heads.
+the anchors whose label is an answer token (with prompt_loss, also the target's greedy token at a prompt token:
+base.loss_labels), weighted by decay^i (Medusa's 0.8 by default) and summed over heads.
 Heads are independent of one another, so the simulated chain reads every head at the same anchor: draft i+1 is
 head i's argmax at t.
 """
@@ -30,11 +31,12 @@ class MedusaModule(DraftModule):
         self.head = Medusa.from_target(self.target_parts, num_heads=num_heads, num_layers=num_layers,
                                        own_lm_head=own_lm_head)
 
-    def _heads(self, batch: dict, hidden: dict):
-        """(logits [K, N, vocab], labels [K, N], valid [K, N], anchors [B, S]) over anchors with any answer label."""
+    def _heads(self, labels: torch.Tensor, has_label: torch.Tensor, hidden: dict):
+        """(logits [K, N, vocab], labels [K, N], valid [K, N], anchors [B, S]) over anchors with any label;
+        labels, has_label: [B, S]."""
         num_heads = self.head.config.num_heads
-        labels = torch.stack([shift_left(batch["input_ids"], 2 + i) for i in range(num_heads)])  # [K, B, S]
-        valid = torch.stack([shift_left(batch["loss_mask"], 2 + i) for i in range(num_heads)])  # [K, B, S]
+        valid = torch.stack([shift_left(has_label, 2 + i) for i in range(num_heads)])  # [K, B, S]
+        labels = torch.stack([shift_left(labels, 2 + i) for i in range(num_heads)])  # [K, B, S]
         anchors = valid.any(0)  # [B, S]
         logits = self.head(hidden["last"][anchors])  # [K, N, vocab]
         return logits, labels[:, anchors], valid[:, anchors], anchors
@@ -48,7 +50,7 @@ class MedusaModule(DraftModule):
         return (weights * per_head).sum(), per_head
 
     def training_loss(self, batch, hidden):
-        logits, labels, valid, _ = self._heads(batch, hidden)
+        logits, labels, valid, _ = self._heads(*self.loss_labels(batch, hidden["last"]), hidden)
         loss, per_head = self._loss(logits, labels, valid)
         right = (self.target_ids(logits.argmax(-1)) == labels) & valid
         accuracy = right.sum(-1) / valid.sum(-1).clamp(min=1)
@@ -57,7 +59,7 @@ class MedusaModule(DraftModule):
         return loss, terms
 
     def validation_outputs(self, batch, hidden):
-        logits, labels, valid, anchors = self._heads(batch, hidden)
+        logits, labels, valid, anchors = self._heads(batch["input_ids"], batch["loss_mask"], hidden)
         loss, _ = self._loss(logits, labels, valid)
         k = self.hparams.num_draft_tokens
         correct = torch.zeros(*anchors.shape, k, dtype=torch.bool, device=anchors.device)  # [B, S, k]

@@ -3,7 +3,8 @@
 Module j reads h^j_t (h^0 the target's final hidden state after the final norm, h^{j+1} module j's output) and
 x_{t+j+1} at position t, and predicts x_{t+j+2} (heads/mtp.py); each module attends causally over its own K/V.
 The loss is the cross-entropy of every prediction against the target's own token, over anchors whose label is an
-answer token, weighted per predicted offset: loss_weights[i] weights the predictions of x_{t+i+2}.
+answer token (with prompt_loss, also the target's greedy token at a prompt token: base.loss_labels), weighted per
+predicted offset: loss_weights[i] weights the predictions of x_{t+i+2}.
 
 The engine serves MTP heads with serve_mode "chain" (module j drafts token j + 1) or "reuse_first" (module 0
 drafts every token, feeding its own output back at the next position, as vLLM and SGLang do with one module).
@@ -59,31 +60,31 @@ class MtpModule(DraftModule):
             predictions.append((j, j, features))
         return predictions
 
-    def _loss(self, batch: dict, predictions) -> tuple[torch.Tensor, dict]:
+    def _loss(self, labels: torch.Tensor, has_label: torch.Tensor, predictions) -> tuple[torch.Tensor, dict]:
         loss, terms = 0.0, {}
         for offset, module, out in predictions:
-            labels = shift_left(batch["input_ids"], offset + 2)  # [B, S]
-            valid = shift_left(batch["loss_mask"], offset + 2)
+            label = shift_left(labels, offset + 2)  # [B, S]
+            valid = shift_left(has_label, offset + 2)
             num = max(1, int(valid.sum()))
             logits = self.head.logits(module, out[valid]).float()  # [N, vocab]
-            rows, in_map = self.draft_labels(labels[valid], torch.ones_like(labels[valid], dtype=torch.bool))
+            rows, in_map = self.draft_labels(label[valid], torch.ones_like(label[valid], dtype=torch.bool))
             prediction_loss = (F.cross_entropy(logits, rows, reduction="none") * in_map).sum() / num
             loss = loss + self.hparams.loss_weights[offset] * prediction_loss
             name = f"module{module + 1}_draft{offset + 1}"
             terms[f"loss_{name}"] = prediction_loss
-            terms[f"acc_{name}"] = (self.target_ids(logits.argmax(-1)) == labels[valid]).sum() / num
+            terms[f"acc_{name}"] = (self.target_ids(logits.argmax(-1)) == label[valid]).sum() / num
         return loss, terms
 
     def training_loss(self, batch, hidden):
         predictions = self._predictions(batch, hidden, self.hparams.num_unroll_steps, self.head.config.depth)
-        return self._loss(batch, predictions)
+        return self._loss(*self.loss_labels(batch, hidden["last"]), predictions)
 
     def validation_outputs(self, batch, hidden):
         k, num_unroll_steps, depth = self.hparams.num_draft_tokens, self.hparams.num_unroll_steps, self.head.config.depth
         is_reuse = self.head.config.serve_mode == "reuse_first"
         predictions = self._predictions(batch, hidden, max(k, num_unroll_steps) if is_reuse else num_unroll_steps, depth)
         trained = [(i, j, out) for i, j, out in predictions if j > 0 or i < num_unroll_steps]
-        loss, _ = self._loss(batch, trained)
+        loss, _ = self._loss(batch["input_ids"], batch["loss_mask"], trained)
         served = [(j, out) for i, j, out in predictions if (j == 0 if is_reuse else j == i)][:k]
         modules = [j for j, _ in served]
         correct, valid, logits = self.chain_outcomes(batch, [out for _, out in served],
