@@ -26,8 +26,13 @@ class ExportHeads(Callback):
     `last` when training ends. The best score travels in checkpoints, so a resumed run keeps comparing with it."""
 
     def __init__(self, dirpath: str | None = None, monitor: str = "val/tau", mode: str = "max"):
-        """dirpath: folder of `best` and `last` (null: <log dir>/heads); monitor: the logged metric that picks the
-        best head; mode: max or min."""
+        """Exports the head as a head folder.
+
+        Args:
+            dirpath: Folder of `best` and `last` (null: <log dir>/heads).
+            monitor: The logged metric that picks the best head.
+            mode: max or min.
+        """
         if mode not in ("max", "min"):
             raise ValueError(f"mode={mode!r} must be max or min")
         self.dirpath, self.monitor, self.mode = dirpath, monitor, mode

@@ -45,3 +45,20 @@ def test_validate_runs_on_a_fit_checkpoint(debug_store):
                  "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
     assert main(["fit", "-c", config, "--trainer.max_steps=1", *overrides]) == 0
     assert main(["validate", "-c", config, "--ckpt_path=runs/medusa/checkpoints/last.ckpt", *overrides]) == 0
+
+
+@pytest.mark.parametrize("name", ["medusa", "eagle", "eagle3", "mtp", "data", "export_heads"])
+def test_help_explains_every_setting(name):
+    """`draftheads fit --model.help CLASS` (and --data.help, --trainer.callbacks.help) describe every setting, from
+    the classes' docstrings."""
+    from jsonargparse import ArgumentParser
+
+    from training.callbacks import ExportHeads
+    from training.data.datamodule import DraftDataModule
+    from training.modules import MODULES
+
+    cls = {"data": DraftDataModule, "export_heads": ExportHeads}.get(name) or MODULES[name]
+    parser = ArgumentParser()
+    parser.add_class_arguments(cls, "x")
+    settings = {action.dest: action.help for action in parser._actions if action.dest.startswith("x.")}
+    assert settings and not [dest for dest, text in settings.items() if not text]

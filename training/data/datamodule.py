@@ -134,11 +134,20 @@ class DraftDataModule(LightningDataModule):
     def __init__(self, store: str, target: str = targets.DEFAULT_TARGET, mode: str = "offline", batch_size: int = 8,
                  max_length: int = 2048, heldout_fraction: float = 0.05, num_pool_batches: int = 64,
                  num_workers: int = 0, pin_memory: bool | None = None, seed: int = 0):
-        """store: a store folder (`draftheads generate --out`); target: the target that generated it (the model's
-        target, linked by the CLI); mode: offline or online; batch_size: examples per batch; max_length: tokens
-        kept per example; heldout_fraction: of examples held out for validation; num_pool_batches: batches per
-        pool sorted by length; num_workers: loader processes; pin_memory: null pins when CUDA is available;
-        seed: of the batch order."""
+        """Batches of a store.
+
+        Args:
+            store: A store folder (`draftheads generate --out`).
+            target: The target that generated it (the model's target, linked by the CLI).
+            mode: offline (hidden states from the store) or online (the target computes them per batch).
+            batch_size: Examples per batch.
+            max_length: Tokens kept per example.
+            heldout_fraction: Fraction of examples held out for validation.
+            num_pool_batches: Batches per pool sorted by length.
+            num_workers: Loader processes.
+            pin_memory: null pins when CUDA is available.
+            seed: Seed of the batch order.
+        """
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is unknown: choose offline (hidden states from the store) or online "

@@ -50,10 +50,24 @@ class DraftModule(LightningModule):
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 100,
                  schedule: str = "cosine", min_lr_ratio: float = 0.1, target_dtype: str = "float32",
                  token_map: str | None = None, prompt_loss: bool = False):
-        """target: the frozen target (a built-in name, a Hugging Face folder or a hub id); num_draft_tokens: k of
-        the simulated chain (the engine's num_speculative_tokens); target_dtype: of the frozen target pieces;
-        token_map: a token map file to draft among (Medusa, EAGLE-1, MTP); serve the head with the same file;
-        prompt_loss: train at prompt tokens too, against the target's greedy token there (see loss_labels)."""
+        """Settings every head kind shares.
+
+        Args:
+            target: The frozen target: a built-in name, a Hugging Face folder, or a hub id when online.
+            num_draft_tokens: k of the chain validation simulates (val/acc_1..k, val/tau); the engine's
+                num_speculative_tokens.
+            learning_rate: Peak learning rate of AdamW.
+            weight_decay: AdamW weight decay of matrices (norms and biases get none).
+            betas: AdamW betas.
+            warmup_steps: Optimizer steps of linear warmup from 0 to the peak learning rate.
+            schedule: Decay after warmup: cosine, linear or constant.
+            min_lr_ratio: The learning rate decays to this fraction of the peak by the last step.
+            target_dtype: Dtype of the frozen target pieces (float32, bfloat16 or float16).
+            token_map: A token map file (`draftheads token-map`) to draft among (Medusa, EAGLE-1, MTP); serve the
+                head with the same file. null: the whole vocabulary.
+            prompt_loss: Also train at prompt tokens, each labelled by the target's greedy token after the tokens
+                before it (loss_labels): more positions from the same store, worth it for EAGLE and MTP heads.
+        """
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")

@@ -35,10 +35,18 @@ class EagleModule(DraftModule):
 
     def __init__(self, feature_weight: float = 1.0, token_weight: float = 0.1, noise: float = 0.1, seed: int = 0,
                  num_unroll_steps: int = 1, decay: float = 0.8, fc_bias: bool = True, **kwargs):
-        """feature_weight, token_weight: of the SmoothL1 feature loss and the soft cross-entropy; noise: amplitude
-        of the uniform noise on input features (0 turns it off); seed: of that noise; num_unroll_steps: steps the
-        layer is unrolled over its own outputs in training; decay: loss weight decay^s of unrolled step s;
-        fc_bias: give the fusing fc a bias, as EAGLE does (off for a head to export to vLLM, whose layer has none)."""
+        """An EAGLE-1 layer and its loss.
+
+        Args:
+            feature_weight: Weight of the SmoothL1 regression of the next feature (EAGLE's v_w).
+            token_weight: Weight of the soft cross-entropy against the target's distribution (EAGLE's p_w).
+            noise: Amplitude of the uniform noise on input features while training (0 turns it off).
+            seed: Seed of that noise.
+            num_unroll_steps: Steps the layer is unrolled over its own outputs in training.
+            decay: Loss weight decay^s of unrolled step s.
+            fc_bias: Give the fusing fc a bias, as EAGLE does (off for a head to export to vLLM, whose layer has
+                none).
+        """
         super().__init__(**kwargs)
         if num_unroll_steps < 1:
             raise ValueError(f"num_unroll_steps={num_unroll_steps} must be >= 1")

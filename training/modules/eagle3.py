@@ -31,8 +31,14 @@ class Eagle3Module(DraftModule):
 
     def __init__(self, num_steps: int = 7, decay: float = 0.8, draft_vocab_size: int = 32000,
                  aux_layers: list[int] | None = None, **kwargs):
-        """num_steps: unrolled training-time-test steps; decay: loss weight decay^s of step s; draft_vocab_size:
-        tokens the head drafts over; aux_layers: the target layers fused (null: 2, L//2, L-3)."""
+        """An EAGLE-3 layer and its training-time test.
+
+        Args:
+            num_steps: Unrolled training-time-test steps.
+            decay: Loss weight decay^s of step s.
+            draft_vocab_size: Tokens the head drafts over: the store's most frequent answer tokens.
+            aux_layers: The target layers whose inputs are fused (null: 2, L//2, L-3).
+        """
         super().__init__(**kwargs)
         if num_steps < 1:
             raise ValueError(f"num_steps={num_steps} must be >= 1")

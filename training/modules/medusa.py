@@ -22,8 +22,14 @@ class MedusaModule(DraftModule):
 
     def __init__(self, num_heads: int = 4, num_layers: int = 1, own_lm_head: bool = False, decay: float = 0.8,
                  **kwargs):
-        """num_heads: k heads, head i predicts x_{t+2+i}; num_layers: residual blocks per head; own_lm_head: give
-        each head a trainable copy of the target's LM head; decay: loss weight decay^i of head i."""
+        """Medusa heads and their loss.
+
+        Args:
+            num_heads: k heads; head i predicts x_{t+2+i}.
+            num_layers: Residual blocks per head.
+            own_lm_head: Give each head a trainable copy of the target's LM head.
+            decay: Loss weight decay^i of head i.
+        """
         super().__init__(**kwargs)
         if self.hparams.num_draft_tokens > num_heads:
             raise ValueError(f"num_draft_tokens={self.hparams.num_draft_tokens} exceeds num_heads={num_heads}: Medusa "

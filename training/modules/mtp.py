@@ -31,8 +31,15 @@ class MtpModule(DraftModule):
 
     def __init__(self, depth: int = 1, serve_mode: str = "reuse_first", num_unroll_steps: int = 2,
                  loss_weights: tuple[float, ...] = (1.0, 0.8, 0.64, 0.512), **kwargs):
-        """depth: D modules; serve_mode: how the engine drafts (reuse_first or chain); num_unroll_steps: steps module
-        0 is unrolled over its own outputs; loss_weights[i]: weight of the predictions of x_{t+i+2}."""
+        """MTP modules and their loss.
+
+        Args:
+            depth: D modules.
+            serve_mode: How the engine drafts: reuse_first (module 0 drafts every token) or chain (module j drafts
+                token j + 1).
+            num_unroll_steps: Steps module 0 is unrolled over its own outputs in training.
+            loss_weights: loss_weights[i] weights the predictions of x_{t+i+2}.
+        """
         super().__init__(**kwargs)
         k = self.hparams.num_draft_tokens
         if serve_mode == "chain" and k > depth:
