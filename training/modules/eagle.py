@@ -7,10 +7,10 @@ regresses the next feature h_{t+1} (heads/eagle.py). The loss is EAGLE's:
   + token_weight * KL(softmax(lm_head(h_{t+1})) || softmax(lm_head(out_t)))   (EAGLE's p_w = 0.1)
 
 averaged over the anchors whose label x_{t+2} is an answer token (with prompt_loss, any token but the first:
-base.loss_labels). With `num_unroll_steps` > 1 the layer is also
-trained as it drafts after its first draft (training-time test, as EAGLE-3 and HASS do): unrolled over its own
-outputs with the engine's attention (unroll.py), step s reads (x_{t+s+1}, out^{s-1}_t) and is scored the same way
-against h_{t+s+1} and x_{t+s+2}, weighted decay^s. The KL term is EAGLE's soft cross-entropy less
+base.loss_labels). With `num_unroll_steps` > 1 the layer is also trained as it drafts after its first draft
+(training-time test, as EAGLE-3 and HASS do): unrolled over its own outputs with the engine's attention
+(unroll.py), step s reads (x_{t+s+1}, out^{s-1}_t) and is scored the same way against h_{t+s+1} and x_{t+s+2},
+weighted decay^s. The KL term is EAGLE's soft cross-entropy less
 the target distribution's entropy: the same gradient, and zero at a perfect fit, so the logged loss shows how far
 the head is from the target rather than how uncertain the target is. Input features get uniform noise
 U(-noise, +noise) during training. EAGLE's code draws (U(0, 1) - 0.5) * 0.2 * 512 / T for a sequence of T

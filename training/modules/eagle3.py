@@ -7,10 +7,10 @@ t+s, attends to step 0's K/V at positions <= t and to its own unrolled K/V at t+
 Step s's loss is the soft cross-entropy against the target's distribution of x_{t+s+2}, softmax(lm_head(h_{t+s+1}))
 renormalised over the draft vocabulary (the same as a softmax over the draft vocabulary's logits), weighted by
 decay^s (0.8 in EAGLE-3 and SpecForge), less that distribution's entropy: KL(target || draft), the same gradient
-and zero at a perfect fit. Anchors whose label x_{t+s+2} is no answer token, or lies outside the draft
-vocabulary, are left out of the loss (the draft cannot be right there; SpecForge masks on the target's argmax,
-which for a greedy store is that same token). With prompt_loss, prompt tokens are labels too, as the target's
-greedy token among the draft vocabulary (base.loss_labels). The draft vocabulary is the store's `draft_vocab_size` most frequent
+and zero at a perfect fit. Anchors whose label x_{t+s+2} is no answer token, or lies outside the draft vocabulary,
+are left out of the loss (the draft cannot be right there; SpecForge masks on the target's argmax, which for a
+greedy store is that same token). With prompt_loss, prompt tokens are labels too, as the target's greedy token
+among the draft vocabulary (base.loss_labels). The draft vocabulary is the store's `draft_vocab_size` most frequent
 answer tokens (training/data/vocab.py), chosen when training starts; the head's `norm` and `lm_head` rows start
 from the target's. The store must hold the aux layers the head fuses (by default both use 2, L//2, L-3) and the
 last hidden state, which gives the target's distribution.
