@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
 import heads
@@ -22,8 +23,9 @@ def _log_dir(trainer) -> Path:
 
 class ExportHeads(Callback):
     """Writes the head as the engine loads it (heads.save: config.json with the target fingerprint and training
-    metadata, model.safetensors with the head's tensors only): `best` whenever validation improves `monitor`, and
-    `last` when training ends. The best score travels in checkpoints, so a resumed run keeps comparing with it."""
+    metadata, model.safetensors with the head's tensors only): `best` whenever validation in a fit improves `monitor`,
+    and `last` when training ends; a validate run writes nothing. The best score travels in checkpoints, so a
+    resumed run keeps comparing with it."""
 
     def __init__(self, dirpath: str | None = None, monitor: str = "val/tau", mode: str = "max"):
         """Exports the head as a head folder.
@@ -65,7 +67,8 @@ class ExportHeads(Callback):
 
     def on_validation_end(self, trainer, pl_module) -> None:
         score = trainer.callback_metrics.get(self.monitor)
-        if trainer.sanity_checking or score is None:
+        # `draftheads validate` scores a checkpoint: it must not replace the head folders a fit wrote.
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking or score is None:
             return
         score = float(score)
         if self.best_score is None or (score > self.best_score if self.mode == "max" else score < self.best_score):
