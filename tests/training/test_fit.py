@@ -186,13 +186,16 @@ def test_validating_a_checkpoint_leaves_the_exported_heads_as_the_fit_wrote_them
                     "--model.init_args.warmup_steps=1")
     cli = build_cli(args, run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
-    folders = [Path("runs/eagle/heads") / name for name in ("best", "last")]
-    written = {path: path.read_bytes() for folder in folders for path in sorted(folder.iterdir())}
+
+    def head_files() -> dict[Path, bytes]:
+        return {path: path.read_bytes() for name in ("best", "last") for path in sorted(Path("runs/eagle/heads", name).iterdir())}
+
+    written = head_files()
     # A larger held-out split changes the metrics, so a validate run that exported would rewrite config.json.
     validate = build_cli([*args, "--data.heldout_fraction=0.5"], run=False)
     validate.trainer.validate(validate.model, validate.datamodule, ckpt_path="runs/eagle/checkpoints/last.ckpt")
     assert "val/tau" in validate.trainer.callback_metrics
-    assert {path: path.read_bytes() for folder in folders for path in sorted(folder.iterdir())} == written
+    assert head_files() == written
 
 
 def test_a_store_from_another_target_fails_before_training(debug_store):
