@@ -10,13 +10,12 @@ averaged over the anchors whose label x_{t+2} is an answer token (with prompt_lo
 base.loss_labels). With `num_unroll_steps` > 1 the layer is also trained as it drafts after its first draft
 (training-time test, as EAGLE-3 and HASS do): unrolled over its own outputs with the engine's attention
 (unroll.py), step s reads (x_{t+s+1}, out^{s-1}_t) and is scored the same way against h_{t+s+1} and x_{t+s+2},
-weighted decay^s. The KL term is EAGLE's soft cross-entropy less
-the target distribution's entropy: the same gradient, and zero at a perfect fit, so the logged loss shows how far
-the head is from the target rather than how uncertain the target is. Input features get uniform noise
-U(-noise, +noise) during training. EAGLE's code draws (U(0, 1) - 0.5) * 0.2 * 512 / T for a sequence of T
-tokens, i.e. U(-0.1, 0.1) at T = 512 and more for shorter sequences; this version keeps the amplitude fixed
-(default 0.1, the paper's U(-0.1, 0.1)) whatever the length. Noise is drawn from a generator seeded by the seed
-and the global step, so a resumed run draws the same noise.
+weighted decay^s. The KL term is EAGLE's soft cross-entropy less the target distribution's entropy: the same
+gradient, and zero at a perfect fit, so the logged loss shows how far the head is from the target rather than how
+uncertain the target is. Input features get uniform noise U(-noise, +noise) during training. EAGLE's code draws
+(U(0, 1) - 0.5) * 0.2 * 512 / T for a sequence of T tokens, i.e. U(-0.1, 0.1) at T = 512 and more for shorter
+sequences; this version keeps the amplitude fixed (default 0.1, the paper's U(-0.1, 0.1)) whatever the length.
+Noise is drawn from a generator seeded by the seed and the global step, so a resumed run draws the same noise.
 
 Validation drafts as the engine does: the layer unrolled over its own predicted features (unroll.py).
 """
