@@ -24,6 +24,7 @@ from heads.eagle3 import Eagle3
 from heads.medusa import Medusa
 from heads.mtp import Mtp
 from heads.target_parts import TargetParts
+from heads.token_map import check_token_ids
 
 HEADS: dict[str, type[DraftHead]] = {cls.config_class.kind: cls for cls in (Medusa, Eagle, Eagle3, Mtp)}
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -104,6 +105,8 @@ def load(path, target_fingerprint: dict | None = None, *, target: TargetParts | 
                          "Load it with the target it was trained on, or train a head for this target.")
     module = cls(config)
     module.load_state_dict(_read_tensors(path, module.state_dict()))
+    if module.token_map is not None:
+        check_token_ids(module.token_map, config.vocab_size, f"{path / WEIGHTS_FILE}: token_map")
     if dtype is not None:
         module.to(dtype)
     if target is not None:

@@ -35,6 +35,9 @@ class HeadConfig:
     # p(draft) = softmax(logits / T_i)[draft] at draft position i for the engine's confidence cut, fitted on held-out
     # data by training (training/modules/calibration.py); empty: T = 1 at every position
     confidence_temperatures: list = field(default_factory=list)
+    # Medusa, EAGLE-1, MTP: the head drafts among this many target tokens, their ids the checkpoint's `token_map`
+    # tensor (heads/token_map.py); 0: the whole vocabulary
+    token_map_size: int = 0
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
@@ -52,6 +55,9 @@ class HeadConfig:
                 isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 for t in temperatures):
             raise ValueError(f"confidence_temperatures={temperatures!r} must be a list of positive numbers, one per "
                              "draft position (empty for none)")
+        size = self.token_map_size
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= self.vocab_size:
+            raise ValueError(f"token_map_size={size!r} must be an integer in [0, vocab_size={self.vocab_size}] (0: no map)")
         recorded = self.mismatches(self.target_fingerprint)
         if recorded:
             raise ValueError(f"target_fingerprint disagrees with the head's own sizes: {'; '.join(recorded)}")

@@ -41,6 +41,9 @@ class Eagle3Config(HeadConfig):
         if not all(isinstance(i, int) and 0 <= i < num_layers for i in self.aux_layers):
             raise ValueError(f"aux_layers={self.aux_layers} must be target layer ids in [0, {num_layers}); "
                              "the default (2, L // 2, L - 3) needs a target of at least 3 layers")
+        if self.token_map_size:
+            raise ValueError("an EAGLE-3 head drafts over its own draft vocabulary (draft_vocab_size, d2t and t2d), "
+                             "not a token map: token_map_size must be 0")
         self.draft_vocab_size = self.draft_vocab_size or self.vocab_size
         require_positive_int(self, "draft_vocab_size")
         if self.draft_vocab_size > self.vocab_size:

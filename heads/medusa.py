@@ -54,7 +54,8 @@ class Medusa(DraftHead):
             nn.Sequential(*(ResBlock(c.hidden_size) for _ in range(c.num_layers))) for _ in range(c.num_heads)
         )
         if c.own_lm_head:
-            self.lm_heads = nn.ModuleList(nn.Linear(c.hidden_size, c.vocab_size, bias=False) for _ in range(c.num_heads))
+            rows = c.token_map_size or c.vocab_size
+            self.lm_heads = nn.ModuleList(nn.Linear(c.hidden_size, rows, bias=False) for _ in range(c.num_heads))
 
     def init_from_target(self) -> "Medusa":
         if self.config.own_lm_head:

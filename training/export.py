@@ -8,8 +8,9 @@
 The decoder layer's fused projections are split back into q/k/v_proj and gate/up_proj. Neither engine reads the
 embedding or (EAGLE-1) the LM head from the draft: both share the target's. EAGLE-3's aux layer ids mean the
 input of layer i in this project and in vLLM; SGLang captures the output of layer i, so its file says i - 1.
-A head trained over a token map drafts over the whole vocabulary once exported; SGLang's EAGLE-1 takes the same
-file (--speculative-token-map). Neither engine loads MTP modules for a Llama-family target (they read them only
+A Medusa head trained over a token map keeps it (vLLM's `token_map` tensor and truncated_vocab_size); an EAGLE-1
+head drafts over the whole vocabulary once exported, unless SGLang is given the map's file
+(--speculative-token-map). Neither engine loads MTP modules for a Llama-family target (they read them only
 inside DeepSeek-V3-style checkpoints), and SGLang has no Medusa: those exports are refused. Serve the result with:
 
     vllm serve TARGET --speculative-config '{"method": "eagle3", "model": OUT, "num_speculative_tokens": 4}'
@@ -23,6 +24,7 @@ import torch
 
 import heads
 from heads.checkpoint import write_folder
+from heads.token_map import lm_head_rows
 
 FORMATS = ("vllm", "sglang")
 ARCHITECTURES = {("eagle", "vllm"): "EagleLlamaForCausalLM", ("eagle", "sglang"): "LlamaForCausalLMEagle",
@@ -49,9 +51,15 @@ def run(args) -> int:
     head = heads.load(args.head)
     if (head.config.kind, args.format) == ("medusa", "vllm") and not head.config.own_lm_head:
         folder = targets.resolve(args.target or targets.DEFAULT_TARGET)
-        head.bind_target(heads.load_target_parts(folder, fingerprint=targets.fingerprint(folder)))
+        parts = heads.load_target_parts(folder, fingerprint=targets.fingerprint(folder))
+        if head.token_map is not None:
+            parts.lm_head = lm_head_rows(parts.lm_head, head.token_map)
+        head.bind_target(parts)
     out = export(head, args.format, args.out)
     print(f"wrote the {head.config.kind} head as a {args.format} draft model to {out}")
+    if head.config.kind == "eagle" and head.token_map is not None:
+        print(f"it was trained to draft among the {len(head.token_map)} tokens of a token map: SGLang drafts among "
+              "them given that file (--speculative-token-map), vLLM over the whole vocabulary")
     return 0
 
 
@@ -86,7 +94,8 @@ def _kind_config(head, engine: str) -> dict:
     c = head.config
     if c.kind == "medusa":
         return {"model_type": "medusa", "num_heads": c.num_heads, "num_hidden_layers": c.num_layers,
-                "truncated_vocab_size": c.vocab_size, "medusa_fc_bias": True, "original_lm_head": not c.own_lm_head}
+                "truncated_vocab_size": c.token_map_size or c.vocab_size, "medusa_fc_bias": True,
+                "original_lm_head": not c.own_lm_head}
     if c.kind == "eagle3":
         layers = list(c.aux_layers)
         if engine == "sglang":
@@ -135,8 +144,9 @@ def _eagle3(head, engine: str) -> dict[str, torch.Tensor]:
 
 
 def _medusa(head, engine: str) -> dict[str, torch.Tensor]:
-    """With the target's LM head shared (original_lm_head), one copy of it as lm_heads.0."""
-    tensors = {}
+    """With the target's LM head shared (original_lm_head), one copy of it as lm_heads.0; with a token map, the
+    map's rows and the map as `token_map`."""
+    tensors = {} if head.token_map is None else {"token_map": head.token_map}
     for i, blocks in enumerate(head.heads):
         for j, block in enumerate(blocks):
             tensors[f"blocks.{i}.layers.{j}.weight"] = block.linear.weight

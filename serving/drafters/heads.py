@@ -8,12 +8,10 @@ feeding their own output back as the next feature.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-from torch import nn
 
 import heads
+from heads.token_map import lm_head_rows, load_token_map
 from serving.attention import KVCache, PagedAttention
 from serving.drafters.runner import flatten
 from serving.kernels import PackedLinear, for_inference
@@ -23,9 +21,18 @@ def make_head_drafter(engine, config):
     head = heads.load(config.model, engine.fingerprint)
     parts = heads.load_target_parts(engine.folder, fingerprint=engine.fingerprint, weights=False)
     weight_dtype = getattr(torch, config.draft_weights or "bfloat16")
-    hot = None
+    hot = head.token_map
     if config.token_map:
-        hot = load_token_map(config.token_map, parts.vocab_size)
+        given = load_token_map(config.token_map, parts.vocab_size)
+        if hot is not None and not torch.equal(given, hot):
+            raise ValueError(f"{config.model} drafts among the {len(hot)} tokens of the token map it was trained over, "
+                             f"and {config.token_map} is another map: drop token_map from the speculative config (a "
+                             "head keeps its own map)")
+        if getattr(head.config, "own_lm_head", False) and hot is None:
+            raise ValueError(f"{config.model} is a Medusa head with LM heads of its own over the whole vocabulary: a "
+                             "token_map applies to heads that read the target's LM head; train it with the map instead")
+        hot = given
+    if hot is not None:
         lm_head = PackedLinear(lm_head_rows(engine.model.lm_head, hot), weight_dtype)
     else:
         lm_head = engine.model.packed_lm_head(weight_dtype)
@@ -47,29 +54,6 @@ def make_head_drafter(engine, config):
                              "tokens or set serve_mode 'reuse_first' in its config.json")
         return MtpChainDrafter(engine, head, hot, config.confidence_threshold)
     return FeatureDrafter(engine, head, hot, config.confidence_threshold)
-
-
-def load_token_map(path, vocab_size: int) -> torch.Tensor:
-    """The token ids of a token map file: a 1-D integer tensor saved with torch.save, ids unique and in range."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"token_map {path} does not exist: write one with `draftheads token-map --store STORE --out {path}`")
-    try:
-        ids = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ValueError(f"token_map {path} is not a torch.save file of token ids ({e})") from None
-    if not isinstance(ids, torch.Tensor) or ids.ndim != 1 or ids.is_floating_point() or ids.is_complex() or not len(ids):
-        raise ValueError(f"token_map {path} must hold a non-empty 1-D integer tensor of token ids")
-    ids = ids.to(torch.int64)
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or len(ids.unique()) != len(ids):
-        raise ValueError(f"token_map {path} must hold distinct token ids in [0, {vocab_size}) (the target's vocabulary)")
-    return ids
-
-
-def lm_head_rows(lm_head: nn.Linear, ids: torch.Tensor) -> nn.Linear:
-    """A frozen LM head over the rows `ids` only (a token map's), without initialising a new weight."""
-    rows = nn.Linear(lm_head.in_features, len(ids), bias=False, device="meta")
-    rows.weight = nn.Parameter(lm_head.weight[ids], requires_grad=False)
-    return rows
 
 
 def _best(logits: torch.Tensor, hot: torch.Tensor | None, temperature: float | None = None, to_ids=None) -> tuple[list, list]:

@@ -22,7 +22,8 @@ class SpeculativeConfig:
     num_layers: int | None = None  # early_exit: how many of the target's layers draft
     draft_temperature: float | None = None  # draft_model: sample drafts (supplying q) instead of greedy drafting
     # medusa/eagle/mtp: a file of token ids (`draftheads token-map`, SGLang's --speculative-token-map): the head
-    # drafts among those tokens only, reading just their rows of the LM head (FR-Spec).
+    # drafts among those tokens only, reading just their rows of the LM head (FR-Spec). A head trained over a map
+    # drafts among it without this; a different map is refused.
     token_map: str | None = None
     # medusa/eagle/eagle3/mtp: end a chain before the first draft where the product of the head's probabilities of
     # the chain's drafts (at the temperatures its fit calibrated, `confidence_temperatures` in its config.json)

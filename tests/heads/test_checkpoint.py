@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 import heads
 from heads import Eagle, Eagle3, Medusa, Mtp, load, load_target_parts, save
 from heads.attention import DenseCausalAttention
+from heads.token_map import lm_head_rows
 
 FINGERPRINT = {"architecture": "llama", "num_layers": 4, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2,
                "vocab_size": 256, "vocab_hash": "abc123def456", "id": "llama-4L-64d-4q2kv-256v-abc123def456"}
@@ -201,3 +202,71 @@ def test_missing_weights_file(saved):
     (saved / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="has no model.safetensors"):
         load(saved)
+
+
+TOKEN_MAP = torch.tensor([42, 7, 200, 3, 99, 128, 15, 250])  # not sorted: row i of the logits is token TOKEN_MAP[i]
+MAPPED_HEADS = {
+    "medusa": lambda parts: Medusa.from_target(parts, TOKEN_MAP, num_heads=2),
+    "medusa-own-lm-heads": lambda parts: Medusa.from_target(parts, TOKEN_MAP, num_heads=2, own_lm_head=True),
+    "eagle": lambda parts: Eagle.from_target(parts, TOKEN_MAP),
+    "mtp": lambda parts: Mtp.from_target(parts, TOKEN_MAP, depth=2, serve_mode="reuse_first"),
+}
+
+
+def mapped_parts(folder):
+    """Target parts whose LM head holds the token map's rows, in its order."""
+    parts = load_target_parts(folder, fingerprint=FINGERPRINT)
+    parts.lm_head = lm_head_rows(parts.lm_head, TOKEN_MAP)
+    return parts
+
+
+@pytest.mark.parametrize("kind", MAPPED_HEADS)
+def test_a_head_keeps_the_token_map_it_drafts_among(kind, tiny_llama, batch, tmp_path):
+    parts = mapped_parts(tiny_llama)
+    head = perturbed(MAPPED_HEADS[kind](parts)).eval()
+    full = load_target_parts(tiny_llama, fingerprint=FINGERPRINT)
+    with torch.no_grad():  # the logits are the full LM head's logits at the map's rows
+        expected = full.lm_head(head.heads[0](batch[2]))[..., TOKEN_MAP] if kind == "medusa" else None
+        logits = outputs(head, batch)[0]
+    assert logits.shape[-1] == len(TOKEN_MAP)
+    if expected is not None:
+        torch.testing.assert_close(logits[0], expected)
+    save(head, tmp_path / kind)
+    assert json.loads((tmp_path / kind / "config.json").read_text())["token_map_size"] == len(TOKEN_MAP)
+    assert torch.equal(load_file(tmp_path / kind / "model.safetensors")["token_map"], TOKEN_MAP)
+    loaded = load(tmp_path / kind, FINGERPRINT, target=mapped_parts(tiny_llama))
+    assert torch.equal(loaded.token_map, TOKEN_MAP)
+    with torch.no_grad():
+        for ours, theirs in zip(outputs(head, batch), outputs(loaded, batch), strict=True):
+            assert torch.equal(ours, theirs)
+    with pytest.raises(ValueError, match=f"drafts among the {len(TOKEN_MAP)} tokens of its token map, but the target "
+                                         "parts' LM head has 256 rows: give it those rows"):
+        load(tmp_path / kind, FINGERPRINT, target=full)
+
+
+def test_a_head_without_a_map_has_none(parts, tmp_path):
+    save(HEADS["eagle"](parts), tmp_path / "eagle")
+    assert load(tmp_path / "eagle").token_map is None
+    assert "token_map" not in load_file(tmp_path / "eagle" / "model.safetensors")
+
+
+def test_bad_token_maps_are_clear_errors(tiny_llama, parts, tmp_path):
+    with pytest.raises(ValueError, match=r"token_map must hold distinct token ids in \[0, 256\)"):
+        Eagle.from_target(parts, torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match="token_map must hold a non-empty 1-D integer tensor"):
+        Eagle.from_target(parts, torch.tensor([1.0, 2.0]))
+    path = save(MAPPED_HEADS["eagle"](mapped_parts(tiny_llama)), tmp_path / "eagle")
+    rewrite_tensors(path, lambda t: t.update(token_map=torch.tensor([42, 7, 200, 3, 99, 128, 15, 256])))
+    with pytest.raises(ValueError, match=r"model.safetensors: token_map must hold distinct token ids in \[0, 256\)"):
+        load(path)
+    rewrite_tensors(path, lambda t: t.update(token_map=TOKEN_MAP[:4]))
+    with pytest.raises(ValueError, match="token_map"):
+        load(path)
+    for bad in (-1, 257, True, 2.0):
+        rewrite_config(path, token_map_size=bad)
+        with pytest.raises(ValueError, match=r"token_map_size=.* must be an integer in \[0, vocab_size=256\]"):
+            load(path)
+    path = save(HEADS["eagle3"](parts), tmp_path / "eagle3")
+    rewrite_config(path, token_map_size=8)
+    with pytest.raises(ValueError, match="an EAGLE-3 head drafts over its own draft vocabulary"):
+        load(path)

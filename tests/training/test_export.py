@@ -13,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 import heads
 from heads.attention import DenseCausalAttention
+from heads.token_map import lm_head_rows
 from training import export as exporting
 from training.cli import main as cli_main
 
@@ -159,3 +160,30 @@ def test_the_cli_exports_a_saved_head(tiny_llama, tmp_path, capsys):
     assert cli_main(["export", str(saved), "--format", "sglang", "--out", str(tmp_path / "other")]) == 2
     assert "draftheads export: error: cannot export a medusa head for sglang" in capsys.readouterr().err
     assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("own_lm_head", [False, True])
+def test_a_medusa_head_over_a_token_map_exports_it_as_vllm_reads_it(own_lm_head, tiny_llama, tmp_path, capsys):
+    """vLLM's Medusa with truncated_vocab_size < vocab_size reads the `token_map` tensor and scatters each head's
+    logits over the map's rows into the whole vocabulary (-inf elsewhere)."""
+    full = heads.load_target_parts(tiny_llama)
+    token_map = torch.randperm(full.vocab_size, generator=torch.Generator().manual_seed(9))[:40]
+    parts = heads.load_target_parts(tiny_llama)
+    parts.lm_head = lm_head_rows(parts.lm_head, token_map)
+    head = perturbed(heads.Medusa.from_target(parts, token_map, num_heads=2, own_lm_head=own_lm_head), seed=10)
+    saved = heads.save(head, tmp_path / "head")
+    assert cli_main(["export", str(saved), "--format", "vllm", "--out", str(tmp_path / "out"),
+                     "--target", str(tiny_llama)]) == 0
+    config, tensors = read(tmp_path / "out")
+    assert config["truncated_vocab_size"] == 40 and config["vocab_size"] == full.vocab_size
+    assert torch.equal(tensors["token_map"], token_map)
+    hidden = inputs(full, seed=11)[1]
+    with torch.no_grad():
+        ours = head.eval()(hidden)  # [heads, 1, positions, 40]
+        for i in range(2):
+            x = hidden + torch.nn.functional.silu(hidden @ tensors[f"blocks.{i}.layers.0.weight"].T
+                                                  + tensors[f"blocks.{i}.layers.0.bias"])
+            theirs = torch.full((*x.shape[:-1], full.vocab_size), float("-inf"))
+            theirs[..., tensors["token_map"]] = x @ tensors[f"lm_heads.{i if own_lm_head else 0}.weight"].T
+            torch.testing.assert_close(theirs[..., token_map], ours[i], rtol=1e-4, atol=1e-4)
+            assert torch.isin(theirs.argmax(-1), token_map).all()

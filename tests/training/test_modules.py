@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch import Trainer
 from test_fit import session_store
 
+import heads
 from heads import Eagle, Eagle3, Mtp, load_target_parts
 from serving.attention import KVCache, PagedAttention, PagedMetadata
 from training.data.datamodule import DraftDataModule, LengthBatches
@@ -242,7 +243,8 @@ def test_a_token_map_trains_over_its_rows_and_counts_other_labels_as_misses(kind
     module = MODULES[kind](target="debug", token_map=str(tmp_path / "map.pt"), **SMALL[kind])
     full = load_target_parts(module.target_folder)
     assert torch.equal(module.target_parts.lm_head.weight, full.lm_head.weight[hot])
-    assert all(key.startswith("head.") for key in module.state_dict())  # the map stays out of checkpoints
+    assert all(key.startswith("head.") for key in module.state_dict())  # the map's lookups stay out of checkpoints
+    assert torch.equal(module.head.token_map, hot) and module.head.config.token_map_size == 64
     outside = next(t for t in range(full.vocab_size) if t not in set(hot.tolist()))
     labels = torch.tensor([int(hot[5]), outside, int(hot[0])])
     rows, valid = module.draft_labels(labels, torch.tensor([True, True, False]))
@@ -256,6 +258,7 @@ def test_a_token_map_trains_over_its_rows_and_counts_other_labels_as_misses(kind
     assert all(torch.isfinite(p).all() for p in module.head.parameters())
     [metrics] = trainer.validate(module, data, verbose=False)
     assert math.isfinite(metrics["val/loss"]) and 1.0 <= metrics["val/tau"] <= 1 + module.hparams.num_draft_tokens
+    assert torch.equal(heads.load(heads.save(module.head, tmp_path / "head")).token_map, hot)  # the head keeps it
 
     # a map of tokens no answer holds: every draft is a miss, not a label left out of the metric
     counts = answer_token_counts(Store(debug_store))

@@ -54,9 +54,10 @@ def draft_vocab(store: Store, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 def add_arguments(parser) -> None:
     parser.description = (
         "Write a token map: the store's most frequent answer tokens, as a 1-D int64 tensor saved with torch.save "
-        "(the file SGLang's --speculative-token-map reads). Give it to a Medusa, EAGLE-1 or MTP head in the "
-        "engine with {\"token_map\": PATH} in the speculative config: the head then drafts among those tokens "
-        "only, reading those rows of the LM head (FR-Spec).")
+        "(the file SGLang's --speculative-token-map reads). Train a Medusa, EAGLE-1 or MTP head over it "
+        "(--model.init_args.token_map PATH in `draftheads fit`; the head keeps it), or give it to a head trained "
+        "without one in the engine ({\"token_map\": PATH} in the speculative config): the head then drafts among "
+        "those tokens only, reading those rows of the LM head (FR-Spec).")
     parser.add_argument("--store", required=True, help="a store folder (`draftheads generate --out`)")
     parser.add_argument("--size", type=int, default=8192, help="tokens in the map")
     parser.add_argument("--out", required=True, help="the file to write, e.g. token_map.pt")

@@ -29,6 +29,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from heads import load_target_parts
 from heads.attention import DenseCausalAttention
+from heads.token_map import lm_head_rows, load_token_map
 from serving import targets
 from serving.engine import DTYPES
 from serving.spec.config import TAKES_TOKEN_MAP
@@ -63,8 +64,8 @@ class DraftModule(LightningModule):
             schedule: Decay after warmup: cosine, linear or constant.
             min_lr_ratio: The learning rate decays to this fraction of the peak by the last step.
             target_dtype: Dtype of the frozen target pieces (float32, bfloat16 or float16).
-            token_map: A token map file (`draftheads token-map`) to draft among (Medusa, EAGLE-1, MTP); serve the
-                head with the same file. null: the whole vocabulary.
+            token_map: A token map file (`draftheads token-map`) to draft among (Medusa, EAGLE-1, MTP); the head
+                keeps it and drafts among it when served. null: the whole vocabulary.
             prompt_loss: Also train at prompt tokens, each labelled by the target's greedy token after the tokens
                 before it (loss_labels): more positions from the same store, worth it for EAGLE and MTP heads.
         """
@@ -84,8 +85,6 @@ class DraftModule(LightningModule):
             if self.kind not in TAKES_TOKEN_MAP:
                 raise ValueError(f"token_map applies to {', '.join(TAKES_TOKEN_MAP)} heads, not {self.kind}"
                                  + (": EAGLE-3 trains over its own draft vocabulary (draft_vocab_size)" if self.kind == "eagle3" else ""))
-            from serving.drafters.heads import lm_head_rows, load_token_map
-
             hot = load_token_map(token_map, parts.vocab_size)
             parts.lm_head = lm_head_rows(parts.lm_head, hot)
         # target id -> index in the token map, -1 outside it; empty without a map. Buffers outside the state dict.

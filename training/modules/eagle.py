@@ -49,7 +49,7 @@ class EagleModule(DraftModule):
         super().__init__(**kwargs)
         if num_unroll_steps < 1:
             raise ValueError(f"num_unroll_steps={num_unroll_steps} must be >= 1")
-        self.head = Eagle.from_target(self.target_parts, fc_bias=fc_bias)
+        self.head = Eagle.from_target(self.target_parts, self.hot_ids, fc_bias=fc_bias)
 
     def _step_loss(self, labels: torch.Tensor, has_label: torch.Tensor, last: torch.Tensor, out: torch.Tensor,
                    s: int) -> dict[str, torch.Tensor]:
