@@ -97,7 +97,7 @@ def main(argv=None) -> dict:
     store = generate(args)
     token_map = make_token_map(store)
     heads = {kind: fit(args, kind, store, token_map) for kind in args.kinds.split(",")}
-    result = bench(args, heads, token_map)
+    result = bench(args, heads)
     print(f"\ndemo finished in {time.perf_counter() - start:.0f} s")
     return result
 
@@ -166,16 +166,15 @@ def bench_prompts(args):
     return {name: ([first_turn(r["messages"]) for r in rs], [r["category"] for r in rs]) for name, rs in sets.items() if rs}
 
 
-def bench(args, heads: dict, token_map: Path) -> dict:
+def bench(args, heads: dict) -> dict:
     from serving.bench import run_bench, to_markdown
     from serving.engine import Engine
     from serving.report import plot_acceptance
-    from serving.spec.config import TAKES_TOKEN_MAP, SpeculativeConfig
+    from serving.spec.config import SpeculativeConfig
 
     k = NUM_SPECULATIVE_TOKENS
     configs = [SpeculativeConfig(method="ngram", num_speculative_tokens=k)]
-    configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k,
-                                  token_map=str(token_map) if kind in TAKES_TOKEN_MAP else None, confidence_threshold=p)
+    configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k, confidence_threshold=p)
                 for p in (0.0, CONFIDENCE_THRESHOLD) for kind, folder in heads.items()]
     engine = Engine(args.target, max_num_seqs=16)
     settings = [(0.0, 1)] + ([(0.0, 4), (0.0, 16), (0.7, 1), (0.7, 4), (0.7, 16)] if args.full else [])

@@ -1,7 +1,9 @@
 """The whole pipeline on the `debug` target with a tiny budget: generate, fit all four kinds, export, bench."""
 import json
 
+import torch
 
+import heads
 from training import demo
 
 
@@ -36,6 +38,9 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
     assert (tmp_path / "results" / "acceptance.png").stat().st_size > 10_000
     for kind in demo.KINDS:
         assert (tmp_path / "runs" / kind / "heads" / "best" / "model.safetensors").exists()
+    [token_map] = (tmp_path / "runs").glob("token_map-*.pt")
+    for kind in ("medusa", "eagle", "mtp"):  # the bench drafts among each head's own map, given none
+        assert torch.equal(heads.load(tmp_path / "runs" / kind / "heads" / "best").token_map, torch.load(token_map))
     # A second run with the same settings reuses the store and every head.
     stamps = {kind: (tmp_path / "runs" / kind / "heads" / "best" / "model.safetensors").stat().st_mtime_ns for kind in demo.KINDS}
     demo.main(["--target", "debug", "--num-prompts", "6", "--max-new-tokens", "12", "--epochs", "1",
