@@ -233,16 +233,19 @@ def test_a_store_without_the_layers_a_head_reads_fails_before_training(tmp_path_
         trainer.validate(MODULES["eagle3"](target="debug", **SMALL["eagle3"]), data)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "mtp"])
-def test_a_token_map_trains_over_its_rows_and_counts_other_labels_as_misses(kind, debug_store, tmp_path):
+@pytest.mark.parametrize("kind,own_lm_head", [("medusa", False), ("medusa", True), ("eagle", False), ("mtp", False)])
+def test_a_token_map_trains_over_its_rows_and_counts_other_labels_as_misses(kind, own_lm_head, debug_store, tmp_path):
     from training.data.store import Store
     from training.data.vocab import answer_token_counts, frequent_tokens, write_token_map
 
     hot = frequent_tokens(Store(debug_store), 64)
     write_token_map(hot, tmp_path / "map.pt")
-    module = MODULES[kind](target="debug", token_map=str(tmp_path / "map.pt"), **SMALL[kind])
+    extra = {"own_lm_head": True} if own_lm_head else {}
+    module = MODULES[kind](target="debug", token_map=str(tmp_path / "map.pt"), **SMALL[kind], **extra)
     full = load_target_parts(module.target_folder)
     assert torch.equal(module.target_parts.lm_head.weight, full.lm_head.weight[hot])
+    if own_lm_head:  # each head's own LM head starts as the map's rows of the target's
+        assert all(torch.equal(lm_head.weight, full.lm_head.weight[hot]) for lm_head in module.head.lm_heads)
     assert all(key.startswith("head.") for key in module.state_dict())  # the map's lookups stay out of checkpoints
     assert torch.equal(module.head.token_map, hot) and module.head.config.token_map_size == 64
     outside = next(t for t in range(full.vocab_size) if t not in set(hot.tolist()))
@@ -263,7 +266,7 @@ def test_a_token_map_trains_over_its_rows_and_counts_other_labels_as_misses(kind
     # a map of tokens no answer holds: every draft is a miss, not a label left out of the metric
     counts = answer_token_counts(Store(debug_store))
     write_token_map(torch.nonzero(counts == 0).flatten()[:64], tmp_path / "absent.pt")
-    absent = MODULES[kind](target="debug", token_map=str(tmp_path / "absent.pt"), **SMALL[kind])
+    absent = MODULES[kind](target="debug", token_map=str(tmp_path / "absent.pt"), **SMALL[kind], **extra)
     [metrics] = trainer.validate(absent, data, verbose=False)
     assert metrics["val/tau"] == 1.0 and metrics["val/acc_1"] == 0.0 and metrics["val/tau_walk"] == 1.0
 
