@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from functools import partial
 
 COMMANDS = {
     "info": ("serving.targets", "print a target's resolved folder, architecture, sizes, dtype and fingerprint (JSON)"),
@@ -34,13 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     module = importlib.import_module(COMMANDS[name][0])
     if hasattr(module, "main"):  # LightningCLI parses its own arguments
-        return module.main(name, rest) or 0
-    sub = argparse.ArgumentParser(prog=f"draftheads {name}", description=COMMANDS[name][1],
-                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    module.add_arguments(sub)
-    args = sub.parse_args(rest)
+        command = partial(module.main, name, rest)
+    else:
+        sub = argparse.ArgumentParser(prog=f"draftheads {name}", description=COMMANDS[name][1],
+                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        module.add_arguments(sub)
+        command = partial(module.run, sub.parse_args(rest))
     try:
-        return module.run(args) or 0
+        return command() or 0
     except (ValueError, FileNotFoundError) as error:  # bad input: the message says what to do, no traceback
         print(f"draftheads {name}: error: {error}", file=sys.stderr)
         return 2

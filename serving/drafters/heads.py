@@ -40,7 +40,7 @@ def make_head_drafter(engine, config):
     head = for_inference(head.bind_target(parts).to(engine.dtype).eval().requires_grad_(False), weight_dtype)
     kind = head.config.kind
     if kind != config.method:
-        raise ValueError(f"{config.model} holds a {kind} head, but the speculative config says method {config.method!r}: "
+        raise ValueError(f"{config.model} holds a head of kind {kind!r}, but the speculative config says method {config.method!r}: "
                          f"use \"method\": \"{kind}\"")
     if kind == "medusa":
         if config.num_speculative_tokens > head.config.num_heads:

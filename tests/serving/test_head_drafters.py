@@ -677,7 +677,7 @@ def test_head_for_another_target_is_a_clear_error(tiny_llama, tiny_qwen3, heads_
                                           ("eagle3", "eagle")])
 def test_method_and_head_kind_mismatch_is_a_clear_error(method, kind, tiny_llama, heads_root):
     head_dir = random_head_dir(kind, tiny_llama, heads_root)
-    with pytest.raises(ValueError, match=rf"holds a {kind} head.*method '{method}'") as info:
+    with pytest.raises(ValueError, match=rf"holds a head of kind '{kind}'.*method '{method}'") as info:
         make_engine(tiny_llama, spec_config(method, head_dir))
     assert f'"method": "{kind}"' in str(info.value)
 
