@@ -236,3 +236,15 @@ def test_bad_options_say_what_to_do(tmp_path):
         GenerateConfig(prompts="p", out="o", aux_layers="1,2")
     with pytest.raises(ValueError, match="pass --aux-layers"):
         generate(GenerateConfig(prompts="p", out=str(tmp_path / "o"), target="debug", aux_layers="1,2,9"))
+    with pytest.raises(ValueError, match="num_prompts=0 is invalid: it must be >= 1, or null for all"):
+        GenerateConfig(prompts="p", out="o", num_prompts=0)
+
+
+def test_a_run_whose_every_prompt_is_too_long_says_so(tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", CONVERSATIONS)
+    out = tmp_path / "store"
+    with pytest.raises(ValueError, match=rf"every prompt \(3\) is longer than max_model_len=8 tokens, so {out} holds "
+                                         "no example: generate into a new --out with a larger --max-model-len"):
+        generate(GenerateConfig(prompts=str(prompts), out=str(out), target="debug", max_model_len=8), progress=False)
+    assert cli(["generate", "--prompts", str(prompts), "--out", str(tmp_path / "long"), "--target", "debug",
+                "--max-model-len", "64", "--max-new-tokens", "2"]) == 0  # long enough for these prompts

@@ -84,8 +84,8 @@ class GenerateConfig:
         for name in ("max_new_tokens", "concurrency", "max_model_len", "max_num_batched_tokens", "shard_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: it must be >= 1")
-        if self.num_prompts is not None and self.num_prompts < 0:
-            raise ValueError(f"num_prompts={self.num_prompts} is invalid: it must be >= 0, or null for all")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"num_prompts={self.num_prompts} is invalid: it must be >= 1, or null for all")
         SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
 
     @classmethod
@@ -208,6 +208,10 @@ def generate(config: GenerateConfig, progress: bool = True) -> dict:
     finally:
         writer.close(is_complete)  # commits the finished conversations even when generation stops early
     counts = writer.counts
+    if not counts["num_examples"] and generation.num_skipped:
+        raise ValueError(f"every prompt ({generation.num_skipped}) is longer than max_model_len={config.max_model_len} "
+                         f"tokens, so {writer.path} holds no example: generate into a new --out with a larger "
+                         "--max-model-len")
     keys = tensor_keys(config.layers, aux_layers)
     return {
         "out": str(writer.path),
