@@ -39,6 +39,9 @@ def run(args) -> None:
     from serving.engine import Engine
     from serving.prompts import first_turn, load_prompts
 
+    for option in ("num_prompts", "max_new_tokens", "concurrency"):
+        if getattr(args, option) < 1:
+            raise ValueError(f"--{option.replace('_', '-')}={getattr(args, option)} must be >= 1")
     configs = [SpeculativeConfig.from_json(text) for text in args.speculative_config]
     dataset = load_prompts(args.prompts, args.num_prompts)
     messages = [first_turn(m) for m in dataset["messages"]]

@@ -231,6 +231,9 @@ def parse_jsonl(path: str | os.PathLike) -> datasets.Dataset:
                     rows.append(jsonl_row(line, number))
                 except ValueError as error:
                     raise ValueError(f"{path}, line {number}: {error}") from None
+    if not rows:
+        raise ValueError(f'{path} holds no prompts: write one JSON object per line, {{"messages": [...]}} or '
+                         '{"prompt": "..."}')
     return datasets.Dataset.from_list(rows, features=FEATURES)
 
 
