@@ -230,3 +230,26 @@ def test_a_checkpoint_of_another_kind_fails_before_training(debug_store, tmp_pat
     with pytest.raises(ValueError, match="holds head kind medusa, but this config trains kind eagle"):
         eagle.trainer.fit(eagle.model, eagle.datamodule, ckpt_path=checkpoint)
     assert eagle.trainer.global_step == 0
+
+
+def test_a_checkpoint_resumes_only_over_the_token_map_it_was_trained_over(debug_store, tmp_path):
+    from training.data.store import Store
+    from training.data.vocab import frequent_tokens, write_token_map
+
+    hot = frequent_tokens(Store(debug_store), 64)
+    write_token_map(hot, tmp_path / "map.pt")
+    write_token_map(hot.flip(0), tmp_path / "reordered.pt")  # the same tokens, other LM-head rows
+    first = build_cli(fit_args("medusa", "debug", debug_store, "--trainer.max_steps=1",
+                               f"--model.init_args.token_map={tmp_path / 'map.pt'}"), run=False)
+    first.trainer.fit(first.model, first.datamodule)
+    checkpoint = tmp_path / "medusa.ckpt"
+    first.trainer.save_checkpoint(checkpoint)
+    other = build_cli(fit_args("medusa", "debug", debug_store, "--trainer.max_steps=2",
+                               f"--model.init_args.token_map={tmp_path / 'reordered.pt'}"), run=False)
+    with pytest.raises(ValueError, match="was trained over another token map than .*reordered.pt: resume with the "
+                                         "token map file it was trained with"):
+        other.trainer.fit(other.model, other.datamodule, ckpt_path=checkpoint)
+    same = build_cli(fit_args("medusa", "debug", debug_store, "--trainer.max_steps=2",
+                              f"--model.init_args.token_map={tmp_path / 'map.pt'}"), run=False)
+    same.trainer.fit(same.model, same.datamodule, ckpt_path=checkpoint)
+    assert same.trainer.global_step == 2 and torch.equal(same.model.head.token_map, hot)

@@ -290,6 +290,10 @@ class DraftModule(LightningModule):
         if differences:
             raise ValueError(f"{where} holds a head of kind {self.kind} that differs from this config's: "
                              f"{'; '.join(differences)}. Resume with the settings (and target) it was trained with")
+        saved_map = checkpoint["state_dict"].get("head.token_map")
+        if saved_map is not None and not torch.equal(saved_map.cpu(), self.head.token_map.cpu()):
+            raise ValueError(f"{where} was trained over another token map than {self.hparams.token_map}: resume with "
+                             "the token map file it was trained with")
 
 
 def kl_divergence(target_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
