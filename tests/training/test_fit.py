@@ -253,3 +253,18 @@ def test_a_checkpoint_resumes_only_over_the_token_map_it_was_trained_over(debug_
                               f"--model.init_args.token_map={tmp_path / 'map.pt'}"), run=False)
     same.trainer.fit(same.model, same.datamodule, ckpt_path=checkpoint)
     assert same.trainer.global_step == 2 and torch.equal(same.model.head.token_map, hot)
+
+
+def test_a_checkpoint_written_before_a_config_field_existed_resumes_at_its_default(debug_store, tmp_path):
+    from training.modules.base import CHECKPOINT_KEY
+
+    first = build_cli(fit_args("medusa", "debug", debug_store, "--trainer.max_steps=1"), run=False)
+    first.trainer.fit(first.model, first.datamodule)
+    checkpoint = tmp_path / "medusa.ckpt"
+    first.trainer.save_checkpoint(checkpoint)
+    saved = torch.load(checkpoint, weights_only=False)
+    del saved[CHECKPOINT_KEY]["config"]["token_map_size"]  # as checkpoints of earlier versions
+    torch.save(saved, checkpoint)
+    resumed = build_cli(fit_args("medusa", "debug", debug_store, "--trainer.max_steps=2"), run=False)
+    resumed.trainer.fit(resumed.model, resumed.datamodule, ckpt_path=checkpoint)
+    assert resumed.trainer.global_step == 2

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import MISSING, fields
 from functools import partial
 from typing import ClassVar
 
@@ -284,7 +285,9 @@ class DraftModule(LightningModule):
                              f"{self.kind} ({type(self).__name__}): resume with the config the checkpoint was trained with, "
                              "or pass a checkpoint of this kind")
         ours = json.loads(json.dumps(self.head.config.to_dict()))
-        theirs = json.loads(json.dumps(saved["config"]))
+        # a field added since the checkpoint was written reads as its default there
+        defaults = {f.name: f.default for f in fields(self.head.config) if f.default is not MISSING}
+        theirs = json.loads(json.dumps({**defaults, **saved["config"]}))
         differences = [f"{key}: checkpoint {theirs.get(key)!r}, config {ours.get(key)!r}"
                        for key in sorted(ours.keys() | theirs.keys()) if key not in FITTED and ours.get(key) != theirs.get(key)]
         if differences:
