@@ -35,6 +35,17 @@ class DraftCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.init_args.target", "data.target")
 
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            # jsonargparse wraps what a head module's __init__ refuses in a listing of the model's union types
+            cause = error.__cause__
+            if str(error).startswith("Does not validate against any of the Union subtypes") and isinstance(
+                    cause, (ValueError, FileNotFoundError)):
+                raise cause from None
+            raise
+
 
 def build_cli(args: list[str], run: bool = True) -> DraftCLI:
     os.environ.setdefault("WANDB_MODE", "offline")

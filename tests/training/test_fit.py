@@ -268,3 +268,10 @@ def test_a_checkpoint_written_before_a_config_field_existed_resumes_at_its_defau
     resumed = build_cli(fit_args("medusa", "debug", debug_store, "--trainer.max_steps=2"), run=False)
     resumed.trainer.fit(resumed.model, resumed.datamodule, ckpt_path=checkpoint)
     assert resumed.trainer.global_step == 2
+
+
+def test_a_setting_a_head_module_refuses_is_reported_as_its_own_message(debug_store, capsys):
+    assert cli_main(["fit", *fit_args("medusa", "debug", debug_store, "--model.init_args.schedule=foo")]) == 2
+    error = capsys.readouterr().err
+    assert "draftheads fit: error: schedule='foo' is unknown: choose one of cosine, linear, constant" in error
+    assert "Union subtypes" not in error  # jsonargparse's wrapping is removed
