@@ -107,7 +107,7 @@ def test_a_map_is_refused_for_medusa_heads_with_lm_heads_over_the_whole_vocabula
                                          "that read the target's LM head"):
         run(tiny_llama, head_dir, "medusa", tmp_path / "half.pt")
     own = heads.save(new_head("medusa", tiny_llama, torch.arange(vocab // 2), own_lm_head=True), tmp_path / "own")
-    outputs, proposals, _ = run(tiny_llama, own, "medusa")
+    _, proposals, _ = run(tiny_llama, own, "medusa")
     assert any(proposals) and {t for step in proposals for d in step.values() for t in d} <= set(range(vocab // 2))
 
 
