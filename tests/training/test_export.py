@@ -187,3 +187,14 @@ def test_a_medusa_head_over_a_token_map_exports_it_as_vllm_reads_it(own_lm_head,
             theirs[..., tensors["token_map"]] = x @ tensors[f"lm_heads.{i if own_lm_head else 0}.weight"].T
             torch.testing.assert_close(theirs[..., token_map], ours[i], rtol=1e-4, atol=1e-4)
             assert torch.isin(theirs.argmax(-1), token_map).all()
+
+
+def test_exporting_an_eagle1_head_over_a_token_map_says_where_the_map_applies(tiny_llama, tmp_path, capsys):
+    parts = heads.load_target_parts(tiny_llama)
+    token_map = torch.arange(40)
+    parts.lm_head = lm_head_rows(parts.lm_head, token_map)
+    saved = heads.save(heads.Eagle.from_target(parts, token_map, fc_bias=False), tmp_path / "head")
+    assert cli_main(["export", str(saved), "--format", "vllm", "--out", str(tmp_path / "out")]) == 0
+    assert ("trained to draft among the 40 tokens of a token map: SGLang drafts among them given that file "
+            "(--speculative-token-map), vLLM over the whole vocabulary") in capsys.readouterr().out
+    assert "token_map" not in read(tmp_path / "out")[1]  # vLLM's EAGLE-1 has no map to load
