@@ -30,8 +30,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--speculative-config", action="append", default=[], metavar="JSON",
                         help='a speculative config, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; repeat for more rows')
     parser.add_argument("--baseline", choices=["hf"], default=None, help="also time transformers' generate on the same prompts")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations; greedy outputs equal plain decoding's only in float32 (bfloat16 operators are not "
-                        "batch-invariant, so near-ties can flip between a decode and a verify step)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weights and activations; greedy outputs equal plain decoding's only in float32 (bfloat16 "
+                             "operators are not batch-invariant, so near-ties can flip between a decode and a verify step)")
     parser.add_argument("--block-size", type=int, default=16, help="K/V block size in tokens")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
 
