@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m training.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--num-prompts", type=int, default=int(os.environ.get("DEMO_PROMPTS", 448)),
+    p.add_argument("--num-prompts", type=int, default=int(os.environ.get("DEMO_PROMPTS", 640)),
                    help="ShareGPT train prompts the target answers for training data")
     p.add_argument("--max-model-len", type=int, default=640,
                    help="prompt + answer tokens at most while generating; longer prompts are skipped, so that most "
@@ -123,7 +123,8 @@ def fit(args, kind: str, store: Path, token_map: Path) -> Path:
     root = Path("runs") / kind  # where configs/<kind>.yaml puts its run, checkpoints and head folders
     head = root / "heads" / "best"
     meta = json.loads((store / "meta.json").read_text())
-    recipe = RECIPE + KIND_RECIPE.get(kind, []) + (["--model.init_args.token_map", str(token_map)] if kind in TAKES_TOKEN_MAP else [])
+    recipe = (RECIPE + ["--trainer.precision", fit_precision()] + KIND_RECIPE.get(kind, [])
+              + (["--model.init_args.token_map", str(token_map)] if kind in TAKES_TOKEN_MAP else []))
     epochs = args.epochs or EPOCHS[kind]
     settings = {"kind": kind, "target": args.target, "store": str(store), "counts": meta["counts"], "epochs": epochs,
                 "recipe": recipe,
@@ -138,6 +139,18 @@ def fit(args, kind: str, store: Path, token_map: Path) -> Path:
     stamp.write_text(json.dumps(settings))
     print(f"fit {kind} took {time.perf_counter() - t:.0f} s")
     return head
+
+
+def fit_precision() -> str:
+    """bf16-mixed where bfloat16 matrix products run natively (a CUDA GPU that has them, a CPU with AVX512-BF16 or
+    AMX), 32-true elsewhere, where bfloat16 is emulated and slower. On this project's AVX512-BF16 CPU an EAGLE-1
+    epoch of the demo took 30 s instead of 46, and its held-out accuracy after 4 epochs was the same (README)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
+    native = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return "bf16-mixed" if any(f is not None and f() for f in native) else "32-true"
 
 
 def make_token_map(store: Path) -> Path:

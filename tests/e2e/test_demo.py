@@ -2,6 +2,7 @@
 import json
 
 import torch
+import yaml
 
 import heads
 from training import demo
@@ -38,6 +39,8 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
     assert (tmp_path / "results" / "acceptance.png").stat().st_size > 10_000
     for kind in demo.KINDS:
         assert (tmp_path / "runs" / kind / "heads" / "best" / "model.safetensors").exists()
+        fit_config = yaml.safe_load((tmp_path / "runs" / kind / "config.yaml").read_text())
+        assert fit_config["trainer"]["precision"] == demo.fit_precision()
     [token_map] = (tmp_path / "runs").glob("token_map-*.pt")
     for kind in ("medusa", "eagle", "mtp"):  # the bench drafts among each head's own map, given none
         assert torch.equal(heads.load(tmp_path / "runs" / kind / "heads" / "best").token_map, torch.load(token_map))
@@ -58,3 +61,14 @@ def test_bench_sizes_default_to_the_demo_or_the_full_bench_and_explicit_sizes_wi
     assert (reduced.bench_mt_bench, reduced.bench_humaneval) == (16, 0)
     assert list(demo.bench_prompts(reduced)) == ["mt-bench"]  # a set of 0 prompts is left out
     assert [len(prompts) for prompts, _ in demo.bench_prompts(reduced).values()] == [16]
+
+
+def test_the_demo_fits_in_bfloat16_mixed_precision_only_where_bfloat16_products_are_native(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for avx512_bf16, amx, expected in [(True, False, "bf16-mixed"), (False, True, "bf16-mixed"), (False, False, "32-true")]:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        assert demo.fit_precision() == expected
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")  # a torch without the probes: the safe choice
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    assert demo.fit_precision() == "32-true"
