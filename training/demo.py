@@ -4,7 +4,8 @@
    DEMO_NEW_TOKENS tokens at most), its hidden states captured in the same pass, into data/demo-store;
 2. `draftheads token-map`: the store's 4,096 most frequent answer tokens, which Medusa, EAGLE-1 and MTP train and
    draft among (EAGLE-3 trains over the same ones as its draft vocabulary);
-3. `draftheads fit` of Medusa, EAGLE-1, EAGLE-3 and MTP heads from configs/ in offline mode on that store,
+3. `draftheads fit` of Medusa, EAGLE-1, EAGLE-3 and MTP heads from configs/ in offline mode on that store (in
+   bf16-mixed precision where bfloat16 products are native, `fit_precision`),
    each exported to runs/<kind>/heads/best (the folders configs/ name);
 4. `draftheads bench` on MT-bench first turns (one per category) and HumanEval (a fixed subset), concurrency 1,
    greedy, k=4 chains: plain decoding, n-gram and each trained head, always drafting 4 tokens and with a
@@ -145,7 +146,7 @@ def fit(args, kind: str, store: Path, token_map: Path) -> Path:
 def fit_precision() -> str:
     """bf16-mixed where bfloat16 matrix products run natively (a CUDA GPU that has them, a CPU with AVX512-BF16 or
     AMX), 32-true elsewhere, where bfloat16 is emulated and slower. On this project's AVX512-BF16 CPU an EAGLE-1
-    epoch of the demo took 30 s instead of 46, and its held-out accuracy after 4 epochs was the same (README)."""
+    epoch of the demo took 30-36 s instead of 46, and every kind's held-out accuracy was the same (README)."""
     import torch
 
     if torch.cuda.is_available():
