@@ -27,4 +27,10 @@ def make_drafter(engine, config: SpeculativeConfig):
         return EarlyExitDrafter(engine, config)
     from serving.drafters.heads import make_head_drafter
 
-    return make_head_drafter(engine, config)
+    drafter = make_head_drafter(engine, config)
+    if config.prompt_lookup_first:
+        from serving.drafters.lookup_first import LookupFirst
+        from serving.drafters.ngram import NgramDrafter
+
+        return LookupFirst(NgramDrafter(config), drafter)
+    return drafter

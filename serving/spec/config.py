@@ -16,8 +16,8 @@ DRAFT_WEIGHTS = ("bfloat16", "float32")
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 1  # ngram: shortest suffix to look up
-    prompt_lookup_max: int = 3  # ngram: longest suffix to look up
+    prompt_lookup_min: int | None = None  # ngram (default 1), heads with prompt_lookup_first (default 2): shortest suffix to look up
+    prompt_lookup_max: int = 3  # ngram (and heads with prompt_lookup_first): longest suffix to look up
     model: str | None = None  # draft_model: a target name or folder; medusa/eagle/eagle3/mtp: a head folder
     num_layers: int | None = None  # early_exit: how many of the target's layers draft
     draft_temperature: float | None = None  # draft_model: sample drafts (supplying q) instead of greedy drafting
@@ -34,13 +34,24 @@ class SpeculativeConfig:
     # kernels: "bfloat16" (default when unset) streams half the bytes per draft and still computes in float32;
     # drafts may differ from float32 ones, outputs never do (the target verifies every draft).
     draft_weights: str | None = None
+    # medusa/eagle/eagle3/mtp: draft by prompt lookup (as ngram, prompt_lookup_min..max) where the sequence's last
+    # tokens occurred before, and by the head where they did not. A 1-token suffix nearly always occurred before
+    # and takes steps from the head for little, hence a default minimum of 2 here.
+    prompt_lookup_first: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is unknown; choose one of {', '.join(METHODS)}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be an integer >= 1")
-        if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+        if not isinstance(self.prompt_lookup_first, bool):
+            raise ValueError(f"prompt_lookup_first={self.prompt_lookup_first!r} must be true or false")
+        if self.prompt_lookup_first and self.method not in HEADS:
+            raise ValueError(f"prompt_lookup_first applies to {', '.join(HEADS)} heads, not {self.method!r}"
+                             + (" (which drafts by prompt lookup alone)" if self.method == "ngram" else ""))
+        if self.prompt_lookup_min is None:
+            self.prompt_lookup_min = 2 if self.prompt_lookup_first else 1
+        if (self.method == "ngram" or self.prompt_lookup_first) and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max={self.prompt_lookup_max} "
                              "must satisfy 1 <= min <= max")
         if self.method in NEEDS_MODEL and not self.model:
@@ -82,5 +93,6 @@ class SpeculativeConfig:
 
     def label(self) -> str:
         """The method, the confidence threshold when one is set, and float32 draft weights: a bench row's name."""
-        label = f"{self.method} p>={self.confidence_threshold:g}" if self.confidence_threshold else self.method
+        label = self.method + (f"+lookup{self.prompt_lookup_min}" if self.prompt_lookup_first else "")
+        label += f" p>={self.confidence_threshold:g}" if self.confidence_threshold else ""
         return label + (f" ({self.draft_weights} weights)" if self.draft_weights == "float32" else "")

@@ -18,7 +18,8 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
     for result in results:
         methods = [row["method"] for row in result["rows"]]
         cut = [f"{kind} p>={demo.CONFIDENCE_THRESHOLD:g}" for kind in demo.KINDS]
-        assert methods == ["plain", "ngram", *demo.KINDS, *cut]
+        lookup_first = [f"{kind}+lookup2 p>={demo.CONFIDENCE_THRESHOLD:g}" for kind in demo.KINDS]
+        assert methods == ["plain", "ngram", *demo.KINDS, *cut, *lookup_first]
         assert result["identical_to_hf"] is True  # greedy at concurrency 1: transformers' generate ran alongside
         assert result["speed_vs_hf"] == result["rows"][0]["tokens_per_s"] / result["hf_tokens_per_s"]
         for row in result["rows"]:
@@ -27,9 +28,10 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
             assert row["identical_to_plain"] is True, row["method"]
             assert row["tau"] >= 1.0
         for row in result["rows"][1:]:
-            if row["method"] in cut:  # chains end early
+            if row["method"] in cut + lookup_first:  # chains end early
                 assert len(row["per_position"]) <= demo.NUM_SPECULATIVE_TOKENS
                 assert row["config"]["confidence_threshold"] == demo.CONFIDENCE_THRESHOLD
+                assert row["config"]["prompt_lookup_first"] is (row["method"] in lookup_first)
                 continue
             assert len(row["per_position"]) == demo.NUM_SPECULATIVE_TOKENS
             assert {"position", "proposed", "reached", "accepted", "conditional", "survival"} <= row["per_position"][0].keys()

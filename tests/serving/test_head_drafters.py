@@ -863,3 +863,37 @@ def test_mtp_chain_with_a_confidence_threshold_cuts_the_chain_where_its_probabil
         if p.drafts != drafts[:len(p.drafts)] or expected not in (None, len(p.drafts)):
             wrong.append((p.request_id, len(p.token_ids), p.drafts, drafts, expected))
     assert num_compared > 0.9 * len(proposals) and not wrong, wrong[:5]
+
+
+# ---- prompt lookup first: lookup drafts where the text repeats, the head elsewhere ------------------------
+
+
+REPEATING = [p + p[:len(p) // 3 + 1] for p in PROMPTS]  # each prompt's first third again: the lookup finds it
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+@pytest.mark.parametrize("kind, fixture", HEAD_CASES, ids=[f"{k}-{f}" for k, f in HEAD_CASES])
+def test_lookup_first_drafts_repeats_by_lookup_and_the_rest_by_the_head(kind, fixture, concurrency, heads_root,
+                                                                        request):
+    """Where the lookup finds the last tokens earlier, the chain is its proposal; everywhere else it is the
+    head's, equal to the dense reference although the head drafted nothing at the lookup's steps (its catch-up
+    must still cover every kept token). Outputs stay plain greedy decoding's."""
+    from serving.drafters.ngram import NgramDrafter
+
+    folder = request.getfixturevalue(fixture)
+    head_dir = random_head_dir(kind, folder, heads_root)
+    engine = make_engine(folder, dict(spec_config(kind, head_dir), prompt_lookup_first=True), **SCENARIOS[concurrency])
+    assert engine.speculator.config.prompt_lookup_min == 2
+    proposals = record_proposals(engine)
+    outputs = engine.generate(REPEATING, greedy(MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == plain_outputs(folder, REPEATING, MAX_TOKENS)
+    assert_pool_idle(engine)
+    lookup = NgramDrafter(engine.speculator.config)
+    by_lookup = [p for p in proposals if lookup.lookup(p.token_ids, p.budget)]
+    by_head = [p for p in proposals if not lookup.lookup(p.token_ids, p.budget)]
+    assert len(by_lookup) >= 8 and len(by_head) >= 8, f"{len(by_lookup)} lookup and {len(by_head)} head proposals"
+    assert all(p.drafts == lookup.lookup(p.token_ids, p.budget) for p in by_lookup)
+    assert all(len(p.drafts) == p.budget for p in by_head)  # a head fills every budget it is given
+    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
+    num_checked, mismatches = check_against_dense(folder, load_as_drafted(head_dir, folder), by_head, finals)
+    assert not mismatches, f"{len(mismatches)} of {num_checked} head proposals differ:\n" + "\n".join(mismatches[:10])

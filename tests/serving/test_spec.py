@@ -492,6 +492,9 @@ def test_requests_needing_history_decode_plainly_beside_speculating_ones(tiny_ll
     ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "must satisfy 1 <= min <= max"),
     ('{"method": "ngram", "prompt_lookup_min": 0}', "must satisfy 1 <= min <= max"),
     ('{"method": "draft_model"}', 'speculative method \'draft_model\' needs "model"'),
+    ('{"method": "ngram", "prompt_lookup_first": true}', r"prompt_lookup_first applies to medusa.*not 'ngram' \(which drafts"),
+    ('{"method": "eagle", "model": "x", "prompt_lookup_first": "yes"}', "prompt_lookup_first='yes' must be true or false"),
+    ('{"method": "eagle", "model": "x", "prompt_lookup_first": true, "prompt_lookup_min": 4}', "must satisfy 1 <= min <= max"),
     ('{"method": "early_exit"}', 'early_exit needs "num_layers" >= 1'),
     ('{"method": "early_exit", "num_layers": 0}', 'early_exit needs "num_layers" >= 1'),
     ('{"method": "draft_model", "model": "x", "draft_temperature": -1}', "draft_temperature=-1 must be >= 0"),
@@ -517,6 +520,14 @@ def test_speculative_config_forms_agree(tiny_llama):
     for form in (text, json.loads(text), expected):
         assert make_engine(tiny_llama, form).speculator.config == expected
     assert make_engine(tiny_llama).speculator is None
+
+
+def test_prompt_lookup_first_looks_up_two_tokens_or_more_unless_told():
+    lookup_first = SpeculativeConfig(method="eagle", model="x", prompt_lookup_first=True, confidence_threshold=0.1)
+    assert (lookup_first.prompt_lookup_min, lookup_first.prompt_lookup_max) == (2, 3)
+    assert lookup_first.label() == "eagle+lookup2 p>=0.1"
+    assert SpeculativeConfig(method="ngram").prompt_lookup_min == 1
+    assert SpeculativeConfig(method="mtp", model="x", prompt_lookup_first=True, prompt_lookup_min=1).label() == "mtp+lookup1"
 
 
 @pytest.mark.parametrize("num_layers", [4, 5])
