@@ -41,7 +41,8 @@ def record(engine, prompts, max_new_tokens) -> list[dict]:
                 lookup.min_n = lookup.max_n = n
                 found[n] = lookup.lookup(r.token_ids, budgets[r.request_id])
             probs.clear()
-            drafts[r.request_id] = head.propose(engine_, [r], {r.request_id: budgets[r.request_id]}, step).get(r.request_id, [])
+            budget = {r.request_id: budgets[r.request_id]}
+            drafts[r.request_id] = head.propose(engine_, [r], budget, step).get(r.request_id, [])
             if budgets[r.request_id] == K:
                 steps.append(dict(request_id=r.request_id, start=len(r.token_ids), lookup=found,
                                   head=drafts[r.request_id], probs=probs[:len(drafts[r.request_id])]))

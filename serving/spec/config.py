@@ -16,8 +16,10 @@ DRAFT_WEIGHTS = ("bfloat16", "float32")
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int = 4
-    prompt_lookup_min: int | None = None  # ngram (default 1), heads with prompt_lookup_first (default 2): shortest suffix to look up
-    prompt_lookup_max: int = 3  # ngram (and heads with prompt_lookup_first): longest suffix to look up
+    # ngram, and heads with prompt_lookup_first: the shortest suffix to look up (default 1 for ngram, 2 for heads)
+    # and the longest
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int = 3
     model: str | None = None  # draft_model: a target name or folder; medusa/eagle/eagle3/mtp: a head folder
     num_layers: int | None = None  # early_exit: how many of the target's layers draft
     draft_temperature: float | None = None  # draft_model: sample drafts (supplying q) instead of greedy drafting
@@ -51,7 +53,8 @@ class SpeculativeConfig:
                              + (" (which drafts by prompt lookup alone)" if self.method == "ngram" else ""))
         if self.prompt_lookup_min is None:
             self.prompt_lookup_min = 2 if self.prompt_lookup_first else 1
-        if (self.method == "ngram" or self.prompt_lookup_first) and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+        looks_up = self.method == "ngram" or self.prompt_lookup_first
+        if looks_up and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max={self.prompt_lookup_max} "
                              "must satisfy 1 <= min <= max")
         if self.method in NEEDS_MODEL and not self.model:
@@ -92,7 +95,8 @@ class SpeculativeConfig:
         return cls(**values)
 
     def label(self) -> str:
-        """The method, the confidence threshold when one is set, and float32 draft weights: a bench row's name."""
+        """The method, prompt lookup first with its shortest suffix, the confidence threshold when one is set, and
+        float32 draft weights: a bench row's name."""
         label = self.method + (f"+lookup{self.prompt_lookup_min}" if self.prompt_lookup_first else "")
         label += f" p>={self.confidence_threshold:g}" if self.confidence_threshold else ""
         return label + (f" ({self.draft_weights} weights)" if self.draft_weights == "float32" else "")
