@@ -3,6 +3,8 @@ first, from prompt_lookup_max down to prompt_lookup_min) and propose what follow
 occurrence followed by a full run of drafts, else the one followed by the longest run."""
 from __future__ import annotations
 
+import numpy as np
+
 
 class NgramDrafter:
     def __init__(self, config):
@@ -14,17 +16,17 @@ class NgramDrafter:
 
     def lookup(self, tokens: list[int], num_drafts: int) -> list[int]:
         num_tokens = len(tokens)
+        ids = np.asarray(tokens)
         for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
-            suffix = tokens[num_tokens - n:]
-            best = []
-            for start in range(num_tokens - n - 1, -1, -1):
-                if tokens[start:start + n] == suffix:
-                    follow = tokens[start + n:start + n + num_drafts]
-                    if len(follow) == num_drafts:
-                        return follow
-                    best = max(best, follow, key=len)
-            if best:
-                return best
+            found = np.ones(num_tokens - n, dtype=bool)  # starts s < num_tokens - n whose n tokens are the suffix
+            for j in range(n):
+                found &= ids[j:num_tokens - n + j] == ids[num_tokens - n + j]
+            starts = np.flatnonzero(found)
+            if len(starts) == 0:
+                continue
+            full = starts[starts <= num_tokens - n - num_drafts]
+            start = int(full[-1] if len(full) else starts[0])  # the latest full run, else the longest partial
+            return tokens[start + n:start + n + num_drafts]
         return []
 
     def reset(self, request):
