@@ -40,6 +40,10 @@ class SpeculativeConfig:
     # tokens occurred before, and by the head where they did not. A 1-token suffix nearly always occurred before
     # and takes steps from the head for little, hence a default minimum of 2 here.
     prompt_lookup_first: bool = False
+    # any method: no drafts in a step where more than this many requests are running (as vLLM's): past a few
+    # sequences a step is no longer bound by reading the weights once, and every verified draft costs compute.
+    # Drafters with a pool of their own still catch up every step.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -75,6 +79,10 @@ class SpeculativeConfig:
                 raise ValueError(f"draft_weights applies to {', '.join(HEADS)} heads, not {self.method!r}")
             if self.draft_weights not in DRAFT_WEIGHTS:
                 raise ValueError(f"draft_weights={self.draft_weights!r} must be one of {', '.join(DRAFT_WEIGHTS)}")
+        if self.disable_by_batch_size is not None and (not isinstance(self.disable_by_batch_size, int)
+                                                       or self.disable_by_batch_size < 1):
+            raise ValueError(f"disable_by_batch_size={self.disable_by_batch_size!r} must be an integer >= 1 "
+                             "(leave it unset to draft at every batch size)")
         if self.draft_temperature is not None and self.draft_temperature < 0:
             raise ValueError(f"draft_temperature={self.draft_temperature} must be >= 0")
 
@@ -95,8 +103,9 @@ class SpeculativeConfig:
         return cls(**values)
 
     def label(self) -> str:
-        """The method, prompt lookup first with its shortest suffix, the confidence threshold when one is set, and
-        float32 draft weights: a bench row's name."""
+        """The method, prompt lookup first with its shortest suffix, the confidence threshold and the batch size
+        that turns drafting off when set, and float32 draft weights: a bench row's name."""
         label = self.method + (f"+lookup{self.prompt_lookup_min}" if self.prompt_lookup_first else "")
         label += f" p>={self.confidence_threshold:g}" if self.confidence_threshold else ""
+        label += f" batch<={self.disable_by_batch_size}" if self.disable_by_batch_size else ""
         return label + (f" ({self.draft_weights} weights)" if self.draft_weights == "float32" else "")

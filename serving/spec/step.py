@@ -65,10 +65,12 @@ class Speculator:
         self.stats.record(num_drafts, num_accepted, num_emitted)
 
     def propose(self, engine, step: StepOutputs) -> None:
-        """Drafts for every running request that has just emitted a token and can be speculated for."""
+        """Drafts for every running request that has just emitted a token and can be speculated for, unless more
+        than disable_by_batch_size requests are running."""
         scheduler, k = engine.scheduler, self.config.num_speculative_tokens
         budgets, requests = {}, []
-        for request in scheduler.running:
+        limit = self.config.disable_by_batch_size
+        for request in scheduler.running if limit is None or len(scheduler.running) <= limit else ():
             if request.num_computed_tokens != request.num_tokens - 1 or not self.can_speculate(request):
                 continue
             num_left = request.params.max_tokens - request.num_output_tokens - 1

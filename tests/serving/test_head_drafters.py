@@ -897,3 +897,22 @@ def test_lookup_first_drafts_repeats_by_lookup_and_the_rest_by_the_head(kind, fi
     finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
     num_checked, mismatches = check_against_dense(folder, load_as_drafted(head_dir, folder), by_head, finals)
     assert not mismatches, f"{len(mismatches)} of {num_checked} head proposals differ:\n" + "\n".join(mismatches[:10])
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_heads_draft_right_once_the_batch_shrinks_to_disable_by_batch_size(kind, heads_root, request):
+    """Drafting is off while more than 3 requests run; the pool still catches up every step, so once drafting
+    resumes every proposal equals the dense reference."""
+    folder = request.getfixturevalue("tiny_qwen3")
+    head_dir = random_head_dir(kind, folder, heads_root)
+    engine = make_engine(folder, dict(spec_config(kind, head_dir), disable_by_batch_size=3), max_num_seqs=8)
+    proposals = record_proposals(engine)
+    params = [SamplingParams(max_tokens=6 + 5 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    outputs = engine.generate(PROMPTS, params)
+    plain = [o.token_ids for o in make_engine(folder).generate(PROMPTS, params)]
+    assert [o.token_ids for o in outputs] == plain
+    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
+    first_drafts = {p.request_id: len(p.token_ids) for p in reversed(proposals)}
+    assert all(first_drafts[o.request_id] > len(o.prompt_token_ids) + 1 for o in outputs[-3:])  # started late
+    num_checked, mismatches = check_against_dense(folder, load_as_drafted(head_dir, folder), proposals, finals)
+    assert num_checked >= 20 and not mismatches, mismatches[:10]

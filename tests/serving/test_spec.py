@@ -496,6 +496,8 @@ def test_requests_needing_history_decode_plainly_beside_speculating_ones(tiny_ll
     ('{"method": "eagle", "model": "x", "prompt_lookup_first": "yes"}', "prompt_lookup_first='yes' must be true or false"),
     ('{"method": "eagle", "model": "x", "prompt_lookup_first": true, "prompt_lookup_min": 4}', "must satisfy 1 <= min <= max"),
     ('{"method": "early_exit"}', 'early_exit needs "num_layers" >= 1'),
+    ('{"method": "ngram", "disable_by_batch_size": 0}', "disable_by_batch_size=0 must be an integer >= 1"),
+    ('{"method": "ngram", "disable_by_batch_size": 2.5}', "disable_by_batch_size=2.5 must be an integer >= 1"),
     ('{"method": "early_exit", "num_layers": 0}', 'early_exit needs "num_layers" >= 1'),
     ('{"method": "draft_model", "model": "x", "draft_temperature": -1}', "draft_temperature=-1 must be >= 0"),
     ('{"method": "eagle", "model": "x", "confidence_threshold": 1}', r"confidence_threshold=1 must be in \[0, 1\)"),
@@ -520,6 +522,28 @@ def test_speculative_config_forms_agree(tiny_llama):
     for form in (text, json.loads(text), expected):
         assert make_engine(tiny_llama, form).speculator.config == expected
     assert make_engine(tiny_llama).speculator is None
+
+
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(tiny_llama):
+    """8 requests of different lengths at once: drafting starts only once at most 3 are left running, and greedy
+    outputs are plain decoding's throughout."""
+    prompts = random_prompts([5, 9, 14, 20, 7, 11, 3, 16], seed=23)
+    params = [SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    spec = {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 3, "disable_by_batch_size": 3}
+    engine = make_engine(tiny_llama, spec, max_num_seqs=8)
+    assert engine.speculator.config.label() == "ngram batch<=3"
+    batch_sizes = []
+    propose = engine.speculator.drafter.propose
+
+    def spy(engine_, requests, budgets, step=None):
+        batch_sizes.append(len(engine_.scheduler.running))
+        return propose(engine_, requests, budgets, step)
+
+    engine.speculator.drafter.propose = spy
+    outputs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, prompts, params)
+    assert batch_sizes and max(batch_sizes) <= 3, batch_sizes
+    assert sum(engine.speculator.stats.proposed) > 0
 
 
 def test_prompt_lookup_first_looks_up_two_tokens_or_more_unless_told():
