@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import types
 
+from serving.drafters.heads import ChainCut
 from serving.engine import Engine
 from serving.request import SamplingParams
+from serving.spec.verify import verify_greedy
 from serving.targets import DEFAULT_TARGET
 from training.demo import bench_prompts
 
@@ -55,30 +57,24 @@ def record(engine, prompts, max_new_tokens) -> list[dict]:
         finals[out.request_id] = out.prompt_token_ids + out.token_ids
     for s in steps:
         final = finals[s["request_id"]]
-        s["accepted"] = {source: accepted(chain, final, s["start"])
+        # the greedy output's tokens after the step's start, and a sentinel past its end, as the target's choices
+        s["accepted"] = {source: verify_greedy(final[s["start"]:s["start"] + len(chain)] + [None], chain)[0]
                          for source, chain in [("head", s["head"])] + list(s["lookup"].items())}
     return steps
 
 
-def accepted(chain: list[int], final: list[int], start: int) -> int:
-    num = 0
-    while num < len(chain) and start + num < len(final) and chain[num] == final[start + num]:
-        num += 1
-    return num
-
-
-def cut_length(probs: list[float], threshold: float) -> int:
+def cut_length(probs: list[float], cut: ChainCut) -> int:
     """How many of the head's drafts the confidence cut keeps."""
     num, chain_p = 0, 1.0
     for p in probs:
-        chain_p *= p
-        if chain_p < threshold:
+        chain_p, kept = cut.keeps(chain_p, p)
+        if not kept:
             break
         num += 1
     return num
 
 
-def rules(threshold: float) -> dict:
+def rules(cut: ChainCut) -> dict:
     """name -> step -> (source, number of drafts verified); source is "head" or a suffix length."""
     def lookup_first(n_min, keep_head_above=None, agree=False):
         def choose(s):
@@ -91,11 +87,13 @@ def rules(threshold: float) -> dict:
                 if agree and chain[0] != s["head"][0]:
                     break
                 return n, len(chain)
-            return "head", cut_length(s["probs"], threshold)
+            return "head", cut_length(s["probs"], cut)
         return choose
 
+    threshold = cut.threshold
+
     return {
-        f"head, p >= {threshold:g}": lambda s: ("head", cut_length(s["probs"], threshold)),
+        f"head, p >= {threshold:g}": lambda s: ("head", cut_length(s["probs"], cut)),
         f"lookup >= 1 first, else head p >= {threshold:g}": lookup_first(1),
         f"lookup >= 2 first, else head p >= {threshold:g} (prompt_lookup_first)": lookup_first(2),
         f"lookup >= 3 first, else head p >= {threshold:g}": lookup_first(3),
@@ -131,7 +129,7 @@ def main(argv=None):
         print(f"| {n} | {len(found) / len(steps):.2f} | {mean(n):.2f} | {mean('head'):.2f} |")
     print("\n| rule | drafts accepted per step | drafts verified per step | steps the head drafts |")
     print("|---|---|---|---|")
-    for name, choose in rules(args.threshold).items():
+    for name, choose in rules(ChainCut(engine.speculator.drafter.head.head, args.threshold)).items():
         picks = [choose(s) for s in steps]
         num_accepted = sum(min(s["accepted"][source], length) for s, (source, length) in zip(steps, picks))
         print(f"| {name} | {num_accepted / len(steps):.2f} | {sum(length for _, length in picks) / len(steps):.2f} "
