@@ -49,7 +49,7 @@ def run(args) -> None:
     messages = [first_turn(m) for m in dataset["messages"]]
     engine = Engine(args.target, dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.concurrency)
     result = run_bench(engine, messages, list(dataset["category"]), configs, args.max_new_tokens, args.concurrency,
-                       args.temperature, args.seed, baseline=args.baseline)
+                       args.temperature, args.seed, baseline=args.baseline, progress=True)
     print(to_markdown(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -58,15 +58,20 @@ def run(args) -> None:
 
 
 def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency, temperature=0.0, seed=0,
-              baseline=None) -> dict:
+              baseline=None, progress=False) -> dict:
     """Plain decoding, each speculative config and (baseline="hf") transformers' generate take turns on each group
-    of `concurrency` prompts, so that drift in the machine's speed hits every method alike."""
+    of `concurrency` prompts, so that drift in the machine's speed hits every method alike. `progress` shows a bar
+    over the prompts, each counted once every method has answered it."""
+    from tqdm.auto import tqdm
+
     params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i) for i in range(len(prompts))]
     engine.scheduler.max_num_seqs = concurrency
     engine.generate([prompts[0]], SamplingParams(max_tokens=4))  # warm-up
     methods = [None, *configs]
     seconds, outputs = [0.0] * len(methods), [[] for _ in methods]
     hf = HfGenerate(engine) if baseline == "hf" else None
+    bar = tqdm(total=len(prompts), disable=not progress, unit="prompt",
+               desc=f"plain + {len(configs)} drafters" + (" + generate" if hf else ""))
     for first in range(0, len(prompts), concurrency):
         group = slice(first, first + concurrency)
         for m, config in enumerate(methods):
@@ -76,6 +81,8 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
             seconds[m] += time.perf_counter() - start
         if hf:
             hf.generate(prompts[group], max_new_tokens)
+        bar.update(len(prompts[group]))
+    bar.close()
     engine.set_speculative_config(None)
     rows, plain_outputs = [], outputs[0]
     for config, elapsed, method_outputs in zip(methods, seconds, outputs):

@@ -207,7 +207,7 @@ def bench(args, heads: dict) -> dict:
                       f"concurrency {concurrency}, plain + {len(configs)} drafters"
                       + (" + transformers' generate" if with_generate else ""))
             result = run_bench(engine, prompts, categories, configs, args.bench_new_tokens, concurrency, temperature,
-                               baseline="hf" if with_generate else None)
+                               baseline="hf" if with_generate else None, progress=True)
             result["name"] = name if not args.full else f"{name} T={temperature} c={concurrency}"
             results.append(result)
             print(to_markdown(result))

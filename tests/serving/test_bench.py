@@ -16,7 +16,9 @@ def test_a_bench_writes_every_method_identical_to_plain(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert [row["method"] for row in result["rows"]] == ["plain", "ngram"]
     assert all(row["identical_to_plain"] for row in result["rows"]) and result["num_prompts"] == 2
-    assert "| ngram |" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "| ngram |" in captured.out
+    assert "plain + 1 drafters: 100%" in captured.err and "2/2" in captured.err  # the progress bar over the prompts
 
 
 @pytest.mark.parametrize("option", ["--num-prompts", "--max-new-tokens", "--concurrency"])
