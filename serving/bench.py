@@ -66,8 +66,11 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
 
     params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i) for i in range(len(prompts))]
     engine.scheduler.max_num_seqs = concurrency
-    engine.generate([prompts[0]], SamplingParams(max_tokens=4))  # warm-up
     methods = [None, *configs]
+    warm_up = engine.encode(prompts[0])[:32]
+    for config in methods:  # loads every drafter (a bad head fails here, before any timing) and warms it up
+        engine.set_speculative_config(config)
+        engine.generate([warm_up], SamplingParams(max_tokens=4))
     seconds, outputs = [0.0] * len(methods), [[] for _ in methods]
     hf = HfGenerate(engine) if baseline == "hf" else None
     bar = tqdm(total=len(prompts), disable=not progress, unit="prompt",

@@ -31,3 +31,12 @@ def test_an_empty_prompt_file_is_refused(tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("")
     assert cli(["bench", "--target", "debug", "--prompts", str(tmp_path / "empty.jsonl")]) == 2
     assert f"{tmp_path / 'empty.jsonl'} holds no prompts: write one JSON object per line" in capsys.readouterr().err
+
+
+def test_a_missing_head_is_refused_before_any_method_runs(tmp_path, capsys):
+    assert cli(["bench", "--target", "debug", "--num-prompts", "2", "--max-new-tokens", "6",
+                "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                "--speculative-config", f'{{"method": "eagle", "model": "{tmp_path / "nope"}"}}']) == 2
+    err = capsys.readouterr().err
+    assert f"no head checkpoint at {tmp_path / 'nope'}" in err
+    assert "drafters:" not in err  # the timed loop and its progress bar never started
