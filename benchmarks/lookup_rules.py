@@ -108,7 +108,7 @@ def main(argv=None):
     p.add_argument("--head", required=True, help="a head folder")
     p.add_argument("--kind", required=True, choices=["medusa", "eagle", "eagle3", "mtp"])
     p.add_argument("--prompts", default="mt-bench", choices=["mt-bench", "humaneval"],
-                   help="the demo's prompt sets (MT-bench one per category first)")
+                   help="the demo's prompt sets (MT-bench one per category in turn)")
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--threshold", type=float, default=0.1, help="the head's confidence cut")

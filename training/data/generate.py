@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-import yaml
 from tqdm.auto import tqdm
 
 from serving import targets
 from serving.attention import KVCache
+from serving.config_file import merge_options
 from serving.engine import DTYPES, Engine
 from serving.model import ModelConfig
 from serving.prompts import load_prompts
@@ -91,17 +91,7 @@ class GenerateConfig:
     @classmethod
     def from_options(cls, options: dict) -> "GenerateConfig":
         """Built-in defaults, overridden by the YAML file in options["config"], overridden by the other options."""
-        values = {}
-        if options.get("config"):
-            values = yaml.safe_load(Path(options["config"]).read_text()) or {}
-            if not isinstance(values, dict):
-                raise ValueError(f"{options['config']} must be a YAML mapping of option names to values")
-            values = {key.replace("-", "_"): value for key, value in values.items()}
-            unknown = set(values) - {f.name for f in fields(cls)}
-            if unknown:
-                raise ValueError(f"{options['config']}: unknown keys {', '.join(sorted(unknown))}; "
-                                 f"known: {', '.join(f.name for f in fields(cls))}")
-        values.update({key: value for key, value in options.items() if key != "config"})
+        values = merge_options(options, [f.name for f in fields(cls)])
         for name in ("prompts", "out"):
             if values.get(name) is None:
                 raise ValueError(f"no {name} given: pass --{name} or set `{name}:` in the --config file")

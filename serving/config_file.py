@@ -1,0 +1,29 @@
+"""A command's options from a YAML file (`--config FILE`): its keys are the options' names, and an option given
+on the command line overrides its key."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+
+def merge_options(options: dict, known) -> dict:
+    """options: the command line's, absent where not given, and `config`, the YAML file's path or None ->
+    the file's values, updated by the options given. Unknown keys in the file are refused, by name."""
+    path = options.get("config")
+    values = {}
+    if path:
+        try:
+            values = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as error:
+            raise ValueError(f"{path} is not valid YAML: {error}") from None
+        if values is None:
+            values = {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{path} must be a YAML mapping of option names to values")
+        values = {str(key).replace("-", "_"): value for key, value in values.items()}
+        unknown = set(values) - set(known)
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {', '.join(sorted(unknown))}; known: {', '.join(known)}")
+    values.update({key: value for key, value in options.items() if key != "config"})
+    return values
