@@ -18,6 +18,7 @@ from serving.config_file import merge_options
 from serving.request import SamplingParams
 from serving.spec.config import SpeculativeConfig
 from serving.spec.metrics import AcceptanceStats
+from serving.spec.step import Speculator
 from serving.targets import DEFAULT_TARGET
 
 
@@ -114,9 +115,11 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
     params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i) for i in range(len(prompts))]
     engine.scheduler.max_num_seqs = concurrency
     methods = [None, *configs]
+    # Each drafter is loaded once, before any timing (a bad head fails here), and warmed up.
+    speculators = [Speculator(engine, config) if config else None for config in methods]
     warm_up = engine.encode(prompts[0])[:32]
-    for config in methods:  # loads every drafter (a bad head fails here, before any timing) and warms it up
-        engine.set_speculative_config(config)
+    for speculator in speculators:
+        engine.use_speculator(speculator)
         engine.generate([warm_up], SamplingParams(max_tokens=4))
     seconds, outputs = [0.0] * len(methods), [[] for _ in methods]
     hf = HfGenerate(engine) if baseline == "hf" else None
@@ -124,8 +127,8 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
                desc=f"plain + {len(configs)} drafters" + (" + generate" if hf else ""))
     for first in range(0, len(prompts), concurrency):
         group = slice(first, first + concurrency)
-        for m, config in enumerate(methods):
-            engine.set_speculative_config(config)
+        for m, speculator in enumerate(speculators):
+            engine.use_speculator(speculator)
             start = time.perf_counter()
             outputs[m] += engine.generate(prompts[group], params[group])
             seconds[m] += time.perf_counter() - start
@@ -133,7 +136,7 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
             hf.generate(prompts[group], max_new_tokens)
         bar.update(len(prompts[group]))
     bar.close()
-    engine.set_speculative_config(None)
+    engine.use_speculator(None)
     rows, plain_outputs = [], outputs[0]
     for config, elapsed, method_outputs in zip(methods, seconds, outputs):
         num_tokens = sum(len(o.token_ids) for o in method_outputs)

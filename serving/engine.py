@@ -76,14 +76,18 @@ class Engine:
 
     def set_speculative_config(self, config: SpeculativeConfig | str | dict | None) -> None:
         """Switches drafting on (or off with None) for the requests added from now on; the target stays loaded."""
-        if self.has_unfinished():
-            raise RuntimeError("change the speculative config only while the engine is idle")
         if isinstance(config, (str, dict)):
             config = SpeculativeConfig.from_json(config)
-        if config is not None and self.capture_hidden:
+        self.use_speculator(Speculator(self, config) if config else None)
+
+    def use_speculator(self, speculator: Speculator | None) -> None:
+        """Switches to a speculator built for this engine before (a bench builds each once and takes turns)."""
+        if self.has_unfinished():
+            raise RuntimeError("change the speculative config only while the engine is idle")
+        if speculator is not None and self.capture_hidden:
             raise ValueError("capture_hidden and speculative decoding cannot be combined: capture with plain decoding")
-        self.speculator = Speculator(self, config) if config else None
-        # A new drafter pool holds nothing for blocks cached so far, and a feature drafter's K/V at the last
+        self.speculator = speculator
+        # A drafter's pool holds nothing for blocks cached so far, and a feature drafter's K/V at the last
         # slot of a block depends on the token after it.
         self.block_manager.reset_prefix_cache()
         self.block_manager.num_lookahead = getattr(self.speculator and self.speculator.drafter, "num_lookahead", 0)

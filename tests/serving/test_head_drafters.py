@@ -38,6 +38,8 @@ from heads.attention import DenseCausalAttention, sdpa_gqa
 from serving import targets
 from serving.engine import Engine
 from serving.request import SamplingParams
+from serving.spec.config import SpeculativeConfig
+from serving.spec.step import Speculator
 from serving.targets import build_tiny_model
 
 K = 3  # drafts per step everywhere
@@ -739,6 +741,47 @@ def test_mtp_chain_drafts_equal_dense_chain_and_outputs_equal_plain(tiny_llama, 
                   if p.drafts != (dense := dense_chain_drafts(loaded, hf_hidden_states(tiny_llama, finals[p.request_id]),
                                                               p.token_ids, len(p.drafts))[0])]
     assert not mismatches, mismatches[:5]
+
+
+def test_speculators_reused_across_switches_draft_as_the_dense_reference(tiny_llama, heads_root):
+    """A bench builds each speculator once and switches among them per group of prompts (Engine.use_speculator).
+    EAGLE-1, EAGLE-3 and a chained MTP head (whose drafter carries outputs between steps) take turns with plain
+    decoding over two rounds, the second on the first round's prompts extended. EAGLE-1 and EAGLE-3 hash blocks
+    alike (the token after a block is part of its key), so had a switch kept the prefix cache, one would draft
+    from blocks the other's pool wrote. Every proposal equals the dense reference, every output plain greedy
+    decoding's."""
+    chain = perturb(heads.Mtp.from_target(target_parts(tiny_llama), depth=K, serve_mode="chain"), seed=13)
+    dirs = {"eagle": random_head_dir("eagle", tiny_llama, heads_root),
+            "eagle3": random_head_dir("eagle3", tiny_llama, heads_root),
+            "mtp": str(heads.save(chain, heads_root / "mtp-chain-reused"))}
+    engine = make_engine(tiny_llama)
+    speculators = {kind: Speculator(engine, SpeculativeConfig.from_json(spec_config(kind, d))) for kind, d in dirs.items()}
+    proposals = {}
+    for kind, speculator in speculators.items():
+        engine.use_speculator(speculator)
+        proposals[kind] = record_proposals(engine)
+    first = random_prompts((14, 21), seed=46)
+    rounds = [first, [p + t for p, t in zip(first, random_prompts((5, 9), seed=47))]]
+    outputs = {kind: [] for kind in speculators}
+    for prompts in rounds:
+        for kind, speculator in [("plain", None), *speculators.items()]:
+            engine.use_speculator(speculator)
+            out = engine.generate(prompts, greedy(12))
+            assert [o.token_ids for o in out] == plain_outputs(tiny_llama, prompts, 12)
+            if speculator:
+                outputs[kind] += out
+    assert not any(o.metrics["num_cached_tokens"] for kind in outputs for o in outputs[kind])
+    for kind, d in dirs.items():
+        loaded = load_as_drafted(d, tiny_llama)
+        finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs[kind]}
+        assert len(proposals[kind]) >= 4 * 4
+        if kind == "mtp":
+            mismatches = [p for p in proposals[kind]
+                          if p.drafts != dense_chain_drafts(loaded, hf_hidden_states(tiny_llama, finals[p.request_id]),
+                                                            p.token_ids, len(p.drafts))[0]]
+        else:
+            _, mismatches = check_against_dense(tiny_llama, loaded, proposals[kind], finals)
+        assert not mismatches, (kind, mismatches[:5])
 
 
 def test_mtp_chain_refuses_more_drafts_than_modules(tiny_llama, heads_root):
