@@ -17,6 +17,7 @@ from serving.prompts import first_turn, load_prompts
 from serving.request import SamplingParams
 from serving.spec.config import SpeculativeConfig
 from serving.spec.metrics import AcceptanceStats
+from serving.spec.step import Speculator
 from serving.targets import DEFAULT_TARGET
 
 
@@ -58,19 +59,20 @@ def main() -> None:
     configs = [None, *(SpeculativeConfig.from_json(text) for text in args.speculative_config)]
     totals = [{"elapsed": 0.0, "target": 0.0, "drafter": 0.0, "steps": 0, "emitted": 0, "stats": AcceptanceStats()}
               for _ in configs]
-    for config in configs:  # warm-up
-        engine.set_speculative_config(config)
-        engine.generate(prompts[:1], SamplingParams(max_tokens=8))
+    speculators = [Speculator(engine, config) if config else None for config in configs]
+    drafters = [Timer() for _ in configs]
+    for speculator, drafter in zip(speculators, drafters):
+        for name in ("observe", "propose"):
+            if speculator and hasattr(speculator.drafter, name):
+                drafter.wrap(speculator.drafter, name)
+        engine.use_speculator(speculator)
+        engine.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up
     # Methods take turns prompt by prompt, so that a shared machine's drift falls on all of them alike.
     for prompt in prompts:
-        for config, total in zip(configs, totals):
-            engine.set_speculative_config(config)
-            drafter = Timer()
-            if engine.speculator:
-                for name in ("observe", "propose"):
-                    if hasattr(engine.speculator.drafter, name):
-                        drafter.wrap(engine.speculator.drafter, name)
-            target.seconds, num_steps_before = 0.0, engine.num_steps
+        for speculator, drafter, total in zip(speculators, drafters, totals):
+            engine.use_speculator(speculator)
+            drafter.seconds = target.seconds = 0.0
+            num_steps_before = engine.num_steps
             start = time.perf_counter()
             [out] = engine.generate([prompt], params)
             total["elapsed"] += time.perf_counter() - start
