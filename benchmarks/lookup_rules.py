@@ -90,6 +90,14 @@ def rules(cut: ChainCut) -> dict:
             return "head", cut_length(s["probs"], cut)
         return choose
 
+    def then_agreeing_single(s):
+        """lookup >= 2 first; else the 1-token lookup where its first draft is the head's; else the head."""
+        source, length = lookup_first(2)(s)
+        single = s["lookup"][1]
+        if source == "head" and single and s["head"] and single[0] == s["head"][0]:
+            return 1, len(single)
+        return source, length
+
     threshold = cut.threshold
 
     return {
@@ -100,6 +108,7 @@ def rules(cut: ChainCut) -> dict:
         "lookup >= 2 unless the head's first p > 0.5": lookup_first(2, keep_head_above=0.5),
         "lookup >= 2 unless the head's first p > 0.3": lookup_first(2, keep_head_above=0.3),
         "lookup >= 2 only where it agrees with the head's first draft": lookup_first(2, agree=True),
+        "lookup >= 2 first, else lookup 1 where it agrees with the head's first draft, else head": then_agreeing_single,
     }
 
 
