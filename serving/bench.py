@@ -92,7 +92,7 @@ def run(args) -> None:
     from serving.engine import Engine
     from serving.prompts import first_turn, load_prompts
 
-    config = BenchConfig(**merge_options(vars(args), list(HELP)[1:]))
+    config = BenchConfig(**merge_options(vars(args), [f.name for f in fields(BenchConfig)]))
     dataset = load_prompts(config.prompts, config.num_prompts)
     messages = [first_turn(m) for m in dataset["messages"]]
     engine = Engine(config.target, dtype=config.dtype, block_size=config.block_size, max_num_seqs=config.concurrency)
