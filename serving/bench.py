@@ -6,7 +6,6 @@ speedup over plain decoding in the same run, and whether greedy outputs are iden
 """
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import time
@@ -14,7 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from serving.config_file import merge_options
+from serving.config_file import add_options, merge_options
 from serving.request import SamplingParams
 from serving.spec.config import SpeculativeConfig
 from serving.spec.metrics import AcceptanceStats
@@ -75,17 +74,11 @@ class BenchConfig:
 
 
 def add_arguments(parser) -> None:
-    defaults = {f.name: f.default for f in fields(BenchConfig)}
     types = {"num_prompts": int, "max_new_tokens": int, "concurrency": int, "temperature": float, "seed": int,
              "block_size": int}
-    for name, help in HELP.items():
-        default = defaults.get(name)
-        shown = "" if name in ("config", "speculative_config") or default is None else f" (default: {default})"
-        # Unset options stay absent, so that a --config file can fill them.
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=types.get(name, str),
-                            choices={"baseline": ["hf"], "dtype": DTYPES}.get(name), default=argparse.SUPPRESS,
-                            metavar={"config": "FILE", "speculative_config": "JSON", "json": "PATH"}.get(name),
-                            help=help + shown, **({"action": "append"} if name == "speculative_config" else {}))
+    add_options(parser, BenchConfig, HELP, types, {
+        "config": {"metavar": "FILE"}, "speculative_config": {"action": "append", "metavar": "JSON"},
+        "baseline": {"choices": ["hf"]}, "dtype": {"choices": DTYPES}, "json": {"metavar": "PATH"}})
 
 
 def run(args) -> None:

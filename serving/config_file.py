@@ -2,6 +2,8 @@
 on the command line overrides its key."""
 from __future__ import annotations
 
+import argparse
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import yaml
@@ -27,3 +29,17 @@ def merge_options(options: dict, known) -> dict:
             raise ValueError(f"{path}: unknown keys {', '.join(sorted(unknown))}; known: {', '.join(known)}")
     values.update({key: value for key, value in options.items() if key != "config"})
     return values
+
+
+def add_options(parser: argparse.ArgumentParser, config_class, helps: dict, types: dict, extra: dict | None = None) -> None:
+    """One --option per entry of `helps` (option name -> help): `config`, the YAML file, and the fields of
+    `config_class`, whose defaults the help shows. Unset options stay absent from the parsed namespace, so that
+    merge_options lets the file fill them. `types` and `extra` (more add_argument keywords) are per option."""
+    defaults = {f.name: f.default for f in fields(config_class)}
+    for name, help in helps.items():
+        default = defaults.get(name, MISSING)
+        if isinstance(default, tuple):
+            default = ",".join(default)
+        shown = "" if default is MISSING or default is None else f" (default: {default})"
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=types.get(name, str), default=argparse.SUPPRESS,
+                            help=help + shown, **(extra or {}).get(name, {}))

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from serving import targets
 from serving.attention import KVCache
-from serving.config_file import merge_options
+from serving.config_file import add_options, merge_options
 from serving.engine import DTYPES, Engine
 from serving.model import ModelConfig
 from serving.prompts import load_prompts
@@ -304,18 +304,10 @@ class Generation:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = {f.name: f.default for f in fields(GenerateConfig)}
     types = {"num_prompts": int, "max_new_tokens": int, "temperature": float, "top_p": float, "seed": int,
              "concurrency": int, "max_model_len": int, "max_num_batched_tokens": int, "shard_size": int}
-    choices = {"turns": TURNS, "dtype": ("float32", "bfloat16", "float16")}
-    for name, help in HELP.items():
-        default = defaults.get(name)
-        if isinstance(default, tuple):
-            default = ",".join(default)
-        shown = "" if name in ("config", "prompts", "out") or default is None else f" (default: {default})"
-        # Unset options stay absent, so that a --config file can fill them.
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=types.get(name, str), choices=choices.get(name),
-                            default=argparse.SUPPRESS, help=help + shown)
+    add_options(parser, GenerateConfig, HELP, types,
+                {"turns": {"choices": TURNS}, "dtype": {"choices": ("float32", "bfloat16", "float16")}})
 
 
 def run(args: argparse.Namespace) -> None:
