@@ -12,14 +12,13 @@ rule that accepts more also steps over more of the repeated text in one step.
 from __future__ import annotations
 
 import argparse
-import types
 
 from serving.drafters.heads import ChainCut
 from serving.engine import Engine
+from serving.prompts import first_turn, load_prompts
 from serving.request import SamplingParams
 from serving.spec.verify import verify_greedy
 from serving.targets import DEFAULT_TARGET
-from training.demo import bench_prompts
 
 K = 4
 SUFFIXES = (3, 2, 1)
@@ -122,8 +121,7 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--threshold", type=float, default=0.1, help="the head's confidence cut")
     args = p.parse_args(argv)
-    prompts, _ = bench_prompts(types.SimpleNamespace(bench_mt_bench=args.num_prompts,
-                                                     bench_humaneval=args.num_prompts))[args.prompts]
+    prompts = [first_turn(m) for m in load_prompts(args.prompts, args.num_prompts)["messages"]]
     # A threshold too small to cut makes the head report its draft probabilities.
     engine = Engine(DEFAULT_TARGET, max_num_seqs=1, speculative_config=dict(
         method=args.kind, model=args.head, num_speculative_tokens=K, prompt_lookup_first=True, prompt_lookup_min=1,
