@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from serving.attention import PagedAttention, PagedMetadata
+from serving.sampler import sample
 
 
 def flatten(chunks, block_size: int):
@@ -33,7 +34,7 @@ def pick(logits: torch.Tensor, temperature: float | None, generators: list) -> t
     if not temperature:
         return logits.argmax(-1).tolist(), None
     probs = torch.softmax(logits / temperature, dim=-1)
-    tokens = [int(torch.multinomial(p, 1, generator=g).item()) for p, g in zip(probs, generators)]
+    tokens = [sample(p, g) for p, g in zip(probs, generators)]
     return tokens, probs
 
 

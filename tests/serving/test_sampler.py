@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from serving.request import Request, SamplingParams
-from serving.sampler import apply_penalties, make_generator, next_token, sample, target_probs
+from serving.sampler import apply_penalties, inverse_cdf, make_generator, next_token, sample, target_probs
 
 
 # probabilities 0.1, 0.2, 0.3, 0.4 at temperature 1
@@ -235,3 +235,14 @@ def test_sampled_frequencies_follow_target_probs():
     freq = torch.bincount(draws, minlength=len(logits)).float() / len(draws)
     assert (freq[target == 0] == 0).all()  # never a filtered token
     assert 0.5 * (freq - target).abs().sum().item() < 0.02
+
+
+def test_inverse_cdf_never_draws_a_zero_probability_token():
+    probs = torch.tensor([0.0, 0.0, 0.25, 0.0, 0.75, 0.0])
+    for scale in (1.0, 3.0):  # any positive total
+        p = probs * scale
+        assert inverse_cdf(p, 0.0) == 2  # past the leading zeros
+        assert inverse_cdf(p, 0.25 - 1e-12) == 2
+        assert inverse_cdf(p, 0.25) == 4  # the zero between owns no interval
+        assert inverse_cdf(p, 1 - 2**-53) == 4
+        assert inverse_cdf(p, 1.0) == 4  # u * total rounded up to the total: the last token with mass, not past it
