@@ -88,12 +88,14 @@ class Losses(Callback):
 
 # Per kind: (overrides, optimizer steps, factor the training loss must fall by). EAGLE-1 and EAGLE-3 log the KL
 # to the target's distribution, which a perfect fit takes to 0; Medusa and MTP the cross-entropy to its tokens.
+# Heads with decoder layers get twice the target's MLP width, which the exported head must keep.
+WIDE = "--model.init_args.intermediate_size=512"
 OVERFIT = {
     "medusa": (["--model.init_args.learning_rate=1e-2"], 24, 3.0),
-    "eagle": (["--model.init_args.learning_rate=1e-2", "--model.init_args.noise=0"], 40, 10.0),
+    "eagle": (["--model.init_args.learning_rate=1e-2", "--model.init_args.noise=0", WIDE], 40, 10.0),
     "eagle3": (["--model.init_args.learning_rate=1e-2", "--model.init_args.num_steps=4",
-                "--model.init_args.draft_vocab_size=512"], 40, 3.0),
-    "mtp": (["--model.init_args.learning_rate=1e-2"], 30, 10.0),
+                "--model.init_args.draft_vocab_size=512", WIDE], 40, 3.0),
+    "mtp": (["--model.init_args.learning_rate=1e-2", WIDE], 30, 10.0),
 }
 MIN_TAU = 1.6  # an untrained head drafts this chaotic target at tau ~1.0
 
@@ -118,7 +120,10 @@ def test_overfits_a_tiny_store_and_drafts_in_the_engine(kind, chaotic, plain_out
     assert last < first / factor, f"{kind} loss fell from {first:.3f} to {last:.3f}, less than {factor}x"
 
     folder = Path("runs") / kind / "heads" / "last"
-    assert json.loads((folder / "config.json").read_text())["metadata"]["training"]["global_step"] == num_steps
+    config = json.loads((folder / "config.json").read_text())
+    assert config["metadata"]["training"]["global_step"] == num_steps
+    if kind != "medusa":
+        assert config["intermediate_size"] == 512 != json.loads((target / "config.json").read_text())["intermediate_size"]
     engine = Engine(str(target), max_num_seqs=8,
                     speculative_config={"method": kind, "model": str(folder), "num_speculative_tokens": 4})
     drafted = engine.generate(prompt_messages(8), SamplingParams(max_tokens=16))

@@ -33,7 +33,8 @@ class EagleModule(DraftModule):
     kind = "eagle"
 
     def __init__(self, feature_weight: float = 1.0, token_weight: float = 0.1, noise: float = 0.1, seed: int = 0,
-                 num_unroll_steps: int = 1, decay: float = 0.8, fc_bias: bool = True, **kwargs):
+                 num_unroll_steps: int = 1, decay: float = 0.8, fc_bias: bool = True,
+                 intermediate_size: int | None = None, **kwargs):
         """An EAGLE-1 layer and its loss.
 
         Args:
@@ -45,11 +46,13 @@ class EagleModule(DraftModule):
             decay: Loss weight decay^s of unrolled step s.
             fc_bias: Give the fusing fc a bias, as EAGLE does (off for a head to export to vLLM, whose layer has
                 none).
+            intermediate_size: MLP width of the layer (null: the target's).
         """
         super().__init__(**kwargs)
         if num_unroll_steps < 1:
             raise ValueError(f"num_unroll_steps={num_unroll_steps} must be >= 1")
-        self.head = Eagle.from_target(self.target_parts, self.hot_ids, fc_bias=fc_bias)
+        self.head = Eagle.from_target(self.target_parts, self.hot_ids, fc_bias=fc_bias,
+                                      intermediate_size=intermediate_size)
 
     def _step_loss(self, labels: torch.Tensor, has_label: torch.Tensor, last: torch.Tensor, out: torch.Tensor,
                    s: int) -> dict[str, torch.Tensor]:

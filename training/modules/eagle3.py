@@ -30,7 +30,7 @@ class Eagle3Module(DraftModule):
     hidden_layers = ("last", "eagle3")
 
     def __init__(self, num_steps: int = 7, decay: float = 0.8, draft_vocab_size: int = 32000,
-                 aux_layers: list[int] | None = None, **kwargs):
+                 aux_layers: list[int] | None = None, intermediate_size: int | None = None, **kwargs):
         """An EAGLE-3 layer and its training-time test.
 
         Args:
@@ -38,12 +38,13 @@ class Eagle3Module(DraftModule):
             decay: Loss weight decay^s of step s.
             draft_vocab_size: Tokens the head drafts over: the store's most frequent answer tokens.
             aux_layers: The target layers whose inputs are fused (null: 2, L//2, L-3).
+            intermediate_size: MLP width of the layer (null: the target's).
         """
         super().__init__(**kwargs)
         if num_steps < 1:
             raise ValueError(f"num_steps={num_steps} must be >= 1")
         self.head = Eagle3.from_target(self.target_parts, draft_vocab_size=draft_vocab_size,
-                                       aux_layers=tuple(aux_layers or ()))
+                                       aux_layers=tuple(aux_layers or ()), intermediate_size=intermediate_size)
         self.has_draft_vocab = False
 
     @property

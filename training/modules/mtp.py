@@ -30,7 +30,8 @@ class MtpModule(DraftModule):
     kind = "mtp"
 
     def __init__(self, depth: int = 1, serve_mode: str = "reuse_first", num_unroll_steps: int = 2,
-                 loss_weights: tuple[float, ...] = (1.0, 0.8, 0.64, 0.512), **kwargs):
+                 loss_weights: tuple[float, ...] = (1.0, 0.8, 0.64, 0.512),
+                 intermediate_size: int | None = None, **kwargs):
         """MTP modules and their loss.
 
         Args:
@@ -39,6 +40,7 @@ class MtpModule(DraftModule):
                 token j + 1).
             num_unroll_steps: Steps module 0 is unrolled over its own outputs in training.
             loss_weights: loss_weights[i] weights the predictions of x_{t+i+2}.
+            intermediate_size: MLP width of each module's decoder layer (null: the target's).
         """
         super().__init__(**kwargs)
         k = self.hparams.num_draft_tokens
@@ -50,7 +52,8 @@ class MtpModule(DraftModule):
         if len(loss_weights) < max(depth, num_unroll_steps):
             raise ValueError(f"loss_weights has {len(loss_weights)} entries, but depth={depth} and num_unroll_steps="
                              f"{num_unroll_steps} predict up to {max(depth, num_unroll_steps)} offsets: give one weight each")
-        self.head = Mtp.from_target(self.target_parts, self.hot_ids, depth=depth, serve_mode=serve_mode)
+        self.head = Mtp.from_target(self.target_parts, self.hot_ids, depth=depth, serve_mode=serve_mode,
+                                   intermediate_size=intermediate_size)
 
     def _predictions(self, batch: dict, hidden: dict, num_unroll_steps: int, depth: int) -> list[tuple[int, int, torch.Tensor]]:
         """(offset i, module j, output [B, S, hidden]) for module 0 unrolled num_unroll_steps steps, then modules
