@@ -65,6 +65,9 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor | float) -> int:
     tokens have empty intervals, and a u * total that rounds up to the total gives the last token with mass."""
     cdf = probs.detach().to("cpu", torch.float64).cumsum(0)
     total = cdf[-1]
+    if not 0 < float(total) < float("inf"):
+        raise ValueError(f"cannot sample from probabilities summing to {float(total)}: they must be finite, "
+                         "non-negative and not all zero (are the logits NaN or inf?)")
     return int(torch.minimum(torch.searchsorted(cdf, u * total, right=True), torch.searchsorted(cdf, total)))
 
 

@@ -246,3 +246,9 @@ def test_inverse_cdf_never_draws_a_zero_probability_token():
         assert inverse_cdf(p, 0.25) == 4  # the zero between owns no interval
         assert inverse_cdf(p, 1 - 2**-53) == 4
         assert inverse_cdf(p, 1.0) == 4  # u * total rounded up to the total: the last token with mass, not past it
+
+
+@pytest.mark.parametrize("bad", [[0.0, 0.0], [float("nan"), 1.0], [float("inf"), 1.0]])
+def test_sampling_from_no_probability_mass_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match="cannot sample"):
+        sample(torch.tensor(bad), make_generator(0))
