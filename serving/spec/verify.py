@@ -36,8 +36,7 @@ def verify_sampled(probs: torch.Tensor, drafts: list[int], draft_probs: torch.Te
             residual[token] = 0.0
         else:
             residual = (p - draft_probs[i]).clamp_min(0.0)
-        total = float(residual.sum())
-        if total <= 0:  # p == q up to rounding: rejection had probability ~0, so the draft stands
+        if float(residual.sum()) <= 0:  # p == q up to rounding: rejection had probability ~0, so the draft stands
             continue
-        return i, drafts[:i] + [sample(residual / total, generator)]
+        return i, drafts[:i] + [sample(residual, generator)]  # sample renormalises
     return len(drafts), drafts + [sample(probs[len(drafts)], generator)]
