@@ -307,7 +307,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     types = {"num_prompts": int, "max_new_tokens": int, "temperature": float, "top_p": float, "seed": int,
              "concurrency": int, "max_model_len": int, "max_num_batched_tokens": int, "shard_size": int}
     add_options(parser, GenerateConfig, HELP, types,
-                {"turns": {"choices": TURNS}, "dtype": {"choices": ("float32", "bfloat16", "float16")}})
+                {"turns": {"choices": TURNS}, "dtype": {"choices": DTYPES}})
 
 
 def run(args: argparse.Namespace) -> None:
