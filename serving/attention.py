@@ -27,6 +27,13 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
 
+    def move(self, block_table: list[int], source: int, target: int) -> None:
+        """Copies the K/V of a sequence's position `source` into position `target`, in every layer."""
+        size = self.block_size
+        slot = lambda position: block_table[position // size] * size + position % size
+        self.k[:, slot(target)] = self.k[:, slot(source)]
+        self.v[:, slot(target)] = self.v[:, slot(source)]
+
     @staticmethod
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
@@ -46,30 +53,33 @@ class _Batched:
     first time it asks (per-step metadata costs more than a draft layer's arithmetic)."""
 
     def __init__(self, short, device):
-        self.short, self.device = short, device  # short: (first row, query rows, context length, slots [context])
-        self.max_q = max(q for _, q, _, _ in short)
-        self.max_c = max(c for _, _, c, _ in short)
+        # short: (first row, query rows, context length, slots [context + leaves], leaves); a sequence's rows are its
+        # query rows, then its leaves (PagedMetadata.build)
+        self.short, self.device = short, device
+        self.max_q = max(q + leaves for _, q, _, _, leaves in short)
+        self.max_c = max(c + leaves for _, _, c, _, leaves in short)
         if len(short) == 1:
             key_slots = short[0][3]
         else:
             key_slots = torch.zeros(len(short), self.max_c, dtype=torch.long)
-            for i, (_, _, context_len, slots) in enumerate(short):
-                key_slots[i, :context_len] = slots
+            for i, (_, _, _, slots, _) in enumerate(short):
+                key_slots[i, :len(slots)] = slots
         self.key_slots = key_slots.flatten().to(device)  # [B * Cmax], for index_select
-        # [B, 3] (first row in the flat batch, query rows, context length)
-        self.seqs = torch.tensor([(start, query_len, context_len) for start, query_len, context_len, _ in short],
-                                 device=device)
+        # [B, 4] (first row in the flat batch, query rows, context length, leaves)
+        self.seqs = torch.tensor([(start, q, c, leaves) for start, q, c, _, leaves in short], device=device)
 
     @functools.cached_property
     def query_index(self) -> torch.Tensor:
         """[B, Qmax] rows of the flat batch (padding repeats a valid row)."""
-        index = torch.tensor([list(range(start, start + q)) + [start] * (self.max_q - q) for start, q, _, _ in self.short])
+        index = torch.tensor([list(range(start, start + q + leaves)) + [start] * (self.max_q - q - leaves)
+                              for start, q, _, _, leaves in self.short])
         return index.to(self.device)
 
     @functools.cached_property
     def valid(self) -> torch.Tensor:
         """[B * Qmax] bool: which padded rows are real."""
-        return (torch.arange(self.max_q)[None] < self.seqs[:, 1:2].cpu()).flatten().to(self.device)
+        num_rows = self.seqs[:, 1:2].cpu() + self.seqs[:, 3:4].cpu()
+        return (torch.arange(self.max_q)[None] < num_rows).flatten().to(self.device)
 
     @functools.cached_property
     def rows(self) -> torch.Tensor:
@@ -78,11 +88,16 @@ class _Batched:
 
     @functools.cached_property
     def mask(self) -> torch.Tensor | None:
-        """[B, Qmax, Cmax]; None when every row may see every key (decode at equal lengths)."""
+        """[B, Qmax, Cmax]; None when every row may see every key (decode at equal lengths). A leaf sees the keys up
+        to its sequence's first query row and its own."""
         limit = torch.zeros(len(self.short), self.max_q, dtype=torch.long)  # last key position each row may see
-        for i, (_, query_len, context_len, _) in enumerate(self.short):
+        for i, (_, query_len, context_len, _, leaves) in enumerate(self.short):
             limit[i, :query_len] = torch.arange(context_len - query_len, context_len)
+            limit[i, query_len:query_len + leaves] = context_len - query_len
         mask = torch.arange(self.max_c)[None, None, :] <= limit[:, :, None]
+        for i, (_, query_len, context_len, _, leaves) in enumerate(self.short):
+            for j in range(leaves):
+                mask[i, query_len + j, context_len + j] = True
         return None if bool(mask.all()) else mask.to(self.device)
 
     @functools.cached_property
@@ -102,17 +117,28 @@ class PagedMetadata:
     batched: _Batched | None
 
     @classmethod
-    def build(cls, query_lens, context_lens, block_tables, block_size, device="cpu"):
-        """query_lens[i] tokens of sequence i are scheduled; context_lens[i] = tokens with K/V after this step."""
+    def build(cls, query_lens, context_lens, block_tables, block_size, device="cpu", num_leaves=None):
+        """query_lens[i] tokens of sequence i are scheduled; context_lens[i] = tokens with K/V after this step.
+        num_leaves[i] more rows follow them: drafts that branch off the sequence's first scheduled token (at the
+        position after it), each in the slot after the last before it. A leaf sees the keys up to that first token
+        and its own, in position order, so it is attended as a decode step at its position would be."""
         slot_parts, singles, short = [], [], []
         start = 0
         offsets = torch.arange(block_size)
-        for query_len, context_len, table in zip(query_lens, context_lens, block_tables):
-            num_blocks = -(-context_len // block_size)
+        for i, (query_len, context_len, table) in enumerate(zip(query_lens, context_lens, block_tables)):
+            leaves = num_leaves[i] if num_leaves else 0
+            num_blocks = -(-(context_len + leaves) // block_size)
             if len(table) < num_blocks:
-                raise ValueError(f"a block table of {len(table)} blocks cannot hold {context_len} tokens of {block_size}")
-            slots = (torch.tensor(table[:num_blocks], dtype=torch.long)[:, None] * block_size + offsets).flatten()[:context_len]
+                raise ValueError(f"a block table of {len(table)} blocks cannot hold {context_len + leaves} tokens of {block_size}")
+            slots = (torch.tensor(table[:num_blocks], dtype=torch.long)[:, None] * block_size + offsets).flatten()
+            leaf_slots, slots = slots[context_len:context_len + leaves], slots[:context_len]
             slot_parts.append(slots[context_len - query_len:])
+            if leaves:
+                assert query_len <= MAX_BATCHED_QUERY_LEN, "leaves branch off a short query"
+                short.append((start, query_len, context_len, torch.cat([slots, leaf_slots]), leaves))
+                slot_parts.append(leaf_slots)
+                start += query_len + leaves
+                continue
             if query_len > MAX_BATCHED_QUERY_LEN:
                 if query_len == context_len:
                     singles.append(_Single(start, start + query_len, None, None))
@@ -120,7 +146,7 @@ class PagedMetadata:
                     mask = torch.ones(query_len, context_len, dtype=torch.bool).tril(context_len - query_len)[None]
                     singles.append(_Single(start, start + query_len, slots.to(device), mask.to(device)))
             else:
-                short.append((start, query_len, context_len, slots))
+                short.append((start, query_len, context_len, slots, 0))
             start += query_len
         slot_mapping = slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts)
         return cls(slot_mapping.to(device), singles, _Batched(short, device) if short else None)

@@ -164,7 +164,7 @@ class Engine:
         out = self.model(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.meta), batch.logits_rows,
                          return_hidden=self.capture_hidden or bool(self.speculator and self.speculator.needs_hidden), aux_layers=self.aux_layers)
         self.num_steps += 1
-        finished, num_accepted = [], {}
+        finished, num_accepted, kept_leaves = [], {}, {}
         best = argmax(out.logits) if out.logits is not None else []  # one call for the whole batch
         for i, (request, num) in enumerate(scheduled.scheduled):
             if self.capture_hidden:
@@ -174,7 +174,7 @@ class Engine:
             row = batch.logits_start[i]
             if row >= 0 and not request.finish_reason:
                 rows = slice(row, row + 1 + len(request.spec_token_ids))
-                self._emit(request, out.logits[rows], num_accepted, best[rows])
+                self._emit(request, out.logits[rows], best[rows], num_accepted, kept_leaves)
             self.block_manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
             # A capturing request runs one more step over its last token, so every token has its hidden state.
             is_capture_pending = self.capture_hidden and request.num_computed_tokens < request.num_tokens
@@ -186,19 +186,21 @@ class Engine:
                 if self.speculator:
                     self.speculator.reset(request)
         if self.speculator:
-            self.speculator.propose(self, StepOutputs(batch, out, num_accepted))
+            self.speculator.propose(self, StepOutputs(batch, out, num_accepted, kept_leaves))
         return finished
 
-    def _emit(self, request: Request, logits: torch.Tensor, num_accepted: dict, best: list[int]) -> None:
+    def _emit(self, request: Request, logits: torch.Tensor, best: list[int], num_accepted: dict, kept_leaves: dict) -> None:
         """logits: [1 + drafts, vocab]; best: each row's argmax. Plain decoding samples one token; speculation
-        verifies and rolls back."""
+        verifies and rolls back, noting the drafts accepted and the row of an accepted leaf."""
         is_decode = request.num_output_tokens > 0
         if self.speculator is None or not self.speculator.can_speculate(request):
             token, logprob = next_token(logits[0], request, self.generators.get(request.request_id), best[0])
             self._append(request, [token], [logprob])
             return
-        num_drafts = len(request.spec_token_ids)
-        accepted, tokens = self.speculator.verify(self, request, logits, best)
+        num_drafts = len(request.spec_token_ids) - request.spec_num_leaves
+        accepted, tokens, leaf_row = self.speculator.verify(self, request, logits, best)
+        if leaf_row is not None:
+            kept_leaves[request.request_id] = leaf_row
         num_before = request.num_tokens
         self._append(request, tokens, [None] * len(tokens))
         num_accepted[request.request_id] = accepted

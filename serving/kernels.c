@@ -129,8 +129,11 @@ static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
 /* Attention of short queries (decode, verify) over keys read in place from the paged pool, after writing this
  * step's new keys and values (num_new rows of k_new / v_new, strides in floats, into slots new_slots) to it.
  * q: [tokens, heads, dim] with q_stride floats from token to token; out: [tokens, heads, dim]; k_pool, v_pool:
- * [slots, kv_heads, dim]; seqs: [num_seqs][3] = (first query row, query rows, context length); slots:
- * [num_seqs][slot_stride] key slots in position order. Query row i of a sequence sees keys 0 .. context - rows + i.
+ * [slots, kv_heads, dim]; seqs: [num_seqs][4] = (first query row, query rows, context length, leaves); slots:
+ * [num_seqs][slot_stride] key slots in position order, then one per leaf. Query row i of a sequence sees keys
+ * 0 .. context - rows + i. Leaf j, the row after the query rows and the leaves before it, is an alternative to the
+ * query's second token: it sees keys 0 .. context - rows and then its own slot in place of that token's, so its sum
+ * runs over the keys a decode step at its position would read, in the same order.
  * One task per (sequence, kv head) holds its group's rows and streams the keys once, in blocks of 8, with an
  * online softmax. dim must be a multiple of 8. */
 void paged_attention(const float *q, long q_stride, float *out, float *k_pool, float *v_pool, const float *k_new,
@@ -146,7 +149,8 @@ void paged_attention(const float *q, long q_stride, float *out, float *k_pool, f
     #pragma omp parallel for collapse(2) schedule(dynamic)
     for (long b = 0; b < num_seqs; b++) {
         for (long h = 0; h < kv_heads; h++) {
-            long first = seqs[3 * b], rows = seqs[3 * b + 1], context = seqs[3 * b + 2], n = rows * group;
+            long first = seqs[4 * b], rows = seqs[4 * b + 1], context = seqs[4 * b + 2], n = (rows + seqs[4 * b + 3]) * group;
+            long branch = context - rows + 1;  /* the position the leaves stand at */
             const long *sl = slots + b * slot_stride;
             float *buf = malloc(sizeof(float) * (2 * n * dim + 2 * n));
             float *qs = buf, *acc = buf + n * dim, *m = acc + n * dim, *l = m + n;
@@ -163,13 +167,23 @@ void paged_attention(const float *q, long q_stride, float *out, float *k_pool, f
                     vr[j] = v_pool + (sl[c] * kv_heads + h) * dim;
                 }
                 for (long r = 0; r < n; r++) {
-                    long visible = context - rows + r / group + 1 - c0;  /* keys of this block row r sees */
+                    long i = r / group, leaf = i - rows;  /* leaf >= 0: the row of a leaf */
+                    long visible = (leaf < 0 ? context - rows + i : branch) + 1 - c0;  /* keys of this block row r sees */
                     if (visible <= 0) continue;
+                    const float **krow = kr, **vrow = vr, *kl[8], *vl[8];
+                    if (leaf >= 0 && branch - c0 < 8) {  /* this block holds the leaf's own key */
+                        memcpy(kl, kr, sizeof kl);
+                        memcpy(vl, vr, sizeof vl);
+                        kl[branch - c0] = k_pool + (sl[context + leaf] * kv_heads + h) * dim;
+                        vl[branch - c0] = v_pool + (sl[context + leaf] * kv_heads + h) * dim;
+                        krow = kl;
+                        vrow = vl;
+                    }
                     __m256 a[8];
                     for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
                     for (long v = 0; v < vecs; v++) {
                         __m256 qv = _mm256_loadu_ps(qs + r * dim + 8 * v);
-                        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + 8 * v), a[j]);
+                        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krow[j] + 8 * v), a[j]);
                     }
                     float s[8], p[8];
                     _mm256_storeu_ps(s, sum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
@@ -189,7 +203,7 @@ void paged_attention(const float *q, long q_stride, float *out, float *k_pool, f
                     __m256 cv = _mm256_set1_ps(correction);
                     for (long v = 0; v < vecs; v++) {
                         __m256 x = _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * v), cv);
-                        for (int j = 0; j < 8; j++) x = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(vr[j] + 8 * v), x);
+                        for (int j = 0; j < 8; j++) x = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(vrow[j] + 8 * v), x);
                         _mm256_storeu_ps(ar + 8 * v, x);
                     }
                 }

@@ -82,7 +82,8 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence in the engine. `token_ids` holds the prompt then every emitted token;
     `num_computed_tokens` of them have their K/V in the cache (the last emitted token never does
-    until the next step computes it). `spec_token_ids` are drafts scheduled behind it for verification."""
+    until the next step computes it). `spec_token_ids` are drafts scheduled behind it for verification: a chain,
+    then `spec_num_leaves` leaves, alternatives to the chain's first draft."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids=()):
         self.request_id = request_id
@@ -96,6 +97,7 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []
         self.spec_token_ids: list[int] = []
+        self.spec_num_leaves = 0
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.logprobs: list[float] = []

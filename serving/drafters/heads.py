@@ -46,14 +46,17 @@ def make_head_drafter(engine, config):
         if config.num_speculative_tokens > head.config.num_heads:
             raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds this Medusa head's "
                              f"{head.config.num_heads} heads")
-        return MedusaDrafter(head, hot, config.confidence_threshold)
+        return MedusaDrafter(head, hot, config.confidence_threshold, config.first_draft_topk)
     if kind == "mtp" and head.config.serve_mode == "chain":
+        if config.first_draft_topk > 1:
+            raise ValueError(f"first_draft_topk applies to MTP heads with serve_mode 'reuse_first'; {config.model} has "
+                             "serve_mode 'chain': set serve_mode 'reuse_first' in its config.json, or leave first_draft_topk 1")
         if config.num_speculative_tokens > head.config.depth:
             raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds this MTP head's depth "
                              f"{head.config.depth} (serve_mode 'chain' drafts one token per module): draft fewer "
                              "tokens or set serve_mode 'reuse_first' in its config.json")
         return MtpChainDrafter(engine, head, hot, config.confidence_threshold)
-    return FeatureDrafter(engine, head, hot, config.confidence_threshold)
+    return FeatureDrafter(engine, head, hot, config.confidence_threshold, config.first_draft_topk)
 
 
 def _best(logits: torch.Tensor, hot: torch.Tensor | None, temperature: float | None = None, to_ids=None) -> tuple[list, list]:
@@ -64,6 +67,20 @@ def _best(logits: torch.Tensor, hot: torch.Tensor | None, temperature: float | N
     if temperature is None:
         return ids.tolist(), [1.0] * len(best)
     return ids.tolist(), log_confidence(logits, temperature).exp().tolist()
+
+
+def _runners_up(logits: torch.Tensor, hot: torch.Tensor | None, num: int, temperature: float | None, threshold: float,
+                to_ids=None) -> list[list[int]]:
+    """Per row of logits: the target ids of the `num` most likely drafts after the best, those whose probability at
+    `temperature` reaches `threshold` (all of them without a threshold): the leaves beside a chain's first draft."""
+    if num == 0:
+        return [[] for _ in range(len(logits))]
+    top = logits.topk(1 + num, dim=-1).indices[:, 1:]
+    ids = (to_ids(top) if to_ids is not None else top if hot is None else hot[top]).tolist()
+    if temperature is None or threshold <= 0:
+        return ids
+    probs = torch.softmax(logits.float() / temperature, dim=-1).gather(-1, top).tolist()
+    return [[token for token, p in zip(row, row_probs) if p >= threshold] for row, row_probs in zip(ids, probs)]
 
 
 def log_confidence(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -95,32 +112,24 @@ class ChainCut:
         return chain_p, chain_p >= self.threshold
 
 
-def _last_rows(step, request) -> tuple[int, int, int]:
-    """(first row of the request in the flat batch, first position computed this step, positions kept)."""
-    i = step.index[request.request_id]
-    first_row = step.batch.token_start[i]
-    start = int(step.batch.positions[first_row])
-    return first_row, start, request.num_computed_tokens - start
-
-
 class MedusaDrafter:
-    def __init__(self, head, hot=None, threshold=0.0):
-        self.head, self.hot, self.cut = head, hot, ChainCut(head, threshold)
+    def __init__(self, head, hot=None, threshold=0.0, topk=1):
+        self.head, self.hot, self.cut, self.num_leaves = head, hot, ChainCut(head, threshold), topk - 1
         self.aux_layers = ()
         self.draft_probs = {}
+        self.leaves = {}  # request id -> the leaves beside its chain's first draft, this step
 
     @torch.inference_mode()
     def propose(self, engine, requests, budgets, step):
+        self.leaves = {}
         requests = [r for r in requests if r.request_id in step.index]
         if not requests:
             return {}
-        rows = []
-        for r in requests:
-            first_row, _, num_kept = _last_rows(step, r)
-            rows.append(first_row + num_kept - 1)
+        rows = [step.kept_rows(r)[0][-1] for r in requests]
         logits = self.head(step.out.hidden[torch.tensor(rows)])  # [num_heads, requests, vocab]
         drafted = [_best(logits[i], self.hot, self.cut.temperature(i))
                    for i in range(max(budgets[r.request_id] for r in requests))]  # (ids, probs) per head
+        leaves = _runners_up(logits[0], self.hot, self.num_leaves, self.cut.temperature(0), self.cut.threshold)
         drafts = {}
         for n, r in enumerate(requests):
             chain, chain_p = [], 1.0
@@ -130,6 +139,8 @@ class MedusaDrafter:
                     break
                 chain.append(tokens[n])
             drafts[r.request_id] = chain
+            if chain and leaves[n]:
+                self.leaves[r.request_id] = leaves[n]
         return drafts
 
     def reset(self, request):
@@ -140,8 +151,10 @@ class FeatureDrafter:
     """EAGLE-1, EAGLE-3 and MTP with serve_mode 'reuse_first' (module 0 drafts every token). Stateless between
     steps: the pool is rewritten from each step's kept tokens, so rollback and preemption need nothing."""
 
-    def __init__(self, engine, head, hot=None, threshold=0.0):
+    def __init__(self, engine, head, hot=None, threshold=0.0, topk=1):
         self.head, self.kind, self.hot, self.cut = head, head.config.kind, hot, ChainCut(head, threshold)
+        self.num_leaves = topk - 1
+        self.leaves = {}  # request id -> the leaves beside its chain's first draft, this step
         layer = head.config.layer_config()
         self.cache = KVCache(1, engine.cache.num_blocks, engine.block_size, layer.num_kv_heads, layer.head_dim, engine.dtype)
         self.block_size = engine.block_size
@@ -161,13 +174,18 @@ class FeatureDrafter:
             return self.head.forward_module(0, ids, features, positions, attention)
         return self.head(ids, features, positions, attention)
 
-    def _tokens(self, out: torch.Tensor, position: int) -> tuple[list[int], list[float]]:
+    def _tokens(self, out: torch.Tensor, position: int) -> tuple[list[int], list[float], list[list[int]]]:
+        """(each row's draft, its probability, and at the first position the leaves beside it)."""
         temperature = self.cut.temperature(position)
         if self.kind == "mtp":
-            return _best(self.head.logits(0, out), self.hot, temperature)
-        if self.kind == "eagle3":
-            return _best(self.head.logits(out), None, temperature, self.head.to_target_ids)
-        return _best(self.head.logits(out), self.hot, temperature)
+            logits, hot, to_ids = self.head.logits(0, out), self.hot, None
+        elif self.kind == "eagle3":
+            logits, hot, to_ids = self.head.logits(out), None, self.head.to_target_ids
+        else:
+            logits, hot, to_ids = self.head.logits(out), self.hot, None
+        num_leaves = self.num_leaves if position == 0 else 0
+        return (*_best(logits, hot, temperature, to_ids),
+                _runners_up(logits, hot, num_leaves, temperature, self.cut.threshold, to_ids))
 
     @torch.inference_mode()
     def observe(self, engine, step):
@@ -177,9 +195,9 @@ class FeatureDrafter:
         for request in step.batch.requests:
             if request.is_finished:
                 continue
-            first_row, start, num_kept = _last_rows(step, request)
-            chunks.append((request.token_ids[start + 1:start + 1 + num_kept], start, request.block_ids))
-            rows.extend(range(first_row, first_row + num_kept))
+            kept, start = step.kept_rows(request)
+            chunks.append((request.token_ids[start + 1:start + 1 + len(kept)], start, request.block_ids))
+            rows.extend(kept)
             last[request.request_id] = len(rows) - 1
         self.newest = {}
         if not chunks:
@@ -190,6 +208,7 @@ class FeatureDrafter:
 
     @torch.inference_mode()
     def propose(self, engine, requests, budgets, step):
+        self.leaves = {}
         requests = [r for r in requests if r.request_id in self.newest]
         if not requests:
             return {}
@@ -198,12 +217,14 @@ class FeatureDrafter:
         active = list(range(len(requests)))
         chain_p = [1.0] * len(requests)
         for s in range(max(budgets[r.request_id] for r in requests)):
-            tokens, probs = self._tokens(features, s)
+            tokens, probs, leaves = self._tokens(features, s)
             kept = []
-            for n, token, p in zip(active, tokens, probs):
+            for n, token, p, request_leaves in zip(active, tokens, probs, leaves):
                 chain_p[n], ok = self.cut.keeps(chain_p[n], p)
                 if ok:
                     drafts[requests[n].request_id].append(token)
+                    if request_leaves:
+                        self.leaves[requests[n].request_id] = request_leaves
                 kept.append(ok)
             still = [j for j, n in enumerate(active) if kept[j] and budgets[requests[n].request_id] > s + 1]
             if not still:
@@ -252,8 +273,8 @@ class MtpChainDrafter:
         kept = {}  # request id -> (request, c_before, c, first row)
         for request in step.batch.requests:
             if not request.is_finished:
-                first_row, start, num_kept = _last_rows(step, request)
-                kept[request.request_id] = (request, start, start + num_kept, first_row)
+                rows, start = step.kept_rows(request)
+                kept[request.request_id] = (request, start, start + len(rows), rows[0])
         previous = {}  # request id -> (first position, outputs) of module j - 1 this step
         carried_before = {rid: dict(self.carry.get(rid, {})) for rid in kept}  # as the previous step left them
         for j in range(self.depth):

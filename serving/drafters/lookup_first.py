@@ -16,6 +16,7 @@ class LookupFirst:
         self.aux_layers = head.aux_layers
         self.num_lookahead = getattr(head, "num_lookahead", 0)
         self.draft_probs = head.draft_probs  # both draft deterministically: always empty
+        self.leaves = {}
 
     def observe(self, engine, step):
         if hasattr(self.head, "observe"):
@@ -24,8 +25,10 @@ class LookupFirst:
     def propose(self, engine, requests, budgets, step):
         drafts = self.lookup.propose(engine, requests, budgets)
         rest = [r for r in requests if not drafts[r.request_id]]
+        self.leaves = {}  # a lookup chain has none
         if rest:
             drafts.update(self.head.propose(engine, rest, budgets, step))
+            self.leaves = getattr(self.head, "leaves", {})
         return drafts
 
     def reset(self, request):

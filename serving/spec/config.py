@@ -5,6 +5,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from serving.attention import MAX_BATCHED_QUERY_LEN
+
 METHODS = ("ngram", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp")
 NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp")
 HEADS = ("medusa", "eagle", "eagle3", "mtp")  # trained draft heads: they read the target's hidden states
@@ -40,6 +42,10 @@ class SpeculativeConfig:
     # tokens occurred before, and by the head where they did not. A 1-token suffix nearly always occurred before
     # and takes steps from the head for little, hence a default minimum of 2 here.
     prompt_lookup_first: bool = False
+    # medusa/eagle/eagle3/mtp: verify the head's first_draft_topk most likely first drafts, the chain going on from
+    # the first and each other as a leaf in a row of its own (a tree: as SGLang's speculative_eagle_topk at the first
+    # step only). With confidence_threshold a leaf is verified only where its probability reaches it.
+    first_draft_topk: int = 1
     # any method: no drafts in a step where more than this many requests are running (as vLLM's): past a few
     # sequences a step is no longer bound by reading the weights once, and every verified draft costs compute.
     # Drafters with a pool of their own still catch up every step.
@@ -79,6 +85,13 @@ class SpeculativeConfig:
                 raise ValueError(f"draft_weights applies to {', '.join(HEADS)} heads, not {self.method!r}")
             if self.draft_weights not in DRAFT_WEIGHTS:
                 raise ValueError(f"draft_weights={self.draft_weights!r} must be one of {', '.join(DRAFT_WEIGHTS)}")
+        if not isinstance(self.first_draft_topk, int) or self.first_draft_topk < 1:
+            raise ValueError(f"first_draft_topk={self.first_draft_topk!r} must be an integer >= 1 (1: a chain alone)")
+        if self.first_draft_topk > 1 and self.method not in HEADS:
+            raise ValueError(f"first_draft_topk applies to {', '.join(HEADS)} heads, not {self.method!r}")
+        if self.first_draft_topk > 1 and 1 + self.num_speculative_tokens > MAX_BATCHED_QUERY_LEN:
+            raise ValueError(f"first_draft_topk > 1 needs num_speculative_tokens <= {MAX_BATCHED_QUERY_LEN - 1} (leaves branch off "
+                             f"a chain verified as one short query), got {self.num_speculative_tokens}")
         if self.disable_by_batch_size is not None and (not isinstance(self.disable_by_batch_size, int)
                                                        or self.disable_by_batch_size < 1):
             raise ValueError(f"disable_by_batch_size={self.disable_by_batch_size!r} must be an integer >= 1 "
@@ -103,9 +116,11 @@ class SpeculativeConfig:
         return cls(**values)
 
     def label(self) -> str:
-        """The method, prompt lookup first with its shortest suffix, the confidence threshold and the batch size
-        that turns drafting off when set, and float32 draft weights: a bench row's name."""
+        """The method, prompt lookup first with its shortest suffix, the first draft's top k, the confidence
+        threshold and the batch size that turns drafting off when set, and float32 draft weights: a bench row's
+        name."""
         label = self.method + (f"+lookup{self.prompt_lookup_min}" if self.prompt_lookup_first else "")
+        label += f" top{self.first_draft_topk}" if self.first_draft_topk > 1 else ""
         label += f" p>={self.confidence_threshold:g}" if self.confidence_threshold else ""
         label += f" batch<={self.disable_by_batch_size}" if self.disable_by_batch_size else ""
         return label + (f" ({self.draft_weights} weights)" if self.draft_weights == "float32" else "")

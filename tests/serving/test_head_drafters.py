@@ -294,6 +294,29 @@ def test_random_heads_reproduce_plain_greedy(kind, fixture, concurrency, heads_r
         assert sum(o.metrics["num_preemptions"] for o in run.outputs) > 0, "no preemption: the pool is too roomy"
 
 
+@pytest.mark.parametrize("concurrency", [1, 8])
+@pytest.mark.parametrize("kind, fixture", HEAD_CASES, ids=[f"{k}-{f}" for k, f in HEAD_CASES])
+def test_heads_with_leaves_reproduce_plain_greedy(kind, fixture, concurrency, heads_root, request):
+    """first_draft_topk 3: beside each chain the head's second and third most likely first drafts are verified as
+    leaves, under chunked prefill and preemption, and the outputs stay plain decoding's."""
+    folder = request.getfixturevalue(fixture)
+    engine = make_engine(folder, dict(spec_config(kind, random_head_dir(kind, folder, heads_root)), first_draft_topk=3),
+                         **SCENARIOS[concurrency])
+    drafter, leaves = engine.speculator.drafter, []
+    propose = drafter.propose
+
+    def spy(engine_, requests, budgets, step):
+        proposals = propose(engine_, requests, budgets, step)
+        leaves.extend((proposals[rid][0], found) for rid, found in drafter.leaves.items())
+        return proposals
+
+    drafter.propose = spy
+    outputs = engine.generate(PROMPTS, greedy(MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == plain_outputs(folder, PROMPTS, MAX_TOKENS)
+    assert_pool_idle(engine)
+    assert leaves and all(len(found) == 2 and first not in found for first, found in leaves)
+
+
 # ---- paged equals dense ----------------------------------------------------------------------------------
 
 
@@ -696,6 +719,13 @@ def test_mtp_chain_mode_is_a_clear_error(tiny_llama, tmp_path):
     head_dir = heads.save(head, tmp_path / "mtp-chain")
     with pytest.raises(ValueError, match="reuse_first"):
         make_engine(tiny_llama, spec_config("mtp", head_dir))
+
+
+def test_leaves_beside_an_mtp_chain_are_a_clear_error(tiny_llama, tmp_path):
+    head = heads.Mtp.from_target(target_parts(tiny_llama), depth=2, serve_mode="chain")
+    head_dir = heads.save(head, tmp_path / "mtp-chain")
+    with pytest.raises(ValueError, match="first_draft_topk applies to MTP heads with serve_mode 'reuse_first'"):
+        make_engine(tiny_llama, dict(spec_config("mtp", head_dir, k=2), first_draft_topk=2))
 
 
 # ---- MTP served as a chain: module j drafts token j + 1 --------------------------------------------------

@@ -219,3 +219,44 @@ def test_argmax_falls_back_to_torch(no_kernels):
     x = torch.randn(3, 50)
     assert kernels.argmax(x) == x.argmax(-1).tolist()
     assert kernels.argmax(x.to(torch.bfloat16)) == x.to(torch.bfloat16).argmax(-1).tolist()
+
+
+def test_leaves_attend_as_decode_steps_at_their_position():
+    """A chain of 4 drafts with 3 leaves (alternatives to its first draft): each leaf's output equals, bit for bit,
+    a decode step at the leaf's position whose key there is the leaf's; the chain's rows are those of the same step
+    without leaves; and the torch path agrees with the kernel."""
+    from serving.attention import KVCache, PagedAttention, PagedMetadata
+
+    torch.manual_seed(0)
+    block_size, num_heads, num_kv, head_dim = 4, 9, 3, 64
+    query_len, context_len, num_leaves = 5, 43, 3
+    cache = KVCache(2, 40, block_size, num_kv, head_dim, torch.float32)
+    cache.k.normal_()
+    cache.v.normal_()
+    table = torch.randperm(40)[:-(-(context_len + num_leaves) // block_size)].tolist()
+    rows = query_len + num_leaves
+    q = torch.randn(rows, num_heads, head_dim)
+    k, v = torch.randn(rows, num_kv, head_dim), torch.randn(rows, num_kv, head_dim)
+
+    def attend(start, query_lens, context_lens, leaves, q, k, v, torch_path=False):
+        """(outputs, the pool after the step) of a step from a copy of the pool `start`."""
+        pool = KVCache(2, 40, block_size, num_kv, head_dim, torch.float32)
+        pool.k.copy_(start.k)
+        pool.v.copy_(start.v)
+        attention = PagedAttention(pool, PagedMetadata.build(query_lens, context_lens, [table], block_size, num_leaves=leaves))
+        if attention.lib is None and not torch_path:
+            pytest.skip("the kernels do not run here")
+        if torch_path:
+            attention.lib = None
+        return attention(1, q, k, v), pool
+
+    out, after = attend(cache, [query_len], [context_len], [num_leaves], q, k, v)
+    chain_alone, _ = attend(cache, [query_len], [context_len], [0], q[:query_len], k[:query_len], v[:query_len])
+    assert torch.equal(out[:query_len], chain_alone)
+    branch = context_len - query_len + 1  # the position of the chain's first draft and of every leaf
+    for j in range(num_leaves):
+        row = slice(query_len + j, query_len + j + 1)
+        decode, _ = attend(after, [1], [branch + 1], [0], q[row], k[row], v[row])
+        assert torch.equal(out[row], decode)
+    reference, _ = attend(cache, [query_len], [context_len], [num_leaves], q, k, v, torch_path=True)
+    torch.testing.assert_close(out, reference)

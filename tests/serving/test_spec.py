@@ -506,6 +506,11 @@ def test_requests_needing_history_decode_plainly_beside_speculating_ones(tiny_ll
     ('{"method": "ngram", "confidence_threshold": 0.5}', "confidence_threshold applies to medusa, eagle, eagle3, mtp"),
     ('{"method": "eagle", "model": "x", "draft_weights": "float16"}', "draft_weights='float16' must be one of bfloat16, float32"),
     ('{"method": "draft_model", "model": "x", "draft_weights": "float32"}', "draft_weights applies to medusa, eagle"),
+    ('{"method": "eagle", "model": "x", "first_draft_topk": 0}', r"first_draft_topk=0 must be an integer >= 1 \(1: a chain"),
+    ('{"method": "eagle", "model": "x", "first_draft_topk": 2.0}', "first_draft_topk=2.0 must be an integer"),
+    ('{"method": "ngram", "first_draft_topk": 2}', "first_draft_topk applies to medusa, eagle, eagle3, mtp heads, not 'ngram'"),
+    ('{"method": "eagle", "model": "x", "first_draft_topk": 2, "num_speculative_tokens": 16}',
+     "first_draft_topk > 1 needs num_speculative_tokens <= 15"),
 ])
 def test_bad_speculative_configs_are_clear_errors(text, message):
     with pytest.raises(ValueError, match=message):
@@ -669,3 +674,80 @@ def test_drafts_never_enter_the_prefix_cache(tiny_llama, drafter, block_size):
     for o, p in zip(second, prompts):
         assert o.metrics["num_cached_tokens"] == (len(p) - 1) // block_size * block_size > 0
     assert_pool_idle(engine)
+
+
+# ---- leaves: alternatives to the first draft -----------------------------------------------------------
+
+
+class LeafOracle(OracleStub):
+    """Drafts a chain whose first draft is always wrong, beside two leaves: a wrong token, then the true one."""
+
+    def __init__(self, truth: dict):
+        super().__init__(truth, num_right=0)
+        self.leaves = {}
+
+    def propose(self, engine, requests, budgets, step):
+        proposals = super().propose(engine, requests, budgets, step)
+        self.leaves = {}
+        for r in requests:
+            right = self.truth[tuple(r.token_ids[:r.num_prompt_tokens])][r.num_output_tokens]
+            self.leaves[r.request_id] = [(right + 2) % self.vocab, right]
+        return proposals
+
+
+@pytest.mark.parametrize("scenario,block_size", [("batch", 3), ("preempt", 16), ("prefix", 1), ("chunked", 16), ("single", 4)])
+def test_an_accepted_leaf_reproduces_plain_greedy(tiny_llama, scenario, block_size):
+    """Every step's true next token comes as a leaf: accepted, its K/V moved into place, the output stays plain
+    decoding's, and each verify step that carried drafts emits two tokens. Where the pool or the token budget is
+    short, the chain takes the room first and some steps verify it without leaves."""
+    sc = SCENARIOS[scenario]
+    params = SamplingParams(max_tokens=sc["max_tokens"], ignore_eos=True)
+    all_prompts = ([sc["warmup"]] if "warmup" in sc else []) + sc["prompts"]
+    plain = plain_outputs(tiny_llama, all_prompts, params)
+    num_blocks = -(-sc["pool_tokens"] // block_size) if "pool_tokens" in sc else None
+    engine = make_engine(tiny_llama, {"method": "ngram", "num_speculative_tokens": 3}, block_size=block_size,
+                         num_blocks=num_blocks, max_model_len=sc.get("max_model_len", 128), **sc.get("engine", {}))
+    engine.speculator.drafter = LeafOracle({tuple(p): out for p, out in zip(all_prompts, plain)})
+    engine.speculator.config.first_draft_topk = 3  # a stub stands in for a head, the only drafter that takes leaves
+    outputs = engine.generate(all_prompts, params)
+    assert [o.token_ids for o in outputs] == plain
+    assert_pool_idle(engine)
+    stats = engine.speculator.stats
+    assert stats.accepted[0] > 0 and sum(stats.accepted[1:]) == 0
+    if scenario not in ("preempt", "chunked"):
+        assert stats.accepted[0] == stats.proposed[0]
+        assert stats.num_emitted == 2 * stats.num_drafts + (stats.num_steps - stats.num_drafts)
+
+
+def test_greedy_leaves_accept_the_target_token_only_where_the_chain_fails():
+    from serving.spec.verify import verify_greedy_leaves
+
+    # rows: the first token, chain drafts 6 and 9, leaves 5 and 4
+    assert verify_greedy_leaves([5, 9, 7, 3, 8], [6, 9], [5, 4]) == (0, 1, [5, 3])
+    assert verify_greedy_leaves([4, 9, 7, 3, 8], [6, 9], [5, 4]) == (1, 1, [4, 8])
+    assert verify_greedy_leaves([6, 9, 7, 3, 8], [6, 9], [5, 4]) == (None, 2, [6, 9, 7])
+    assert verify_greedy_leaves([2, 9, 7, 3, 8], [6, 9], [5, 4]) == (None, 0, [2])
+    assert verify_greedy_leaves([6, 1, 7], [6, 9], []) == (None, 1, [6, 1])
+
+
+def test_sampled_leaves_keep_the_target_law():
+    """The first token follows the first row's distribution whichever draft or leaf it came from, and the token
+    after it follows the distribution of that draft's or leaf's own row."""
+    from serving.spec.verify import verify_sampled_leaves
+
+    vocab, chain, leaves = 6, [1, 4], [0, 3]
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(1 + len(chain) + len(leaves), vocab, generator=g) ** 2
+    probs[0] = torch.tensor([0.25, 0.3, 0.1, 0.2, 0.1, 0.05])  # the chain's first draft and the leaves all likely
+    probs /= probs.sum(-1, keepdim=True)
+    first, after = torch.zeros(vocab), {t: torch.zeros(vocab) for t in [chain[0]] + leaves}
+    for _ in range(20000):
+        leaf, accepted, emitted = verify_sampled_leaves(probs, chain, leaves, g)
+        first[emitted[0]] += 1
+        assert (leaf is not None) == (emitted[0] in leaves) and accepted == len(emitted) - 1
+        if emitted[0] in after:
+            after[emitted[0]][emitted[1]] += 1
+    assert tv(first, probs[0]) < 0.02
+    assert tv(after[chain[0]], probs[1]) < 0.03
+    for j, leaf in enumerate(leaves):
+        assert tv(after[leaf], probs[1 + len(chain) + j]) < 0.03
