@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 from collections import Counter, defaultdict
 
-import torch
-
 import serving.drafters.heads as head_drafters
 from serving.drafters.heads import ChainCut
 from serving.engine import Engine
@@ -66,11 +64,8 @@ def record(engine, prompts, max_new_tokens, store=None) -> list[dict]:
     def spy_best(logits, hot, temperature=None, to_ids=None):
         """Also keeps the first draft's runners-up with their probabilities at the draft's temperature."""
         if not firsts:
-            scaled = logits[0].float() / (temperature or 1.0)
-            top = scaled.topk(1 + RUNNERS_UP)
-            index = top.indices
-            ids = to_ids(index) if to_ids is not None else index if hot is None else hot[index]
-            firsts.append((ids[1:].tolist(), torch.softmax(scaled, -1)[index[1:]].tolist()))
+            ids, probs = head_drafters.ranked_after_best(logits[:1], hot, RUNNERS_UP, temperature or 1.0, to_ids)
+            firsts.append((ids[0], probs[0]))
         return best(logits, hot, temperature, to_ids)
 
     def propose(engine_, requests, budgets, step):

@@ -134,20 +134,17 @@ class PagedMetadata:
             leaf_slots, slots = slots[context_len:context_len + leaves], slots[:context_len]
             slot_parts.append(slots[context_len - query_len:])
             if leaves:
-                assert query_len <= MAX_BATCHED_QUERY_LEN, "leaves branch off a short query"
-                short.append((start, query_len, context_len, torch.cat([slots, leaf_slots]), leaves))
                 slot_parts.append(leaf_slots)
-                start += query_len + leaves
-                continue
             if query_len > MAX_BATCHED_QUERY_LEN:
+                assert not leaves, "leaves branch off a short query"
                 if query_len == context_len:
                     singles.append(_Single(start, start + query_len, None, None))
                 else:
                     mask = torch.ones(query_len, context_len, dtype=torch.bool).tril(context_len - query_len)[None]
                     singles.append(_Single(start, start + query_len, slots.to(device), mask.to(device)))
             else:
-                short.append((start, query_len, context_len, slots, 0))
-            start += query_len
+                short.append((start, query_len, context_len, torch.cat([slots, leaf_slots]) if leaves else slots, leaves))
+            start += query_len + leaves
         slot_mapping = slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts)
         return cls(slot_mapping.to(device), singles, _Batched(short, device) if short else None)
 

@@ -69,17 +69,26 @@ def _best(logits: torch.Tensor, hot: torch.Tensor | None, temperature: float | N
     return ids.tolist(), log_confidence(logits, temperature).exp().tolist()
 
 
-def _runners_up(logits: torch.Tensor, hot: torch.Tensor | None, num: int, temperature: float | None, threshold: float,
-                to_ids=None) -> list[list[int]]:
-    """Per row of logits: the target ids of the `num` most likely drafts after the best, those whose probability at
-    `temperature` reaches `threshold` (all of them without a threshold): the leaves beside a chain's first draft."""
-    if num == 0:
-        return [[] for _ in range(len(logits))]
+def ranked_after_best(logits: torch.Tensor, hot: torch.Tensor | None, num: int, temperature: float | None,
+                      to_ids=None) -> tuple[list[list[int]], list[list[float]] | None]:
+    """Per row of logits: the target ids of the `num` most likely drafts after the best, and their probabilities
+    at `temperature` (None without one)."""
     top = logits.topk(1 + num, dim=-1).indices[:, 1:]
     ids = (to_ids(top) if to_ids is not None else top if hot is None else hot[top]).tolist()
-    if temperature is None or threshold <= 0:
+    if temperature is None:
+        return ids, None
+    return ids, torch.softmax(logits.float() / temperature, dim=-1).gather(-1, top).tolist()
+
+
+def _runners_up(logits: torch.Tensor, hot: torch.Tensor | None, num: int, temperature: float | None, threshold: float,
+                to_ids=None) -> list[list[int]]:
+    """Per row of logits: the `num` drafts after the best whose probability at `temperature` reaches `threshold`
+    (all of them without a threshold): the leaves beside a chain's first draft."""
+    if num == 0:
+        return [[] for _ in range(len(logits))]
+    ids, probs = ranked_after_best(logits, hot, num, temperature if threshold > 0 else None, to_ids)
+    if probs is None:
         return ids
-    probs = torch.softmax(logits.float() / temperature, dim=-1).gather(-1, top).tolist()
     return [[token for token, p in zip(row, row_probs) if p >= threshold] for row, row_probs in zip(ids, probs)]
 
 

@@ -67,13 +67,13 @@ class Speculator:
         leaf = None
         if request.params.is_greedy:
             leaf, accepted, emitted = verify_greedy_leaves(best, chain, leaves)
-        elif leaves:
-            probs = target_probs(logits, request.params)
-            leaf, accepted, emitted = verify_sampled_leaves(probs, chain, leaves, engine.generators[request.request_id])
         else:
-            probs = target_probs(logits, request.params)
-            draft_probs = self.drafter.draft_probs.pop(request.request_id, None)
-            accepted, emitted = verify_sampled(probs, drafts, draft_probs, engine.generators[request.request_id])
+            probs, generator = target_probs(logits, request.params), engine.generators[request.request_id]
+            if leaves:
+                leaf, accepted, emitted = verify_sampled_leaves(probs, chain, leaves, generator)
+            else:
+                draft_probs = self.drafter.draft_probs.pop(request.request_id, None)
+                accepted, emitted = verify_sampled(probs, drafts, draft_probs, generator)
         request.num_computed_tokens -= len(drafts) - accepted
         if leaf is not None:
             engine.cache.move(request.block_ids, request.num_computed_tokens - 1 + len(chain) + leaf,
