@@ -91,13 +91,14 @@ class _Batched:
         """[B, Qmax, Cmax]; None when every row may see every key (decode at equal lengths). A leaf sees the keys up
         to its sequence's first query row and its own."""
         limit = torch.zeros(len(self.short), self.max_q, dtype=torch.long)  # last key position each row may see
+        own_keys = []  # (sequence, row, key) of each leaf's own key
         for i, (_, query_len, context_len, _, leaves) in enumerate(self.short):
             limit[i, :query_len] = torch.arange(context_len - query_len, context_len)
             limit[i, query_len:query_len + leaves] = context_len - query_len
+            own_keys += [(i, query_len + j, context_len + j) for j in range(leaves)]
         mask = torch.arange(self.max_c)[None, None, :] <= limit[:, :, None]
-        for i, (_, query_len, context_len, _, leaves) in enumerate(self.short):
-            for j in range(leaves):
-                mask[i, query_len + j, context_len + j] = True
+        if own_keys:
+            mask[tuple(torch.tensor(own_keys).T)] = True
         return None if bool(mask.all()) else mask.to(self.device)
 
     @functools.cached_property
