@@ -77,10 +77,10 @@ def main() -> None:
     for label, num_seqs, query_len in (("decode, 1 sequence", 1, 1), ("verify 5, 1 sequence", 1, 5),
                                        ("decode, 16 sequences", 16, 1), ("verify 5, 16 sequences", 16, 5)):
         blocks = -(-(context + query_len) // block_size)
-        cache = KVCache(c.num_layers, num_seqs * blocks, block_size, layer.num_kv_heads, layer.head_dim, torch.float32)
+        cache = KVCache(c.num_layers, num_seqs * blocks, block_size, layer.num_kv_heads, layer.head_dim, torch.float32, "cpu")
         order = torch.randperm(num_seqs * blocks).tolist()  # the blocks of a pool that has seen many requests
         tables = [order[i * blocks:(i + 1) * blocks] for i in range(num_seqs)]
-        meta = PagedMetadata.build([query_len] * num_seqs, [context + query_len] * num_seqs, tables, block_size)
+        meta = PagedMetadata.build([query_len] * num_seqs, [context + query_len] * num_seqs, tables, block_size, "cpu")
         tokens = num_seqs * query_len
         q = torch.randn(tokens, layer.num_heads, layer.head_dim)
         k, v = torch.randn(tokens, layer.num_kv_heads, layer.head_dim), torch.randn(tokens, layer.num_kv_heads, layer.head_dim)

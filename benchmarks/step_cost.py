@@ -26,14 +26,14 @@ def main() -> None:
     model = Model.from_folder(resolve(args.target))
     c = model.config
     num_blocks = (args.context + 64) // args.block_size + 1
-    cache = KVCache(c.num_layers, num_blocks, args.block_size, c.layer.num_kv_heads, c.layer.head_dim, torch.float32)
+    cache = KVCache(c.num_layers, num_blocks, args.block_size, c.layer.num_kv_heads, c.layer.head_dim, torch.float32, "cpu")
     table = list(range(num_blocks))
     ids = torch.randint(0, c.vocab_size, (args.context + 32,))
     model(ids[:args.context], torch.arange(args.context),
-          PagedAttention(cache, PagedMetadata.build([args.context], [args.context], [table], args.block_size)))
+          PagedAttention(cache, PagedMetadata.build([args.context], [args.context], [table], args.block_size, "cpu")))
 
     def forward(num_tokens: int) -> float:
-        meta = PagedMetadata.build([num_tokens], [args.context + num_tokens], [table], args.block_size)
+        meta = PagedMetadata.build([num_tokens], [args.context + num_tokens], [table], args.block_size, "cpu")
         start = time.perf_counter()
         model(ids[args.context:args.context + num_tokens], torch.arange(args.context, args.context + num_tokens),
               PagedAttention(cache, meta), torch.arange(num_tokens))

@@ -103,7 +103,8 @@ def load(path, target_fingerprint: dict | None = None, *, target: TargetParts | 
         made_for = config.target_fingerprint.get("id", "see target_fingerprint in its config.json")
         raise ValueError(f"head checkpoint {path} was made for another target ({made_for}): {'; '.join(mismatches)}. "
                          "Load it with the target it was trained on, or train a head for this target.")
-    module = cls(config)
+    with torch.device("cpu"):  # read into host memory; the caller moves it
+        module = cls(config)
     module.load_state_dict(_read_tensors(path, module.state_dict()))
     if module.token_map is not None:
         check_token_ids(module.token_map, config.vocab_size, f"{path / WEIGHTS_FILE}: token_map")

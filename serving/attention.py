@@ -21,7 +21,7 @@ MAX_BATCHED_QUERY_LEN = 16
 class KVCache:
     """One allocation for every layer: k and v are [num_layers, num_blocks * block_size, num_kv_heads, head_dim]."""
 
-    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device="cpu"):
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -36,7 +36,7 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 @dataclass
@@ -61,7 +61,7 @@ class _Batched:
         if len(short) == 1:
             key_slots = short[0][3]
         else:
-            key_slots = torch.zeros(len(short), self.max_c, dtype=torch.long)
+            key_slots = torch.zeros(len(short), self.max_c, dtype=torch.long, device="cpu")
             for i, (_, _, _, slots, _) in enumerate(short):
                 key_slots[i, :len(slots)] = slots
         self.key_slots = key_slots.flatten().to(device)  # [B * Cmax], for index_select
@@ -72,14 +72,14 @@ class _Batched:
     def query_index(self) -> torch.Tensor:
         """[B, Qmax] rows of the flat batch (padding repeats a valid row)."""
         index = torch.tensor([list(range(start, start + q + leaves)) + [start] * (self.max_q - q - leaves)
-                              for start, q, _, _, leaves in self.short])
+                              for start, q, _, _, leaves in self.short], device="cpu")
         return index.to(self.device)
 
     @functools.cached_property
     def valid(self) -> torch.Tensor:
         """[B * Qmax] bool: which padded rows are real."""
         num_rows = self.seqs[:, 1:2].cpu() + self.seqs[:, 3:4].cpu()
-        return (torch.arange(self.max_q)[None] < num_rows).flatten().to(self.device)
+        return (torch.arange(self.max_q, device="cpu")[None] < num_rows).flatten().to(self.device)
 
     @functools.cached_property
     def rows(self) -> torch.Tensor:
@@ -90,15 +90,15 @@ class _Batched:
     def mask(self) -> torch.Tensor | None:
         """[B, Qmax, Cmax]; None when every row may see every key (decode at equal lengths). A leaf sees the keys up
         to its sequence's first query row and its own."""
-        limit = torch.zeros(len(self.short), self.max_q, dtype=torch.long)  # last key position each row may see
+        limit = torch.zeros(len(self.short), self.max_q, dtype=torch.long, device="cpu")  # last key position each row may see
         own_keys = []  # (sequence, row, key) of each leaf's own key
         for i, (_, query_len, context_len, _, leaves) in enumerate(self.short):
-            limit[i, :query_len] = torch.arange(context_len - query_len, context_len)
+            limit[i, :query_len] = torch.arange(context_len - query_len, context_len, device="cpu")
             limit[i, query_len:query_len + leaves] = context_len - query_len
             own_keys += [(i, query_len + j, context_len + j) for j in range(leaves)]
-        mask = torch.arange(self.max_c)[None, None, :] <= limit[:, :, None]
+        mask = torch.arange(self.max_c, device="cpu")[None, None, :] <= limit[:, :, None]
         if own_keys:
-            mask[tuple(torch.tensor(own_keys).T)] = True
+            mask[tuple(torch.tensor(own_keys, device="cpu").T)] = True
         return None if bool(mask.all()) else mask.to(self.device)
 
     @functools.cached_property
@@ -118,20 +118,20 @@ class PagedMetadata:
     batched: _Batched | None
 
     @classmethod
-    def build(cls, query_lens, context_lens, block_tables, block_size, device="cpu", num_leaves=None):
+    def build(cls, query_lens, context_lens, block_tables, block_size, device, num_leaves=None):
         """query_lens[i] tokens of sequence i are scheduled; context_lens[i] = tokens with K/V after this step.
         num_leaves[i] more rows follow them: drafts that branch off the sequence's first scheduled token (at the
         position after it), each in the slot after the last before it. A leaf sees the keys up to that first token
         and its own, in position order, so it is attended as a decode step at its position would be."""
         slot_parts, singles, short = [], [], []
         start = 0
-        offsets = torch.arange(block_size)
+        offsets = torch.arange(block_size, device="cpu")  # metadata is built on the host, then moved
         for i, (query_len, context_len, table) in enumerate(zip(query_lens, context_lens, block_tables)):
             leaves = num_leaves[i] if num_leaves else 0
             num_blocks = -(-(context_len + leaves) // block_size)
             if len(table) < num_blocks:
                 raise ValueError(f"a block table of {len(table)} blocks cannot hold {context_len + leaves} tokens of {block_size}")
-            slots = (torch.tensor(table[:num_blocks], dtype=torch.long)[:, None] * block_size + offsets).flatten()
+            slots = (torch.tensor(table[:num_blocks], dtype=torch.long, device="cpu")[:, None] * block_size + offsets).flatten()
             leaf_slots, slots = slots[context_len:context_len + leaves], slots[:context_len]
             slot_parts.append(slots[context_len - query_len:])
             if leaves:
@@ -141,7 +141,7 @@ class PagedMetadata:
                 if query_len == context_len:
                     singles.append(_Single(start, start + query_len, None, None))
                 else:
-                    mask = torch.ones(query_len, context_len, dtype=torch.bool).tril(context_len - query_len)[None]
+                    mask = torch.ones(query_len, context_len, dtype=torch.bool, device="cpu").tril(context_len - query_len)[None]
                     singles.append(_Single(start, start + query_len, slots.to(device), mask.to(device)))
             else:
                 short.append((start, query_len, context_len, torch.cat([slots, leaf_slots]) if leaves else slots, leaves))
@@ -207,7 +207,7 @@ class PagedAttention:
         q, k, v = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (q, k, v))
         new = self.new_args if out is None else (None, 0)
         if out is None:
-            out = torch.empty(q.shape)
+            out = q.new_empty(q.shape)
         offset = layer_idx * self.layer_bytes
         self.attend(q.data_ptr(), q.stride(0), out.data_ptr(), self.pools[0] + offset, self.pools[1] + offset,
                     k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), *new, *self.batched_args,

@@ -21,7 +21,7 @@ class Batch:
     token_start: list[int]  # per request: its first row in the flat batch
 
     @classmethod
-    def build(cls, scheduled: list[tuple[Request, int]], block_size: int, device="cpu") -> "Batch":
+    def build(cls, scheduled: list[tuple[Request, int]], block_size: int, device) -> "Batch":
         """A request whose chunk reaches the end of its tokens needs logits for its last 1 + drafts rows
         (the target's next token after its last real token, and one per draft to verify)."""
         ids, positions, logits_rows, logits_start, token_start = [], [], [], [], []

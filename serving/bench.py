@@ -36,6 +36,7 @@ HELP = {
     "dtype": "weights and activations; greedy outputs equal plain decoding's only in float32 (bfloat16 operators are "
              "not batch-invariant, so near-ties can flip between a decode and a verify step)",
     "block_size": "K/V block size in tokens",
+    "device": "where the target runs: auto (the first CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N",
     "json": "also write the results as JSON to this path",
 }
 BASELINES, DTYPES = (None, "hf"), ("float32", "bfloat16")
@@ -54,6 +55,7 @@ class BenchConfig:
     baseline: str | None = None
     dtype: str = "float32"
     block_size: int = 16
+    device: str = "auto"
     json: str | None = None
 
     def __post_init__(self):
@@ -71,6 +73,9 @@ class BenchConfig:
         self.speculative_config = [c if isinstance(c, SpeculativeConfig) else SpeculativeConfig.from_json(c)
                                    for c in self.speculative_config]
         SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed)
+        from serving.engine import resolve_device
+
+        resolve_device(self.device)  # a bad device fails before the prompts load
 
 
 def add_arguments(parser) -> None:
@@ -88,7 +93,8 @@ def run(args) -> None:
     config = BenchConfig(**merge_options(vars(args), [f.name for f in fields(BenchConfig)]))
     dataset = load_prompts(config.prompts, config.num_prompts)
     messages = [first_turn(m) for m in dataset["messages"]]
-    engine = Engine(config.target, dtype=config.dtype, block_size=config.block_size, max_num_seqs=config.concurrency)
+    engine = Engine(config.target, dtype=config.dtype, block_size=config.block_size, max_num_seqs=config.concurrency,
+                    device=config.device)
     result = run_bench(engine, messages, list(dataset["category"]), config.speculative_config, config.max_new_tokens,
                        config.concurrency, config.temperature, config.seed, baseline=config.baseline, progress=True)
     print(to_markdown(result))
@@ -157,7 +163,7 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
         rows.append(row)
     result = {"target": str(engine.folder), "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
               "concurrency": concurrency, "temperature": temperature, "dtype": str(engine.dtype).replace("torch.", ""),
-              "threads": torch.get_num_threads(), "rows": rows}
+              "device": str(engine.device), "threads": torch.get_num_threads(), "rows": rows}
     if hf:
         hf_rate = hf.num_tokens / hf.seconds
         result["hf_tokens_per_s"] = hf_rate
@@ -177,21 +183,24 @@ class HfGenerate:
         from transformers import AutoModelForCausalLM
 
         self.engine = engine
-        self.model = AutoModelForCausalLM.from_pretrained(engine.folder, dtype=engine.dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(engine.folder, dtype=engine.dtype).to(engine.device).eval()
         self.pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
         self.seconds, self.num_tokens, self.outputs = 0.0, 0, []
         with torch.inference_mode():  # warm-up
-            self.model.generate(torch.tensor([[self.pad, self.pad]]), max_new_tokens=2, do_sample=False, pad_token_id=self.pad)
+            self.model.generate(torch.tensor([[self.pad, self.pad]], device=engine.device), max_new_tokens=2,
+                                do_sample=False, pad_token_id=self.pad)
 
     @torch.inference_mode()
     def generate(self, prompts, max_new_tokens) -> None:
         encoded = [self.engine.encode(p) for p in prompts]
         eos = self.engine.model.config.eos_token_ids
         width = max(map(len, encoded))
-        ids = torch.tensor([[self.pad] * (width - len(c)) + c for c in encoded])
-        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in encoded])
+        device = self.engine.device
+        ids = torch.tensor([[self.pad] * (width - len(c)) + c for c in encoded], device=device)
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in encoded], device=device)
         start = time.perf_counter()
         out = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad)
+        out = out.cpu()  # waits for the device, so that the time is the work's
         self.seconds += time.perf_counter() - start
         for row in out[:, width:].tolist():
             cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
@@ -204,12 +213,15 @@ def bandwidth_floor(engine, plain_row) -> dict:
     read = [engine.model.layers, engine.model.norm, engine.model.logits_head]  # of the embedding, one row per token
     tensors = {id(t): t for module in read for t in [*module.parameters(), *module.buffers()]}
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    source = torch.empty(64 * 2**20, dtype=torch.float32)
+    source = torch.empty(64 * 2**20, dtype=torch.float32, device=engine.device)
     target = torch.empty_like(source)
     target.copy_(source)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else lambda: None
+    sync()
     start = time.perf_counter()
     for _ in range(5):
         target.copy_(source)
+    sync()
     bandwidth = 5 * 2 * source.numel() * 4 / (time.perf_counter() - start)  # read + write
     floor_s = weight_bytes / bandwidth
     return {"weight_bytes": weight_bytes, "copy_bandwidth_gbs": bandwidth / 1e9, "step_floor_ms": floor_s * 1e3,
@@ -219,8 +231,8 @@ def bandwidth_floor(engine, plain_row) -> dict:
 def to_markdown(result: dict) -> str:
     has_hf = "hf_tokens_per_s" in result
     lines = [f"target {result['target']} | {result['num_prompts']} prompts x {result['max_new_tokens']} tokens | "
-             f"concurrency {result['concurrency']} | temperature {result['temperature']} | {result['dtype']}, "
-             f"{result['threads']} threads", "",
+             f"concurrency {result['concurrency']} | temperature {result['temperature']} | {result['dtype']} on "
+             f"{result.get('device', 'cpu')}, {result['threads']} threads", "",
              "| method | k | tau | accept rate | per-position conditional | tokens/s | speedup |"
              + (" vs generate |" if has_hf else "") + " identical |",
              "|---|---|---|---|---|---|---|" + ("---|" if has_hf else "") + "---|"]

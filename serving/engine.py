@@ -24,7 +24,25 @@ from serving.spec.step import Speculator, StepOutputs
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def available_memory_bytes() -> int:
+def resolve_device(device: str) -> torch.device:
+    """'auto' is the first CUDA GPU when torch sees one, else the CPU; any other name is torch's ('cpu', 'cuda:1')."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"device={device!r} is not a device: use auto, cpu, cuda or cuda:N ({error})") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but this torch build sees no CUDA GPU (torch {torch.__version__}): "
+                         "use device cpu, or install a CUDA build of torch")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: the engine runs on cpu or cuda")
+    return resolved
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -39,14 +57,16 @@ class Engine:
                  num_blocks: int | None = None, kv_cache_memory_gib: float = 1.0, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, capture_hidden: bool = False, aux_layers=(),
-                 speculative_config: SpeculativeConfig | str | dict | None = None, num_threads: int | None = None):
+                 speculative_config: SpeculativeConfig | str | dict | None = None, num_threads: int | None = None,
+                 device: str = "auto"):
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
         if num_threads:
             torch.set_num_threads(num_threads)
         self.folder = targets.resolve(target)
         self.dtype = DTYPES[dtype]
-        self.model = Model.from_folder(self.folder, self.dtype)
+        self.device = resolve_device(device)
+        self.model = Model.from_folder(self.folder, self.dtype, self.device)
         config = self.model.config
         self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(self.folder)
@@ -54,13 +74,15 @@ class Engine:
         bytes_per_block = KVCache.bytes_per_block(config.num_layers, block_size, layer.num_kv_heads, layer.head_dim, self.dtype)
         if num_blocks is None:
             num_blocks = max(int(kv_cache_memory_gib * 2**30) // bytes_per_block, -(-self.max_model_len // block_size))
-        available = available_memory_bytes()
+        available = available_memory_bytes(self.device)
         if num_blocks * bytes_per_block > 0.9 * available:
             fits = int(0.9 * available) // bytes_per_block
             raise ValueError(f"num_blocks={num_blocks} needs {num_blocks * bytes_per_block / 2**30:.1f} GiB of K/V cache but "
-                             f"only {available / 2**30:.1f} GiB is available: at most {fits} blocks of {block_size} tokens fit")
+                             f"only {available / 2**30:.1f} GiB is available on {self.device}: at most {fits} blocks of "
+                             f"{block_size} tokens fit")
         self.block_size = block_size
-        self.cache = KVCache(config.num_layers, num_blocks, block_size, layer.num_kv_heads, layer.head_dim, self.dtype)
+        self.cache = KVCache(config.num_layers, num_blocks, block_size, layer.num_kv_heads, layer.head_dim, self.dtype,
+                             self.device)
         # Prefix-cache hits skip the forward, so a capturing engine would miss those hidden states.
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching and not capture_hidden)
         self.scheduler = Scheduler(self.block_manager, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
@@ -160,7 +182,7 @@ class Engine:
             if self.scheduler.running or self.scheduler.waiting:
                 raise RuntimeError("the K/V pool is too small to schedule any request: raise num_blocks")
             return []
-        batch = Batch.build(scheduled.scheduled, self.block_size)
+        batch = Batch.build(scheduled.scheduled, self.block_size, self.device)
         out = self.model(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.meta), batch.logits_rows,
                          return_hidden=self.capture_hidden or bool(self.speculator and self.speculator.needs_hidden), aux_layers=self.aux_layers)
         self.num_steps += 1
@@ -169,7 +191,7 @@ class Engine:
         for i, (request, num) in enumerate(scheduled.scheduled):
             if self.capture_hidden:
                 rows = slice(batch.token_start[i], batch.token_start[i] + num)
-                request.captured.append((out.hidden[rows].clone(), {k: v[rows].clone() for k, v in out.aux.items()}))
+                request.captured.append((_to_host(out.hidden[rows]), {k: _to_host(v[rows]) for k, v in out.aux.items()}))
             request.num_computed_tokens += num
             row = batch.logits_start[i]
             if row >= 0 and not request.finish_reason:
@@ -283,6 +305,11 @@ class Engine:
                 bar.update(1)
         bar.close()
         return [results[i] for i in ids]
+
+
+def _to_host(rows: torch.Tensor) -> torch.Tensor:
+    """A copy in CPU memory: captured hidden states go to a store, and must not hold the device's memory meanwhile."""
+    return rows.to("cpu", copy=True)
 
 
 def _load_tokenizer(folder: Path):

@@ -78,7 +78,7 @@ def argmax(x: torch.Tensor) -> list[int]:
     logits over a 49k vocabulary."""
     if x.dim() != 2 or not x.shape[0] or not x.shape[1] or x.stride(-1) != 1 or not _uses_kernels(x):
         return x.argmax(-1).tolist()
-    out = torch.empty(x.shape[0], dtype=torch.long)
+    out = torch.empty(x.shape[0], dtype=torch.long, device="cpu")
     library().argmax_rows(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], out.data_ptr())
     return out.tolist()
 
@@ -159,7 +159,7 @@ class PackedLinear(_KernelModule):
             return self.forward(_rows(x)).view(*x.shape[:-1], self.out_features)
         if x.dtype != torch.float32:
             raise TypeError(f"a float32 layer got {x.dtype} inputs")
-        out = torch.empty(x.shape[0], self.out_features)
+        out = x.new_empty(x.shape[0], self.out_features)
         self.gemm(x.data_ptr(), x.shape[0], x.stride(0), self.panels_ptr, self.in_features, self.out_features,
                   self.bias_ptr, out.data_ptr(), self.out_features)
         return out
@@ -188,7 +188,7 @@ class FusedRMSNorm(_KernelModule):
             return self.forward(_rows(x)).view(x.shape)
         if x.dtype != torch.float32:
             raise TypeError(f"a float32 norm got {x.dtype} inputs")
-        out = torch.empty(x.shape)
+        out = x.new_empty(x.shape)
         self.norm(x.data_ptr(), x.shape[0], x.stride(0), self.weight_ptr, self.eps, out.data_ptr(), self.size, self.size)
         return out
 

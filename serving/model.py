@@ -110,7 +110,8 @@ class Model(nn.Module):
     @classmethod
     def from_folder(cls, folder, dtype=torch.float32, device="cpu") -> "Model":
         folder = Path(folder)
-        model = cls(ModelConfig.from_folder(folder))
+        with torch.device(device):  # built where it runs, its weights then copied in
+            model = cls(ModelConfig.from_folder(folder))
         model.load_safetensors(folder)
         model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         model.rope.to(torch.float32, device)

@@ -48,8 +48,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def make_generator(seed: int | None) -> torch.Generator:
-    generator = torch.Generator()
-    generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    generator = torch.Generator()  # on the host, whatever the engine's device: draws are the same on every device
+    generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (), device="cpu").item()))
     return generator
 
 
@@ -57,7 +57,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token drawn from probs: [vocab] (non-negative, any positive total) with a uniform from `generator`.
     The law is torch.multinomial's; inverting the cumulative sum costs ~0.1 ms on a 49,152-token vocabulary on CPU,
     where multinomial costs ~1.2 ms."""
-    return inverse_cdf(probs, torch.rand((), dtype=torch.float64, generator=generator))
+    return inverse_cdf(probs, torch.rand((), dtype=torch.float64, generator=generator, device="cpu"))
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor | float) -> int:

@@ -5,6 +5,8 @@ rope theta 10000; see `serving.targets.build_tiny_model`.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -26,6 +28,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(num_threads)
+
+
+@pytest.fixture
+def device_unnamed_is_meta():
+    """A context manager: inside it a tensor made without naming its device lands on the meta device, which holds
+    no data, so code that forgot the engine's device fails on this CPU as it would on a GPU."""
+    @contextlib.contextmanager
+    def scope():
+        torch.set_default_device("meta")
+        try:
+            yield
+        finally:
+            torch.set_default_device(None)
+    return scope
 
 
 @pytest.fixture(scope="session")

@@ -77,6 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", type=int, default=64,
                    help="conversations answered at once while generating (the answers are the same at any concurrency, "
                         "stored in another order; 64 wrote them 3-8%% faster than 32)")
+    p.add_argument("--device", default="auto",
+                   help="where the target generates and is benched: auto (the first CUDA GPU when torch sees one, else "
+                        "the CPU), cpu, cuda or cuda:N; fits pick their accelerator themselves")
     p.add_argument("--full", action="store_true",
                    help="bench-full: every MT-bench question and HumanEval problem, greedy and temperature 0.7, "
                         "concurrency 1, 4 and 16 (hours on a CPU)")
@@ -115,7 +118,7 @@ def generate(args) -> Path:
     run_generate(GenerateConfig.from_options(dict(
         target=args.target, prompts="sharegpt", num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         layers="last,eagle3", turns="first", concurrency=args.concurrency, max_model_len=args.max_model_len,
-        out=str(out))))
+        device=args.device, out=str(out))))
     print(f"generate took {time.perf_counter() - t:.0f} s")
     return out
 
@@ -191,7 +194,7 @@ def bench(args, heads: dict) -> dict:
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k,
                                   confidence_threshold=CONFIDENCE_THRESHOLD, prompt_lookup_first=True)
                 for kind, folder in heads.items()]
-    engine = Engine(args.target, max_num_seqs=16)
+    engine = Engine(args.target, max_num_seqs=16, device=args.device)
     settings = [(0.0, 1)] + ([(0.0, 4), (0.0, 16), (0.7, 1), (0.7, 4), (0.7, 16)] if args.full else [])
     results = []
     for name, (prompts, categories) in bench_prompts(args).items():

@@ -23,10 +23,10 @@ class DraftModelDrafter:
                 raise ValueError(f"draft model {config.model} has another vocabulary than the target "
                                  f"({draft_fp['vocab_size']} tokens, hash {draft_fp['vocab_hash']} vs "
                                  f"{target_fp['vocab_size']}, {target_fp['vocab_hash']}): it must share the target's tokenizer")
-            self.model = Model.from_folder(folder, engine.dtype)
+            self.model = Model.from_folder(folder, engine.dtype, engine.device)
         c = self.model.config
         self.cache = KVCache(c.num_layers, engine.cache.num_blocks, engine.block_size, c.layer.num_kv_heads,
-                             c.layer.head_dim, engine.dtype)
+                             c.layer.head_dim, engine.dtype, engine.device)
         self.block_size = engine.block_size
         self.temperature = config.draft_temperature
         self.fed: dict[str, tuple[int, list[int]]] = {}  # request id -> (tokens before it all in the pool, drafts fed after)

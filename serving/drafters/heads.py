@@ -33,11 +33,13 @@ def make_head_drafter(engine, config):
                              "token_map applies to heads that read the target's LM head; train it with the map instead")
         hot = given
     if hot is not None:
+        hot = hot.to(engine.device)
         lm_head = PackedLinear(lm_head_rows(engine.model.lm_head, hot), weight_dtype)
     else:
         lm_head = engine.model.packed_lm_head(weight_dtype)
     parts.embed, parts.norm, parts.lm_head = engine.model.embed, engine.model.norm, lm_head
-    head = for_inference(head.bind_target(parts).to(engine.dtype).eval().requires_grad_(False), weight_dtype)
+    head = head.bind_target(parts).to(engine.device, engine.dtype).eval().requires_grad_(False)
+    head = for_inference(head, weight_dtype)
     kind = head.config.kind
     if kind != config.method:
         raise ValueError(f"{config.model} holds a head of kind {kind!r}, but the speculative config says method {config.method!r}: "
@@ -135,7 +137,7 @@ class MedusaDrafter:
         if not requests:
             return {}
         rows = [step.kept_rows(r)[0][-1] for r in requests]
-        logits = self.head(step.out.hidden[torch.tensor(rows)])  # [num_heads, requests, vocab]
+        logits = self.head(step.out.hidden[torch.tensor(rows, device=step.out.hidden.device)])  # [num_heads, requests, vocab]
         drafted = [_best(logits[i], self.hot, self.cut.temperature(i))
                    for i in range(max(budgets[r.request_id] for r in requests))]  # (ids, probs) per head
         leaves = _runners_up(logits[0], self.hot, self.num_leaves, self.cut.temperature(0), self.cut.threshold)
@@ -165,8 +167,9 @@ class FeatureDrafter:
         self.num_leaves = topk - 1
         self.leaves = {}  # request id -> the leaves beside its chain's first draft, this step
         layer = head.config.layer_config()
-        self.cache = KVCache(1, engine.cache.num_blocks, engine.block_size, layer.num_kv_heads, layer.head_dim, engine.dtype)
-        self.block_size = engine.block_size
+        self.cache = KVCache(1, engine.cache.num_blocks, engine.block_size, layer.num_kv_heads, layer.head_dim, engine.dtype,
+                             engine.device)
+        self.block_size, self.device = engine.block_size, engine.device
         self.num_lookahead = 1  # its K/V at position p depends on token p + 1
         self.aux_layers = tuple(head.config.aux_layers) if self.kind == "eagle3" else ()
         self.draft_probs = {}
@@ -211,8 +214,8 @@ class FeatureDrafter:
         self.newest = {}
         if not chunks:
             return
-        ids, positions, meta, _ = flatten(chunks, self.block_size)
-        out = self._forward(ids, self._features(step, torch.tensor(rows)), positions, meta)
+        ids, positions, meta, _ = flatten(chunks, self.block_size, self.device)
+        out = self._forward(ids, self._features(step, torch.tensor(rows, device=self.device)), positions, meta)
         self.newest = {rid: out[row] for rid, row in last.items()}  # [hidden] each
 
     @torch.inference_mode()
@@ -238,12 +241,12 @@ class FeatureDrafter:
             still = [j for j, n in enumerate(active) if kept[j] and budgets[requests[n].request_id] > s + 1]
             if not still:
                 break
-            features = features[torch.tensor(still)]
+            features = features[torch.tensor(still, device=self.device)]
             active = [active[j] for j in still]
             step_requests = [requests[n] for n in active]
             # The draft just made is the input at position num_tokens - 1 + s.
             ids, positions, meta, _ = flatten([([drafts[r.request_id][-1]], r.num_tokens - 1 + s, r.block_ids)
-                                               for r in step_requests], self.block_size)
+                                               for r in step_requests], self.block_size, self.device)
             features = self._forward(ids, features, positions, meta)
         return drafts
 
@@ -263,8 +266,8 @@ class MtpChainDrafter:
         self.head, self.depth, self.hot, self.cut = head, head.config.depth, hot, ChainCut(head, threshold)
         layer = head.config.layer_config()
         self.cache = KVCache(self.depth, engine.cache.num_blocks, engine.block_size, layer.num_kv_heads, layer.head_dim,
-                             engine.dtype)
-        self.block_size = engine.block_size
+                             engine.dtype, engine.device)
+        self.block_size, self.device = engine.block_size, engine.device
         self.num_lookahead = self.depth  # module j's K/V at position p depends on token p + j + 1
         self.aux_layers = ()
         self.draft_probs = {}
@@ -272,7 +275,8 @@ class MtpChainDrafter:
 
     def _run(self, j: int, chunks):
         """chunks: (token ids, first position, features [n, hidden], block table) -> outputs [n, hidden] each."""
-        ids, positions, meta, query_lens = flatten([(t, start, table) for t, start, _, table in chunks], self.block_size)
+        ids, positions, meta, query_lens = flatten([(t, start, table) for t, start, _, table in chunks], self.block_size,
+                                                   self.device)
         out = self.head.forward_module(j, ids, torch.cat([f for _, _, f, _ in chunks]), positions,
                                        PagedAttention(self.cache, meta))
         return out.split(query_lens)
@@ -326,7 +330,8 @@ class MtpChainDrafter:
         requests = [r for r in requests if r.request_id in drafts]
         if not requests:
             return drafts
-        outputs = {r.request_id: torch.empty(0, self.head.config.hidden_size, dtype=engine.dtype) for r in requests}
+        outputs = {r.request_id: torch.empty(0, self.head.config.hidden_size, dtype=engine.dtype, device=self.device)
+                   for r in requests}
         for s in range(1, max(budgets[r.request_id] for r in requests)):
             active, chunks = [], []
             for r in requests:

@@ -8,24 +8,24 @@ from serving.attention import PagedAttention, PagedMetadata
 from serving.sampler import sample
 
 
-def flatten(chunks, block_size: int):
+def flatten(chunks, block_size: int, device: torch.device):
     """chunks: (token ids, position of the first, block table) per sequence ->
-    (ids [num_tokens], positions [num_tokens], PagedMetadata, query lengths)."""
+    (ids [num_tokens], positions [num_tokens], PagedMetadata, query lengths), on `device`."""
     ids, positions, query_lens, context_lens = [], [], [], []
     for tokens, start, _ in chunks:
         ids.extend(tokens)
         positions.extend(range(start, start + len(tokens)))
         query_lens.append(len(tokens))
         context_lens.append(start + len(tokens))
-    meta = PagedMetadata.build(query_lens, context_lens, [table for _, _, table in chunks], block_size)
-    return torch.tensor(ids), torch.tensor(positions), meta, query_lens
+    meta = PagedMetadata.build(query_lens, context_lens, [table for _, _, table in chunks], block_size, device)
+    return torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta, query_lens
 
 
 def paged_forward(model, cache, block_size: int, chunks, num_layers=None):
     """chunks: (token ids, position of the first, block table) per sequence.
     Returns logits [num_chunks, vocab] at each chunk's last token."""
-    ids, positions, meta, query_lens = flatten(chunks, block_size)
-    last_rows = torch.tensor(query_lens).cumsum(0) - 1
+    ids, positions, meta, query_lens = flatten(chunks, block_size, cache.k.device)
+    last_rows = torch.tensor(query_lens, device=cache.k.device).cumsum(0) - 1
     return model(ids, positions, PagedAttention(cache, meta), last_rows, num_layers=num_layers).logits
 
 

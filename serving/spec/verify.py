@@ -31,7 +31,7 @@ def verify_sampled(probs: torch.Tensor, drafts: list[int], draft_probs: torch.Te
         p = probs[i]
         q_token = 1.0 if draft_probs is None else float(draft_probs[i, token])
         ratio = min(1.0, float(p[token]) / q_token) if q_token > 0 else 0.0
-        if float(torch.rand((), generator=generator)) < ratio:
+        if float(torch.rand((), generator=generator, device="cpu")) < ratio:
             continue
         if draft_probs is None:
             residual = p.clone()
@@ -63,7 +63,7 @@ def verify_sampled_leaves(probs: torch.Tensor, chain: list[int], leaves: list[in
         total = float(residual.sum())
         rest = total - float(residual[token])
         # rest <= 0: p is this token up to rounding, so rejecting it had probability ~0
-        if rest <= 0 or float(torch.rand((), generator=generator)) * total < float(residual[token]):
+        if rest <= 0 or float(torch.rand((), generator=generator, device="cpu")) * total < float(residual[token]):
             if i == 0:
                 accepted, emitted = verify_sampled(probs[1:1 + len(chain)], chain[1:], None, generator)
                 return None, 1 + accepted, [token] + emitted

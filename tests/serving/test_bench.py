@@ -93,6 +93,7 @@ def test_speculative_configs_on_the_command_line_replace_the_files_list(tmp_path
     ("speculative_config:\n  - {method: eagle}\n", "method 'eagle' needs \"model\": a head folder"),
     ("- 1\n", "must be a YAML mapping of option names to values"),
     ("target: [\n", "is not valid YAML"),
+    ("device: gpu0\n", "device='gpu0' is not a device: use auto, cpu, cuda or cuda:N"),
 ])
 def test_a_bad_bench_config_is_refused_by_key(tmp_path, capsys, text, message):
     config = tmp_path / "bench.yaml"

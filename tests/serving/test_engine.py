@@ -382,6 +382,38 @@ def test_captured_hidden_states_equal_hf(tiny_llama):
         torch.testing.assert_close(out.aux[layer], hf.hidden_states[layer][0])
 
 
+@pytest.mark.parametrize("device, message", [
+    ("gpu0", "device='gpu0' is not a device: use auto, cpu, cuda or cuda:N"),
+    ("meta", "device='meta': the engine runs on cpu or cuda"),
+    pytest.param("cuda", "device='cuda' but this torch build sees no CUDA GPU", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="a CUDA GPU is there")),
+])
+def test_a_device_the_engine_cannot_run_on_is_a_clear_error(tiny_llama, device, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tiny_engine(tiny_llama, device=device)
+
+
+def test_auto_device_is_the_gpu_when_torch_sees_one(tiny_llama):
+    assert tiny_engine(tiny_llama).device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_capture_names_its_device_and_keeps_states_in_host_memory(tiny_llama, device_unnamed_is_meta):
+    """Captured states go to a store: they are CPU tensors, equal with unnamed devices on meta (the check that every
+    tensor the engine makes names its device) to those of a run with the CPU by default."""
+    prompts = [random_prompt(n, 910 + n) for n in (5, 21, 40)]
+
+    def run():
+        engine = tiny_engine(tiny_llama, capture_hidden=True, aux_layers=(1, 3), max_num_batched_tokens=16, device="cpu")
+        return engine.generate(prompts, greedy(9))
+
+    expected = run()
+    with device_unnamed_is_meta():
+        got = run()
+    for out, ref in zip(got, expected):
+        assert out.token_ids == ref.token_ids and out.hidden.device.type == "cpu"
+        assert torch.equal(out.hidden, ref.hidden) and all(torch.equal(out.aux[i], ref.aux[i]) for i in (1, 3))
+
+
 # ---- bad input -----------------------------------------------------------------------------------------
 
 
@@ -497,7 +529,7 @@ def test_too_many_kv_blocks_is_a_clear_error_with_the_number_that_fits(tiny_llam
         tiny_engine(tiny_llama, num_blocks=10**12)
     fits = int(re.search(r"at most (\d+) blocks of 4 tokens fit", str(info.value)).group(1))
     bytes_per_block = KVCache.bytes_per_block(4, 4, 2, 16, torch.float32)
-    assert 0 < fits * bytes_per_block <= available_memory_bytes()
+    assert 0 < fits * bytes_per_block <= available_memory_bytes(torch.device("cpu"))
     with pytest.raises(ValueError, match=r"at most \d+ blocks"):
         tiny_engine(tiny_llama, num_blocks=None, kv_cache_memory_gib=10**6)
 

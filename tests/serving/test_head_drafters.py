@@ -317,6 +317,34 @@ def test_heads_with_leaves_reproduce_plain_greedy(kind, fixture, concurrency, he
     assert leaves and all(len(found) == 2 and first not in found for first, found in leaves)
 
 
+@pytest.mark.parametrize("kind, fixture, serve_mode", [*((k, f, None) for k, f in HEAD_CASES), ("mtp", "tiny_llama", "chain")],
+                         ids=[*(k for k, _ in HEAD_CASES), "mtp-chain"])
+def test_head_drafters_name_the_engines_device(kind, fixture, serve_mode, heads_root, request, device_unnamed_is_meta):
+    """Every tensor a head drafter makes is on the engine's device: run with unnamed devices on meta, greedy and
+    sampled requests with leaves and the cut draft, accept and emit what the same run does on the CPU by default
+    (a meta index into a CPU tensor reads garbage instead of failing, which only the drafts show)."""
+    folder = request.getfixturevalue(fixture)
+    if serve_mode:
+        head = perturb(heads.Mtp.from_target(target_parts(folder), depth=K, serve_mode=serve_mode), seed=12)
+        head_dir = heads.save(head, heads_root / f"mtp-{serve_mode}-{folder.name}")
+    else:
+        head_dir = random_head_dir(kind, folder, heads_root)
+    spec = dict(spec_config(kind, head_dir), confidence_threshold=0.001, first_draft_topk=1 if serve_mode else 2)
+    params = [greedy(12)] * 3 + [SamplingParams(max_tokens=12, temperature=0.8, seed=s, ignore_eos=True) for s in (1, 2)]
+
+    def run():
+        engine = make_engine(folder, spec, device="cpu")
+        proposals = record_proposals(engine)
+        outputs = [o.token_ids for o in engine.generate(PROMPTS[:5], params)]
+        return outputs, proposals, engine.speculator.stats.to_dict()
+
+    expected = run()
+    assert sum(len(p.drafts) for p in expected[1]) > 20, "the head barely drafted: the case tests nothing"
+    with device_unnamed_is_meta():
+        assert run() == expected
+    assert expected[0][:3] == [o[:12] for o in plain_outputs(folder, PROMPTS, MAX_TOKENS)[:3]]
+
+
 # ---- paged equals dense ----------------------------------------------------------------------------------
 
 

@@ -174,7 +174,7 @@ def test_paged_attention_kernel_matches_torch(num_heads, num_kv, head_dim):
 
     torch.manual_seed(num_heads * head_dim)
     block_size, query_lens, context_lens = 4, [1, 5, 16, 3, 1], [1, 37, 16, 200, 9]
-    cache = KVCache(2, 80, block_size, num_kv, head_dim, torch.float32)
+    cache = KVCache(2, 80, block_size, num_kv, head_dim, torch.float32, "cpu")
     cache.k.normal_()
     cache.v.normal_()
     order = torch.randperm(80).tolist()
@@ -183,7 +183,7 @@ def test_paged_attention_kernel_matches_torch(num_heads, num_kv, head_dim):
         count = -(-context // block_size)
         tables.append(order[used:used + count])
         used += count
-    meta = PagedMetadata.build(query_lens, context_lens, tables, block_size)
+    meta = PagedMetadata.build(query_lens, context_lens, tables, block_size, "cpu")
     tokens = sum(query_lens)
     q = torch.randn(tokens, num_heads + num_kv, head_dim)[:, :num_heads]  # strided, as the layer passes it
     k, v = torch.randn(tokens, num_kv, head_dim), torch.randn(tokens, num_kv, head_dim)
@@ -230,7 +230,7 @@ def test_leaves_attend_as_decode_steps_at_their_position():
     torch.manual_seed(0)
     block_size, num_heads, num_kv, head_dim = 4, 9, 3, 64
     query_len, context_len, num_leaves = 5, 43, 3
-    cache = KVCache(2, 40, block_size, num_kv, head_dim, torch.float32)
+    cache = KVCache(2, 40, block_size, num_kv, head_dim, torch.float32, "cpu")
     cache.k.normal_()
     cache.v.normal_()
     table = torch.randperm(40)[:-(-(context_len + num_leaves) // block_size)].tolist()
@@ -240,10 +240,10 @@ def test_leaves_attend_as_decode_steps_at_their_position():
 
     def attend(start, query_lens, context_lens, leaves, q, k, v, torch_path=False):
         """(outputs, the pool after the step) of a step from a copy of the pool `start`."""
-        pool = KVCache(2, 40, block_size, num_kv, head_dim, torch.float32)
+        pool = KVCache(2, 40, block_size, num_kv, head_dim, torch.float32, "cpu")
         pool.k.copy_(start.k)
         pool.v.copy_(start.v)
-        attention = PagedAttention(pool, PagedMetadata.build(query_lens, context_lens, [table], block_size, num_leaves=leaves))
+        attention = PagedAttention(pool, PagedMetadata.build(query_lens, context_lens, [table], block_size, "cpu", num_leaves=leaves))
         if attention.lib is None and not torch_path:
             pytest.skip("the kernels do not run here")
         if torch_path:

@@ -69,7 +69,7 @@ class PagedRun:
             self.tables.append(ids[start:start + n])
             start += n
         assert any(t != sorted(t) for t in self.tables)  # really non-contiguous
-        self.cache = KVCache(c.num_layers, num_blocks, block_size, c.layer.num_kv_heads, c.layer.head_dim, dtype)
+        self.cache = KVCache(c.num_layers, num_blocks, block_size, c.layer.num_kv_heads, c.layer.head_dim, dtype, "cpu")
         self.computed = [0] * len(seqs)
 
     def step(self, plan, logits_rows=None, **kwargs):
@@ -85,7 +85,7 @@ class PagedRun:
             tables.append(self.tables[s])
             where.append((s, list(range(start, start + n))))
             self.computed[s] += n
-        meta = PagedMetadata.build(query_lens, context_lens, tables, self.block_size)
+        meta = PagedMetadata.build(query_lens, context_lens, tables, self.block_size, "cpu")
         out = self.model(torch.cat(ids), torch.cat(positions), PagedAttention(self.cache, meta), logits_rows, **kwargs)
         return out, where
 

@@ -590,6 +590,40 @@ def test_set_speculative_config_switches_drafters_while_idle(tiny_llama):
         engine.set_speculative_config({"method": "ngram"})
 
 
+DEVICE_CASES = {
+    "plain": None,
+    "ngram": {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 3},
+    "draft_model-sampled": {"method": "draft_model", "model": "NOISY", "num_speculative_tokens": 3, "draft_temperature": 0.9},
+    "early_exit": {"method": "early_exit", "num_layers": 1, "num_speculative_tokens": 3},
+}
+
+
+@pytest.mark.parametrize("spec", DEVICE_CASES.values(), ids=DEVICE_CASES.keys())
+def test_the_engine_names_its_device(spec, tiny_llama, noisy_llama, device_unnamed_is_meta):
+    """Every tensor the engine and its drafters make is on the engine's device: with unnamed devices on meta, greedy,
+    sampled, penalised and logprob requests under preemption and chunked prefill give the tokens, logprobs and
+    acceptance of the same run with the CPU by default."""
+    if spec and spec.get("model") == "NOISY":
+        spec = dict(spec, model=str(noisy_llama))
+    sc = SCENARIOS["preempt"]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, **extra) for extra in
+              ({}, {"temperature": 0.8, "seed": 1}, {"temperature": 1.0, "top_p": 0.9, "seed": 2},
+               {"repetition_penalty": 1.3}, {"logprobs": True}, {"temperature": 0.7, "top_k": 20, "seed": 3}, {}, {})]
+
+    def run():
+        engine = make_engine(tiny_llama, spec, num_blocks=-(-sc["pool_tokens"] // 16), max_model_len=sc["max_model_len"],
+                             max_num_batched_tokens=24, device="cpu")
+        outputs = engine.generate(sc["prompts"], params)
+        stats = engine.speculator.stats.to_dict() if engine.speculator else None
+        return [(o.token_ids, o.logprobs) for o in outputs], stats, sum(o.metrics["num_preemptions"] for o in outputs)
+
+    expected = run()
+    assert expected[2] > 0, "no preemption: the pool is too roomy"
+    assert spec is None or expected[1]["spec_decode_num_draft_tokens"] > 20
+    with device_unnamed_is_meta():
+        assert run() == expected
+
+
 def test_speculation_and_capture_are_exclusive(tiny_llama):
     with pytest.raises(ValueError, match="capture_hidden and speculative decoding cannot be combined"):
         make_engine(tiny_llama, {"method": "ngram"}, capture_hidden=True)
@@ -602,8 +636,8 @@ def reference_kv(model, tokens, block_size):
     """K and V [num_layers, len(tokens), kv_heads, head_dim] of the real sequence, from one dense-order pass."""
     c = model.config
     num_blocks = -(-len(tokens) // block_size)
-    cache = KVCache(c.num_layers, num_blocks, block_size, c.layer.num_kv_heads, c.layer.head_dim, torch.float32)
-    meta = PagedMetadata.build([len(tokens)], [len(tokens)], [list(range(num_blocks))], block_size)
+    cache = KVCache(c.num_layers, num_blocks, block_size, c.layer.num_kv_heads, c.layer.head_dim, torch.float32, "cpu")
+    meta = PagedMetadata.build([len(tokens)], [len(tokens)], [list(range(num_blocks))], block_size, "cpu")
     model(torch.tensor(tokens), torch.arange(len(tokens)), PagedAttention(cache, meta), torch.tensor([len(tokens) - 1]))
     return cache.k[:, :len(tokens)], cache.v[:, :len(tokens)]
 

@@ -238,6 +238,8 @@ def test_bad_options_say_what_to_do(tmp_path):
         generate(GenerateConfig(prompts="p", out=str(tmp_path / "o"), target="debug", aux_layers="1,2,9"))
     with pytest.raises(ValueError, match="num_prompts=0 is invalid: it must be >= 1, or null for all"):
         GenerateConfig(prompts="p", out="o", num_prompts=0)
+    with pytest.raises(ValueError, match="device='tpu' is not a device: use auto, cpu, cuda or cuda:N"):
+        GenerateConfig(prompts="p", out="o", device="tpu")
 
 
 def test_a_run_whose_every_prompt_is_too_long_says_so(tmp_path):

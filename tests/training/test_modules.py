@@ -68,12 +68,12 @@ def test_unrolled_step_s_is_the_engines_draft_s_plus_1(kind, tiny_llama):
         for b in range(batch_size):
             length = int(padding_mask[b].sum())
             for t in range(length - 1):
-                cache = KVCache(1, len(table), block_size, layer.num_kv_heads, layer.head_dim, torch.float32)
-                meta = PagedMetadata.build([t + 1], [t + 1], [table], block_size)
+                cache = KVCache(1, len(table), block_size, layer.num_kv_heads, layer.head_dim, torch.float32, "cpu")
+                meta = PagedMetadata.build([t + 1], [t + 1], [table], block_size, "cpu")
                 drafted = step(input_ids[b, 1:t + 2], features[b, :t + 1], torch.arange(t + 1), PagedAttention(cache, meta))[-1:]
                 torch.testing.assert_close(drafted[0], outs[0][b, t], atol=1e-5, rtol=1e-5)
                 for s in range(1, min(num_steps, length - 1 - t)):
-                    meta = PagedMetadata.build([1], [t + s + 1], [table], block_size)
+                    meta = PagedMetadata.build([1], [t + s + 1], [table], block_size, "cpu")
                     drafted = step(input_ids[b, t + s + 1:t + s + 2], drafted, torch.tensor([t + s]), PagedAttention(cache, meta))
                     torch.testing.assert_close(drafted[0], outs[s][b, t], atol=1e-5, rtol=1e-5, msg=f"step {s}, anchor {t}")
 

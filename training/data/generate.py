@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from serving import targets
 from serving.attention import KVCache
 from serving.config_file import add_options, merge_options
-from serving.engine import DTYPES, Engine
+from serving.engine import DTYPES, Engine, resolve_device
 from serving.model import ModelConfig
 from serving.prompts import load_prompts
 from serving.request import SamplingParams
@@ -48,6 +48,7 @@ HELP = {
     "max_num_batched_tokens": "tokens per engine step; longer prompts are prefilled in chunks",
     "shard_size": "examples per shard of hidden states; a shard is the unit of commit and resume",
     "dtype": "the target's compute dtype (hidden states are stored in bfloat16)",
+    "device": "where the target runs: auto (the first CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N",
     "out": "the store folder; rerunning into it resumes",
 }
 
@@ -70,8 +71,10 @@ class GenerateConfig:
     max_num_batched_tokens: int = 512
     shard_size: int = 64
     dtype: str = "float32"
+    device: str = "auto"
 
     def __post_init__(self):
+        resolve_device(self.device)  # a bad device fails before anything loads
         self.layers = tuple(_listed(self.layers))
         if self.aux_layers is not None:
             self.aux_layers = tuple(int(i) for i in _listed(self.aux_layers))
@@ -240,7 +243,7 @@ class Generation:
         self.engine = Engine(config.target, dtype=config.dtype, max_num_seqs=config.concurrency,
                              max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
                              kv_cache_memory_gib=kv_cache_gib(self.folder, config), capture_hidden=True,
-                             aux_layers=self.aux_layers)
+                             aux_layers=self.aux_layers, device=config.device)
         self.tokenizer = self.engine.tokenizer
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError(f"target {config.target} has no tokenizer with a chat template: generate renders chat prompts")
