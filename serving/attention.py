@@ -90,7 +90,8 @@ class _Batched:
     def mask(self) -> torch.Tensor | None:
         """[B, Qmax, Cmax]; None when every row may see every key (decode at equal lengths). A leaf sees the keys up
         to its sequence's first query row and its own."""
-        limit = torch.zeros(len(self.short), self.max_q, dtype=torch.long, device="cpu")  # last key position each row may see
+        # the last key position each row may see
+        limit = torch.zeros(len(self.short), self.max_q, dtype=torch.long, device="cpu")
         own_keys = []  # (sequence, row, key) of each leaf's own key
         for i, (_, query_len, context_len, _, leaves) in enumerate(self.short):
             limit[i, :query_len] = torch.arange(context_len - query_len, context_len, device="cpu")
@@ -131,7 +132,8 @@ class PagedMetadata:
             num_blocks = -(-(context_len + leaves) // block_size)
             if len(table) < num_blocks:
                 raise ValueError(f"a block table of {len(table)} blocks cannot hold {context_len + leaves} tokens of {block_size}")
-            slots = (torch.tensor(table[:num_blocks], dtype=torch.long, device="cpu")[:, None] * block_size + offsets).flatten()
+            blocks = torch.tensor(table[:num_blocks], dtype=torch.long, device="cpu")
+            slots = (blocks[:, None] * block_size + offsets).flatten()
             leaf_slots, slots = slots[context_len:context_len + leaves], slots[:context_len]
             slot_parts.append(slots[context_len - query_len:])
             if leaves:
@@ -141,7 +143,8 @@ class PagedMetadata:
                 if query_len == context_len:
                     singles.append(_Single(start, start + query_len, None, None))
                 else:
-                    mask = torch.ones(query_len, context_len, dtype=torch.bool, device="cpu").tril(context_len - query_len)[None]
+                    mask = torch.ones(query_len, context_len, dtype=torch.bool, device="cpu")
+                    mask = mask.tril(context_len - query_len)[None]
                     singles.append(_Single(start, start + query_len, slots.to(device), mask.to(device)))
             else:
                 short.append((start, query_len, context_len, torch.cat([slots, leaf_slots]) if leaves else slots, leaves))

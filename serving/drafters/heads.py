@@ -137,7 +137,8 @@ class MedusaDrafter:
         if not requests:
             return {}
         rows = [step.kept_rows(r)[0][-1] for r in requests]
-        logits = self.head(step.out.hidden[torch.tensor(rows, device=step.out.hidden.device)])  # [num_heads, requests, vocab]
+        hidden = step.out.hidden[torch.tensor(rows, device=step.out.hidden.device)]
+        logits = self.head(hidden)  # [num_heads, requests, vocab]
         drafted = [_best(logits[i], self.hot, self.cut.temperature(i))
                    for i in range(max(budgets[r.request_id] for r in requests))]  # (ids, probs) per head
         leaves = _runners_up(logits[0], self.hot, self.num_leaves, self.cut.temperature(0), self.cut.threshold)
