@@ -111,6 +111,14 @@ def new_head(kind, parts, seed, *, draft_vocab=None, own_lm_head=False):
     raise AssertionError(kind)
 
 
+def chain_mtp(folder, depth):
+    """A new MTP head for the target in `folder` served as a chain (module j drafts token j + 1), seeded: a test's
+    head must not depend on what the tests before it drew."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return heads.Mtp.from_target(target_parts(folder), depth=depth, serve_mode="chain")
+
+
 @torch.no_grad()
 def perturb(head, seed):
     """Random weights everywhere, on the scale of a fresh init: Medusa's zero-initialised blocks, EAGLE-3's
@@ -325,7 +333,7 @@ def test_head_drafters_name_the_engines_device(kind, fixture, serve_mode, heads_
     (a meta index into a CPU tensor reads garbage instead of failing, which only the drafts show)."""
     folder = request.getfixturevalue(fixture)
     if serve_mode:
-        head = perturb(heads.Mtp.from_target(target_parts(folder), depth=K, serve_mode=serve_mode), seed=12)
+        head = perturb(chain_mtp(folder, K), seed=12)
         head_dir = heads.save(head, heads_root / f"mtp-{serve_mode}-{folder.name}")
     else:
         head_dir = random_head_dir(kind, folder, heads_root)
@@ -743,14 +751,14 @@ def test_more_medusa_drafts_than_heads_is_a_clear_error(tiny_llama, heads_root):
 
 
 def test_mtp_chain_mode_is_a_clear_error(tiny_llama, tmp_path):
-    head = heads.Mtp.from_target(target_parts(tiny_llama), depth=2, serve_mode="chain")
+    head = chain_mtp(tiny_llama, 2)
     head_dir = heads.save(head, tmp_path / "mtp-chain")
     with pytest.raises(ValueError, match="reuse_first"):
         make_engine(tiny_llama, spec_config("mtp", head_dir))
 
 
 def test_leaves_beside_an_mtp_chain_are_a_clear_error(tiny_llama, tmp_path):
-    head = heads.Mtp.from_target(target_parts(tiny_llama), depth=2, serve_mode="chain")
+    head = chain_mtp(tiny_llama, 2)
     head_dir = heads.save(head, tmp_path / "mtp-chain")
     with pytest.raises(ValueError, match="first_draft_topk applies to MTP heads with serve_mode 'reuse_first'"):
         make_engine(tiny_llama, dict(spec_config("mtp", head_dir, k=2), first_draft_topk=2))
@@ -780,7 +788,7 @@ def dense_chain_drafts(head, states, tokens, num_drafts):
 
 @pytest.mark.parametrize("concurrency, num_blocks", [(1, 64), (8, 48)])
 def test_mtp_chain_drafts_equal_dense_chain_and_outputs_equal_plain(tiny_llama, heads_root, concurrency, num_blocks):
-    head = perturb(heads.Mtp.from_target(target_parts(tiny_llama), depth=K, serve_mode="chain"), seed=13)
+    head = perturb(chain_mtp(tiny_llama, K), seed=13)
     head_dir = str(heads.save(head, heads_root / "mtp-chain"))
     prompts = random_prompts([5, 23, 9, 40, 3, 17, 31, 12][:concurrency], seed=45)
     engine = make_engine(tiny_llama, spec_config("mtp", head_dir), num_blocks=num_blocks, max_num_batched_tokens=24)
@@ -808,7 +816,7 @@ def test_speculators_reused_across_switches_draft_as_the_dense_reference(tiny_ll
     alike (the token after a block is part of its key), so had a switch kept the prefix cache, one would draft
     from blocks the other's pool wrote. Every proposal equals the dense reference, every output plain greedy
     decoding's."""
-    chain = perturb(heads.Mtp.from_target(target_parts(tiny_llama), depth=K, serve_mode="chain"), seed=13)
+    chain = perturb(chain_mtp(tiny_llama, K), seed=13)
     dirs = {"eagle": random_head_dir("eagle", tiny_llama, heads_root),
             "eagle3": random_head_dir("eagle3", tiny_llama, heads_root),
             "mtp": str(heads.save(chain, heads_root / "mtp-chain-reused"))}
@@ -843,7 +851,7 @@ def test_speculators_reused_across_switches_draft_as_the_dense_reference(tiny_ll
 
 
 def test_mtp_chain_refuses_more_drafts_than_modules(tiny_llama, heads_root):
-    head = heads.Mtp.from_target(target_parts(tiny_llama), depth=2, serve_mode="chain")
+    head = chain_mtp(tiny_llama, 2)
     head_dir = str(heads.save(head, heads_root / "mtp-chain-2"))
     with pytest.raises(ValueError, match="exceeds this MTP head's depth 2"):
         make_engine(tiny_llama, spec_config("mtp", head_dir, k=3))
@@ -942,7 +950,7 @@ def test_confidence_is_the_heads_probability_of_its_draft_at_a_temperature():
 
 def test_mtp_chain_with_a_confidence_threshold_cuts_the_chain_where_its_probability_falls_below_it(
         tiny_llama, heads_root, monkeypatch):
-    head = perturb(heads.Mtp.from_target(target_parts(tiny_llama), depth=K, serve_mode="chain"), seed=13)
+    head = perturb(chain_mtp(tiny_llama, K), seed=13)
     head.config.confidence_temperatures = list(TEMPERATURES)
     head_dir = str(heads.save(head, heads_root / "mtp-chain-threshold"))
     threshold = median_confidence(tiny_llama, head_dir, "mtp", monkeypatch)
