@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -205,6 +206,16 @@ def test_offline_and_online_batches_give_the_same_loss(kind, debug_store):
     assert math.isclose(metrics["offline"]["val/loss"], metrics["online"]["val/loss"], rel_tol=1e-4)
     assert math.isclose(metrics["offline"]["val/tau"], metrics["online"]["val/tau"], abs_tol=1e-4)
     assert math.isclose(metrics["offline"]["val/tau_walk"], metrics["online"]["val/tau_walk"], abs_tol=1e-4)
+
+
+def test_online_target_is_built_on_the_device_lightning_moves_the_module_to(debug_store):
+    """The target's packed layers cannot move once built for the CPU kernels, so setup builds it on the strategy's
+    device (meta here, standing for a GPU) instead of the module's device before the move (the CPU)."""
+    module = MedusaModule(target="debug", num_heads=2, num_draft_tokens=2)
+    data = DraftDataModule(str(debug_store), target="debug", mode="online", batch_size=4)
+    module.trainer = SimpleNamespace(datamodule=data, strategy=SimpleNamespace(root_device=torch.device("meta")))
+    module.setup("fit")
+    assert {p.device.type for p in module.target_model.parameters()} == {"meta"}
 
 
 def test_length_batches_reshuffle_per_epoch_group_lengths_and_resume_mid_epoch():

@@ -158,7 +158,9 @@ class DraftModule(LightningModule):
         if getattr(datamodule, "mode", "offline") == "online" and self.target_model is None:
             from serving.model import Model
 
-            model = Model.from_folder(self.target_folder, DTYPES[self.hparams.target_dtype], self.device)
+            # Built where Lightning is about to move this module: the CPU kernels' layers cannot move once packed.
+            device = self.trainer.strategy.root_device
+            model = Model.from_folder(self.target_folder, DTYPES[self.hparams.target_dtype], device)
             object.__setattr__(self, "target_model", model)
 
     def _apply(self, fn, *args, **kwargs):
