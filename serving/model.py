@@ -113,8 +113,7 @@ class Model(nn.Module):
         with torch.device(device):  # built where it runs, its weights then copied in
             model = cls(ModelConfig.from_folder(folder))
         model.load_safetensors(folder)
-        model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-        model.rope.to(torch.float32, device)
+        model.to(dtype=dtype).eval().requires_grad_(False)  # the rope tables stay float32
         for_inference(model.layers)
         model.norm = FusedRMSNorm(model.norm)
         model.logits_head = PackedLinear(model.lm_head)  # a packed copy for forward; the embedding stays as it is
