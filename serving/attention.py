@@ -48,16 +48,20 @@ class _Single:
 
 
 class _Batched:
-    """The sequences with short queries, attended as one padded batch of B sequences. The C kernel reads `seqs`
-    and `key_slots`, built with the step; torch's path also reads the padded row indices and mask, built the
-    first time it asks (per-step metadata costs more than a draft layer's arithmetic)."""
+    """The sequences with short queries or tree rows, attended as one padded batch of B sequences. A sequence's rows
+    are its query rows (causal: query row i sees keys 0 .. context - query rows + i, in table order), then its tree
+    rows: each sees the whole context, then the keys of its path (its ancestors' slots and its own, in position
+    order), so it reads the keys a decode step at its position would, in the same order.
+
+    The C kernel reads `seqs`, `key_slots` and `paths`, built with the step; torch's path reads the padded row
+    indices, its own key list and mask, built the first time it asks (per-step metadata costs more than a draft
+    layer's arithmetic)."""
 
     def __init__(self, short, device):
-        # short: (first row, query rows, context length, slots [context + leaves], leaves); a sequence's rows are its
-        # query rows, then its leaves (PagedMetadata.build)
+        # short: (first row, query rows, context length, slots [context], paths: a slot list per tree row)
         self.short, self.device = short, device
-        self.max_q = max(q + leaves for _, q, _, _, leaves in short)
-        self.max_c = max(c + leaves for _, _, c, _, leaves in short)
+        self.max_q = max(q + len(paths) for _, q, _, _, paths in short)
+        self.max_c = max(c for _, _, c, _, _ in short)
         if len(short) == 1:
             key_slots = short[0][3]
         else:
@@ -65,20 +69,31 @@ class _Batched:
             for i, (_, _, _, slots, _) in enumerate(short):
                 key_slots[i, :len(slots)] = slots
         self.key_slots = key_slots.flatten().to(device)  # [B * Cmax], for index_select
-        # [B, 4] (first row in the flat batch, query rows, context length, leaves)
-        self.seqs = torch.tensor([(start, q, c, leaves) for start, q, c, _, leaves in short], device=device)
+        all_paths = [path for *_, paths in short for path in paths]
+        self.path_stride = 1 + max(map(len, all_paths), default=0)
+        table = torch.zeros(max(len(all_paths), 1), self.path_stride, dtype=torch.long, device="cpu")
+        for n, path in enumerate(all_paths):
+            table[n, 0] = len(path)
+            table[n, 1:1 + len(path)] = torch.tensor(path, dtype=torch.long)
+        self.paths = table.to(device)  # [tree rows, 1 + longest path]: each row's path length, then its slots
+        first_paths = [0]
+        for *_, paths in short:
+            first_paths.append(first_paths[-1] + len(paths))
+        # [B, 5] (first row in the flat batch, query rows, context length, tree rows, first tree row in `paths`)
+        self.seqs = torch.tensor([(start, q, c, len(paths), first_paths[i])
+                                  for i, (start, q, c, _, paths) in enumerate(short)], device=device)
 
     @functools.cached_property
     def query_index(self) -> torch.Tensor:
         """[B, Qmax] rows of the flat batch (padding repeats a valid row)."""
-        index = torch.tensor([list(range(start, start + q + leaves)) + [start] * (self.max_q - q - leaves)
-                              for start, q, _, _, leaves in self.short], device="cpu")
+        index = torch.tensor([list(range(start, start + q + len(paths))) + [start] * (self.max_q - q - len(paths))
+                              for start, q, _, _, paths in self.short], device="cpu")
         return index.to(self.device)
 
     @functools.cached_property
     def valid(self) -> torch.Tensor:
         """[B * Qmax] bool: which padded rows are real."""
-        num_rows = self.seqs[:, 1:2].cpu() + self.seqs[:, 3:4].cpu()
+        num_rows = torch.tensor([[q + len(paths)] for _, q, _, _, paths in self.short], device="cpu")
         return (torch.arange(self.max_q, device="cpu")[None] < num_rows).flatten().to(self.device)
 
     @functools.cached_property
@@ -87,28 +102,36 @@ class _Batched:
         return self.query_index.flatten()[self.valid]
 
     @functools.cached_property
+    def torch_keys(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """torch's path: ([B * K] key slots, each sequence's context then the slots its tree rows add, padded;
+        [B, Qmax, K] mask, or None when every row may see every key)."""
+        tails = [list(dict.fromkeys(slot for path in paths for slot in path)) for *_, paths in self.short]
+        num_keys = max(c + len(tail) for (_, _, c, _, _), tail in zip(self.short, tails))
+        keys = torch.zeros(len(self.short), num_keys, dtype=torch.long, device="cpu")
+        mask = torch.zeros(len(self.short), self.max_q, num_keys, dtype=torch.bool, device="cpu")
+        for i, ((_, q, c, slots, paths), tail) in enumerate(zip(self.short, tails)):
+            keys[i, :c] = slots
+            keys[i, c:c + len(tail)] = torch.tensor(tail, dtype=torch.long)
+            mask[i, :q] = torch.arange(num_keys)[None] <= torch.arange(c - q, c)[:, None]
+            where = {slot: c + n for n, slot in enumerate(tail)}
+            for t, path in enumerate(paths):
+                mask[i, q + t, :c] = True
+                mask[i, q + t, [where[slot] for slot in path]] = True
+            mask[i, q + len(paths):, 0] = True  # padding rows see one key, so that their softmax stays finite
+        return keys.flatten().to(self.device), None if bool(mask.all()) else mask.to(self.device)
+
+    @property
     def mask(self) -> torch.Tensor | None:
-        """[B, Qmax, Cmax]; None when every row may see every key (decode at equal lengths). A leaf sees the keys up
-        to its sequence's first query row and its own."""
-        # the last key position each row may see
-        limit = torch.zeros(len(self.short), self.max_q, dtype=torch.long, device="cpu")
-        own_keys = []  # (sequence, row, key) of each leaf's own key
-        for i, (_, query_len, context_len, _, leaves) in enumerate(self.short):
-            limit[i, :query_len] = torch.arange(context_len - query_len, context_len, device="cpu")
-            limit[i, query_len:query_len + leaves] = context_len - query_len
-            own_keys += [(i, query_len + j, context_len + j) for j in range(leaves)]
-        mask = torch.arange(self.max_c, device="cpu")[None, None, :] <= limit[:, :, None]
-        if own_keys:
-            mask[tuple(torch.tensor(own_keys, device="cpu").T)] = True
-        return None if bool(mask.all()) else mask.to(self.device)
+        return self.torch_keys[1]
 
     @functools.cached_property
     def key_range(self) -> tuple[int, int] | None:
         """(first slot, count) when a lone sequence's keys lie in consecutive slots (concurrency 1, usually): its
         keys are then a view of the pool."""
-        first = int(self.key_slots[0])
-        if len(self.short) == 1 and bool((self.key_slots == torch.arange(first, first + self.max_c, device=self.device)).all()):
-            return first, self.max_c
+        keys = self.torch_keys[0]
+        first = int(keys[0])
+        if len(self.short) == 1 and bool((keys == torch.arange(first, first + len(keys), device=self.device)).all()):
+            return first, len(keys)
         return None
 
 
@@ -119,27 +142,25 @@ class PagedMetadata:
     batched: _Batched | None
 
     @classmethod
-    def build(cls, query_lens, context_lens, block_tables, block_size, device, num_leaves=None):
-        """query_lens[i] tokens of sequence i are scheduled; context_lens[i] = tokens with K/V after this step.
-        num_leaves[i] more rows follow them: drafts that branch off the sequence's first scheduled token (at the
-        position after it), each in the slot after the last before it. A leaf sees the keys up to that first token
-        and its own, in position order, so it is attended as a decode step at its position would be."""
+    def build(cls, query_lens, context_lens, block_tables, block_size, device, tree_paths=None):
+        """query_lens[i] tokens of sequence i are scheduled, causal; context_lens[i] = its keys in table order
+        after this step (its last query row is key context - 1). tree_paths[i], when given, has one list per
+        further row of sequence i (a draft tree's nodes): the pool slots of the keys that row sees after the
+        context, in position order, its own last (where its K/V is written)."""
         slot_parts, singles, short = [], [], []
         start = 0
         offsets = torch.arange(block_size, device="cpu")  # metadata is built on the host, then moved
         for i, (query_len, context_len, table) in enumerate(zip(query_lens, context_lens, block_tables)):
-            leaves = num_leaves[i] if num_leaves else 0
-            num_blocks = -(-(context_len + leaves) // block_size)
+            paths = tree_paths[i] if tree_paths else []
+            num_blocks = -(-context_len // block_size)
             if len(table) < num_blocks:
-                raise ValueError(f"a block table of {len(table)} blocks cannot hold {context_len + leaves} tokens of {block_size}")
+                raise ValueError(f"a block table of {len(table)} blocks cannot hold {context_len} tokens of {block_size}")
             blocks = torch.tensor(table[:num_blocks], dtype=torch.long, device="cpu")
-            slots = (blocks[:, None] * block_size + offsets).flatten()
-            leaf_slots, slots = slots[context_len:context_len + leaves], slots[:context_len]
+            slots = (blocks[:, None] * block_size + offsets).flatten()[:context_len]
             slot_parts.append(slots[context_len - query_len:])
-            if leaves:
-                slot_parts.append(leaf_slots)
-            if query_len > MAX_BATCHED_QUERY_LEN:
-                assert not leaves, "leaves branch off a short query"
+            if paths:
+                slot_parts.append(torch.tensor([path[-1] for path in paths], dtype=torch.long))
+            if query_len > MAX_BATCHED_QUERY_LEN and not paths:
                 if query_len == context_len:
                     singles.append(_Single(start, start + query_len, None, None))
                 else:
@@ -147,8 +168,8 @@ class PagedMetadata:
                     mask = mask.tril(context_len - query_len)[None]
                     singles.append(_Single(start, start + query_len, slots.to(device), mask.to(device)))
             else:
-                short.append((start, query_len, context_len, torch.cat([slots, leaf_slots]) if leaves else slots, leaves))
-            start += query_len + leaves
+                short.append((start, query_len, context_len, slots, paths))
+            start += query_len + len(paths)
         slot_mapping = slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts)
         return cls(slot_mapping.to(device), singles, _Batched(short, device) if short else None)
 
@@ -168,7 +189,8 @@ class PagedAttention:
             self.attend = self.lib.paged_attention
             self.layer_bytes = k[0].numel() * k.element_size()
             self.pools = (k.data_ptr(), cache.v.data_ptr())
-            self.batched_args = (b.seqs.data_ptr(), len(b.seqs), b.key_slots.data_ptr(), len(b.key_slots) // len(b.seqs))
+            self.batched_args = (b.seqs.data_ptr(), len(b.seqs), b.key_slots.data_ptr(), len(b.key_slots) // len(b.seqs),
+                                 b.paths.data_ptr(), b.path_stride)
             self.new_args = (meta.slot_mapping.data_ptr(), len(meta.slot_mapping))
 
     def __call__(self, layer_idx, q, k, v):
@@ -219,7 +241,8 @@ class PagedAttention:
 
     @staticmethod
     def _gather(k_pool, v_pool, b: _Batched):
-        shape = (b.query_index.shape[0], -1, *k_pool.shape[1:])  # [B, Cmax, kv_heads, head_dim]
+        shape = (b.query_index.shape[0], -1, *k_pool.shape[1:])  # [B, keys, kv_heads, head_dim]
         if b.key_range is not None:
             return k_pool.narrow(0, *b.key_range).view(shape), v_pool.narrow(0, *b.key_range).view(shape)
-        return k_pool.index_select(0, b.key_slots).view(shape), v_pool.index_select(0, b.key_slots).view(shape)
+        keys = b.torch_keys[0]
+        return k_pool.index_select(0, keys).view(shape), v_pool.index_select(0, keys).view(shape)

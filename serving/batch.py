@@ -19,41 +19,52 @@ class Batch:
     logits_rows: torch.Tensor  # [num_logits_rows] rows of the flat batch whose logits are needed
     logits_start: list[int]  # per request: its first row in the logits, or -1 when its chunk ends mid-prompt
     token_start: list[int]  # per request: its first row in the flat batch
+    num_tree_rows: list[int]  # per request: its draft tree's nodes, the last rows of its chunk
 
     @classmethod
     def build(cls, scheduled: list[tuple[Request, int]], block_size: int, device) -> "Batch":
-        """A request whose chunk reaches the end of its tokens needs logits for its last 1 + drafts rows
-        (the target's next token after its last real token, and one per draft to verify)."""
+        """A request whose chunk reaches the end of its tokens needs logits for its last 1 + drafts rows (the
+        target's next token after its last real token, and one per node of its draft tree). Node i of the tree
+        computes in the slot after the real tokens and nodes 0 .. i - 1, at position (newest token's) + its depth,
+        and sees the real tokens and its path (DESIGN.md, "Trees")."""
         ids, positions, logits_rows, logits_start, token_start = [], [], [], [], []
-        query_lens, context_lens, tables, num_leaves = [], [], [], []
+        query_lens, context_lens, tables, tree_paths, num_tree_rows = [], [], [], [], []
         row = 0
         for request, num in scheduled:
             start = request.num_computed_tokens
-            tokens = request.token_ids + request.spec_token_ids if request.spec_token_ids else request.token_ids
-            ids.extend(tokens[start:start + num])
-            leaves = request.spec_num_leaves  # the last drafts, each one position after the first row
-            assert not leaves or start + num == len(tokens), "a step schedules all of a request's drafts or none"
-            positions.extend(range(start, start + num - leaves))
-            positions.extend([start + 1] * leaves)
+            tree = request.spec_tree
+            ids.extend((request.token_ids + list(tree.tokens))[start:start + num] if tree else request.token_ids[start:start + num])
+            num_real = num - len(tree) if tree else num
+            assert not tree or start + num_real == request.num_tokens, "a step schedules all of a request's drafts or none"
+            context = start + num_real
+            positions.extend(range(start, context))
+            paths = []
+            if tree:
+                positions.extend(context - 1 + d for d in tree.depths)
+                slot = lambda node: (request.block_ids[(context + node) // block_size] * block_size
+                                     + (context + node) % block_size)
+                paths = [[slot(n) for n in tree.path(i)] for i in range(len(tree))]
             token_start.append(row)
-            if start + num == len(tokens):
-                num_logits = 1 + len(request.spec_token_ids)
+            if context == request.num_tokens:
+                num_logits = 1 + len(tree)
                 logits_start.append(len(logits_rows))
                 logits_rows.extend(range(row + num - num_logits, row + num))
             else:
                 logits_start.append(-1)
-            query_lens.append(num - leaves)
-            context_lens.append(start + num - leaves)
+            query_lens.append(num_real)
+            context_lens.append(context)
             tables.append(request.block_ids)
-            num_leaves.append(leaves)
+            tree_paths.append(paths)
+            num_tree_rows.append(len(paths))
             row += num
         return cls(
             requests=[r for r, _ in scheduled],
             num_scheduled=[n for _, n in scheduled],
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
-            meta=PagedMetadata.build(query_lens, context_lens, tables, block_size, device, num_leaves),
+            meta=PagedMetadata.build(query_lens, context_lens, tables, block_size, device, tree_paths),
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
             logits_start=logits_start,
             token_start=token_start,
+            num_tree_rows=num_tree_rows,
         )

@@ -112,9 +112,9 @@ class Engine:
         # A drafter's pool holds nothing for blocks cached so far, and a feature drafter's K/V at the last
         # slot of a block depends on the token after it.
         self.block_manager.reset_prefix_cache()
-        self.block_manager.num_lookahead = getattr(self.speculator and self.speculator.drafter, "num_lookahead", 0)
+        self.block_manager.num_lookahead = self.speculator.drafter.num_lookahead if self.speculator else 0
         if not self.capture_hidden:
-            self.aux_layers = self.speculator.aux_layers if self.speculator else ()
+            self.aux_layers = self.speculator.drafter.aux_layers if self.speculator else ()
 
     @functools.cached_property
     def fingerprint(self) -> dict:
@@ -184,9 +184,10 @@ class Engine:
             return []
         batch = Batch.build(scheduled.scheduled, self.block_size, self.device)
         out = self.model(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.meta), batch.logits_rows,
-                         return_hidden=self.capture_hidden or bool(self.speculator and self.speculator.needs_hidden), aux_layers=self.aux_layers)
+                         return_hidden=self.capture_hidden or bool(self.speculator and self.speculator.drafter.needs_hidden),
+                         aux_layers=self.aux_layers)
         self.num_steps += 1
-        finished, num_accepted, kept_leaves = [], {}, {}
+        finished, accepted_paths = [], {}
         best = argmax(out.logits) if out.logits is not None else []  # one call for the whole batch
         for i, (request, num) in enumerate(scheduled.scheduled):
             if self.capture_hidden:
@@ -195,8 +196,8 @@ class Engine:
             request.num_computed_tokens += num
             row = batch.logits_start[i]
             if row >= 0 and not request.finish_reason:
-                rows = slice(row, row + 1 + len(request.spec_token_ids))
-                self._emit(request, out.logits[rows], best[rows], num_accepted, kept_leaves)
+                rows = slice(row, row + 1 + len(request.spec_tree))
+                self._emit(request, out.logits[rows], best[rows], accepted_paths)
             self.block_manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
             # A capturing request runs one more step over its last token, so every token has its hidden state.
             is_capture_pending = self.capture_hidden and request.num_computed_tokens < request.num_tokens
@@ -208,26 +209,23 @@ class Engine:
                 if self.speculator:
                     self.speculator.reset(request)
         if self.speculator:
-            self.speculator.propose(self, StepOutputs(batch, out, num_accepted, kept_leaves))
+            self.speculator.propose(self, StepOutputs(batch, out, accepted_paths))
         return finished
 
-    def _emit(self, request: Request, logits: torch.Tensor, best: list[int], num_accepted: dict, kept_leaves: dict) -> None:
-        """logits: [1 + drafts, vocab]; best: each row's argmax. Plain decoding samples one token; speculation
-        verifies and rolls back, noting the drafts accepted and the row of an accepted leaf."""
+    def _emit(self, request: Request, logits: torch.Tensor, best: list[int], accepted_paths: dict) -> None:
+        """logits: [1 + draft nodes, vocab]; best: each row's argmax. Plain decoding samples one token; speculation
+        verifies and rolls back, noting the accepted path."""
         is_decode = request.num_output_tokens > 0
         if self.speculator is None or not self.speculator.can_speculate(request):
             token, logprob = next_token(logits[0], request, self.generators.get(request.request_id), best[0])
             self._append(request, [token], [logprob])
             return
-        num_drafts = len(request.spec_token_ids) - request.spec_num_leaves
-        accepted, tokens, leaf_row = self.speculator.verify(self, request, logits, best)
-        if leaf_row is not None:
-            kept_leaves[request.request_id] = leaf_row
+        tree, path, tokens = self.speculator.verify(self, request, logits, best)
         num_before = request.num_tokens
         self._append(request, tokens, [None] * len(tokens))
-        num_accepted[request.request_id] = accepted
+        accepted_paths[request.request_id] = path
         if is_decode:
-            self.speculator.record(request, num_drafts, accepted, request.num_tokens - num_before)
+            self.speculator.record(request, tree, path, request.num_tokens - num_before)
 
     def _append(self, request: Request, tokens: list[int], logprobs: list) -> None:
         """Appends emitted tokens, stopping at the first that ends the request."""

@@ -126,20 +126,21 @@ static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-/* Attention of short queries (decode, verify) over keys read in place from the paged pool, after writing this
- * step's new keys and values (num_new rows of k_new / v_new, strides in floats, into slots new_slots) to it.
- * q: [tokens, heads, dim] with q_stride floats from token to token; out: [tokens, heads, dim]; k_pool, v_pool:
- * [slots, kv_heads, dim]; seqs: [num_seqs][4] = (first query row, query rows, context length, leaves); slots:
- * [num_seqs][slot_stride] key slots in position order, then one per leaf. Query row i of a sequence sees keys
- * 0 .. context - rows + i. Leaf j, the row after the query rows and the leaves before it, is an alternative to the
- * query's second token: it sees keys 0 .. context - rows and then its own slot in place of that token's, so its sum
- * runs over the keys a decode step at its position would read, in the same order.
- * One task per (sequence, kv head) holds its group's rows and streams the keys once, in blocks of 8, with an
- * online softmax. dim must be a multiple of 8. */
+/* Attention of short queries (decode, verify) and draft-tree rows over keys read in place from the paged pool,
+ * after writing this step's new keys and values (num_new rows of k_new / v_new, strides in floats, into slots
+ * new_slots) to it. q: [tokens, heads, dim] with q_stride floats from token to token; out: [tokens, heads, dim];
+ * k_pool, v_pool: [slots, kv_heads, dim]; seqs: [num_seqs][5] = (first row, query rows, context length, tree rows,
+ * first tree row in paths); slots: [num_seqs][slot_stride] the context's key slots in position order; paths:
+ * [tree rows][path_stride] = (path length, then the path's slots in position order).
+ * Query row i of a sequence sees keys 0 .. context - rows + i. Tree row t, after the query rows, sees the whole
+ * context and then its path (its ancestors' slots and its own), so its sum runs over the keys a decode step at its
+ * position would read, in the same order and in the same blocks of 8: a node's output is the one that step gives.
+ * One task per (sequence, kv head) holds its group's rows and streams the shared keys once, in blocks of 8, with
+ * an online softmax. dim must be a multiple of 8. */
 void paged_attention(const float *q, long q_stride, float *out, float *k_pool, float *v_pool, const float *k_new,
                      long k_stride, const float *v_new, long v_stride, const long *new_slots, long num_new,
-                     const long *seqs, long num_seqs, const long *slots, long slot_stride, long heads, long kv_heads,
-                     long dim, float scale) {
+                     const long *seqs, long num_seqs, const long *slots, long slot_stride, const long *paths,
+                     long path_stride, long heads, long kv_heads, long dim, float scale) {
     long row = kv_heads * dim;
     for (long t = 0; t < num_new; t++) {
         memcpy(k_pool + new_slots[t] * row, k_new + t * k_stride, row * sizeof(float));
@@ -149,35 +150,44 @@ void paged_attention(const float *q, long q_stride, float *out, float *k_pool, f
     #pragma omp parallel for collapse(2) schedule(dynamic)
     for (long b = 0; b < num_seqs; b++) {
         for (long h = 0; h < kv_heads; h++) {
-            long first = seqs[4 * b], rows = seqs[4 * b + 1], context = seqs[4 * b + 2], n = (rows + seqs[4 * b + 3]) * group;
-            long branch = context - rows + 1;  /* the position the leaves stand at */
+            const long *seq = seqs + 5 * b;
+            long first = seq[0], rows = seq[1], context = seq[2], tree = seq[3];
+            const long *tree_paths = paths + seq[4] * path_stride;
+            long n = (rows + tree) * group, num_keys = context;
+            for (long t = 0; t < tree; t++)
+                if (context + tree_paths[t * path_stride] > num_keys) num_keys = context + tree_paths[t * path_stride];
             const long *sl = slots + b * slot_stride;
             float *buf = malloc(sizeof(float) * (2 * n * dim + 2 * n));
             float *qs = buf, *acc = buf + n * dim, *m = acc + n * dim, *l = m + n;
-            for (long r = 0; r < n; r++) {  /* r = i * group + g: query row i, head h * group + g */
+            for (long r = 0; r < n; r++) {  /* r = i * group + g: row i, head h * group + g */
                 const float *src = q + (first + r / group) * q_stride + (h * group + r % group) * dim;
                 for (long d = 0; d < dim; d++) { qs[r * dim + d] = src[d] * scale; acc[r * dim + d] = 0.0f; }
                 m[r] = -INFINITY; l[r] = 0.0f;
             }
-            for (long c0 = 0; c0 < context; c0 += 8) {
-                const float *kr[8], *vr[8];
+            for (long c0 = 0; c0 < num_keys; c0 += 8) {
+                const float *kr[8], *vr[8];  /* the context's keys of this block, shared by every row */
                 for (int j = 0; j < 8; j++) {
                     long c = c0 + j < context ? c0 + j : context - 1;
-                    kr[j] = k_pool + (sl[c] * kv_heads + h) * dim;
-                    vr[j] = v_pool + (sl[c] * kv_heads + h) * dim;
+                    long slot = c >= 0 ? sl[c] : 0;  /* a tree pass may have no context: then nothing reads these */
+                    kr[j] = k_pool + (slot * kv_heads + h) * dim;
+                    vr[j] = v_pool + (slot * kv_heads + h) * dim;
                 }
                 for (long r = 0; r < n; r++) {
-                    long i = r / group, leaf = i - rows;  /* leaf >= 0: the row of a leaf */
-                    long visible = (leaf < 0 ? context - rows + i : branch) + 1 - c0;  /* keys of this block row r sees */
+                    long i = r / group, t = i - rows;  /* t >= 0: tree row t */
+                    const long *path = t >= 0 ? tree_paths + t * path_stride : 0;
+                    long visible = (t < 0 ? context - rows + i + 1 : context + path[0]) - c0;  /* keys of this block r sees */
                     if (visible <= 0) continue;
-                    const float **krow = kr, **vrow = vr, *kl[8], *vl[8];
-                    if (leaf >= 0 && branch - c0 < 8) {  /* this block holds the leaf's own key */
-                        memcpy(kl, kr, sizeof kl);
-                        memcpy(vl, vr, sizeof vl);
-                        kl[branch - c0] = k_pool + (sl[context + leaf] * kv_heads + h) * dim;
-                        vl[branch - c0] = v_pool + (sl[context + leaf] * kv_heads + h) * dim;
-                        krow = kl;
-                        vrow = vl;
+                    const float **krow = kr, **vrow = vr, *kp[8], *vp[8];
+                    if (t >= 0 && c0 + 8 > context) {  /* the block reaches into this row's path */
+                        for (int j = 0; j < 8; j++) {
+                            long c = c0 + j, k = c - context;
+                            if (k < 0) { kp[j] = kr[j]; vp[j] = vr[j]; continue; }
+                            long slot = path[1 + (k < path[0] ? k : path[0] - 1)];
+                            kp[j] = k_pool + (slot * kv_heads + h) * dim;
+                            vp[j] = v_pool + (slot * kv_heads + h) * dim;
+                        }
+                        krow = kp;
+                        vrow = vp;
                     }
                     __m256 a[8];
                     for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();

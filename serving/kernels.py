@@ -37,7 +37,7 @@ SIGNATURES = {
     "gemm_panels_bf16": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long],
     "rms_norm": [_ptr, _long, _long, _ptr, _float, _ptr, _long, _long],
     "paged_attention": [_ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _ptr, _long, _ptr, _long, _ptr, _long, _ptr, _long,
-                        _long, _long, _long, _float],
+                        _ptr, _long, _long, _long, _long, _float],
     "argmax_rows": [_ptr, _long, _long, _long, _ptr],
 }
 

@@ -5,6 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from serving.spec.tree import DraftTree
+
 
 @dataclass
 class SamplingParams:
@@ -82,8 +84,9 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence in the engine. `token_ids` holds the prompt then every emitted token;
     `num_computed_tokens` of them have their K/V in the cache (the last emitted token never does
-    until the next step computes it). `spec_token_ids` are drafts scheduled behind it for verification: a chain,
-    then `spec_num_leaves` leaves, alternatives to the chain's first draft."""
+    until the next step computes it). `spec_tree` holds the drafts scheduled behind it for verification, a token
+    tree whose nodes follow the last token in topological order; `spec_token_ids` are its tokens (setting a list
+    schedules them as a chain)."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids=()):
         self.request_id = request_id
@@ -96,8 +99,7 @@ class Request:
         self.num_cached_tokens = 0  # prefix-cache hits at the last admission
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []
-        self.spec_token_ids: list[int] = []
-        self.spec_num_leaves = 0
+        self.spec_tree = DraftTree()
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.logprobs: list[float] = []
@@ -110,8 +112,16 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def spec_token_ids(self) -> list[int]:
+        return list(self.spec_tree.tokens)
+
+    @spec_token_ids.setter
+    def spec_token_ids(self, tokens: list[int]) -> None:
+        self.spec_tree = DraftTree.chain(tokens)
+
+    @property
     def num_tokens_with_spec(self) -> int:
-        return len(self.token_ids) + len(self.spec_token_ids)
+        return len(self.token_ids) + len(self.spec_tree)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from serving.blocks import BlockManager
 from serving.request import Request, RequestStatus
+from serving.spec.tree import DraftTree
 
 
 @dataclass
@@ -60,6 +61,9 @@ class Scheduler:
         while index < len(self.running) and num_budget_tokens > 0:
             request = self.running[index]
             num_new = min(self._num_wanted(request), num_budget_tokens)
+            if request.spec_tree and num_new < self._num_wanted(request):
+                request.spec_tree = DraftTree()  # a tree is verified whole or not at all
+                num_new = min(self._num_wanted(request), num_budget_tokens)
             while not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -74,7 +78,7 @@ class Scheduler:
         while (self.waiting and num_budget_tokens > 0 and len(self.running) < self.max_num_seqs
                and not output.preempted):
             request = self.waiting[0]
-            assert request.num_computed_tokens == 0 and not request.spec_token_ids
+            assert request.num_computed_tokens == 0 and not request.spec_tree
             request.num_computed_tokens = request.num_cached_tokens = self.block_manager.get_computed_tokens(request)
             num_new = min(self._num_wanted(request), num_budget_tokens)
             if not self.block_manager.allocate_slots(request, num_new):
@@ -90,24 +94,37 @@ class Scheduler:
             num_budget_tokens -= num_new
         return output
 
-    def fit_drafts(self, request: Request, num_drafts: int) -> int:
-        """How many of `num_drafts` drafts the running `request` can carry this step: those that fit
-        in the token budget and the free blocks left once every running request, with the drafts it
-        already holds, is served. Speculation never preempts or delays another request."""
-        assert request.status is RequestStatus.RUNNING, f"request {request.request_id} is not running"
-        num_base = request.num_tokens - request.num_computed_tokens
+    def draft_budgets(self, requests: list[Request], max_drafts: int) -> dict[str, int]:
+        """How many draft nodes each of `requests` (running, in running order) can carry next step, in one pass:
+        those that fit in the token budget and the free blocks left once every running request, with the drafts it
+        already holds, is served, each request's grant counted against the next one's. Speculation never preempts
+        or delays another request."""
         num_spare_tokens = self.max_num_batched_tokens
         num_spare_blocks = self.block_manager.num_free_blocks
+        cut = set()  # requests whose chunk does not reach the end: they verify nothing
         for other in self.running:
-            num_wanted = num_base if other is request else self._num_wanted(other)
+            num_wanted = self._num_wanted(other)
             num_new = min(num_wanted, num_spare_tokens)
-            if other is request and num_new < num_base:
-                return 0  # a prefill chunk that does not reach the end verifies nothing
+            if num_new < num_wanted:
+                cut.add(other.request_id)
             num_spare_tokens -= num_new
             num_spare_blocks -= self.block_manager.num_new_blocks(other, num_new)
-        num_blocks = len(request.block_ids) + self.block_manager.num_new_blocks(request, num_base) + max(0, num_spare_blocks)
-        num_spare_slots = num_blocks * self.block_manager.block_size - request.num_tokens
-        return max(0, min(num_drafts, num_spare_tokens, num_spare_slots, self.max_model_len - request.num_tokens))
+        budgets = {}
+        for request in requests:
+            assert request.status is RequestStatus.RUNNING, f"request {request.request_id} is not running"
+            if request.request_id in cut:
+                budgets[request.request_id] = 0
+                continue
+            num_base = request.num_tokens - request.num_computed_tokens
+            num_blocks = (len(request.block_ids) + self.block_manager.num_new_blocks(request, num_base)
+                          + max(0, num_spare_blocks))
+            num_spare_slots = num_blocks * self.block_manager.block_size - request.num_tokens
+            num = max(0, min(max_drafts, num_spare_tokens, num_spare_slots, self.max_model_len - request.num_tokens))
+            budgets[request.request_id] = num
+            num_spare_tokens -= num
+            num_spare_blocks -= (self.block_manager.num_new_blocks(request, num_base + num)
+                                 - self.block_manager.num_new_blocks(request, num_base))
+        return budgets
 
     def finish(self, request: Request, reason: str) -> None:
         (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
@@ -122,7 +139,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
-        request.spec_token_ids, request.spec_num_leaves = [], 0
+        request.spec_tree = DraftTree()
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -1,12 +1,6 @@
-"""Drafters propose tokens for the target to verify. One interface:
-
-- `propose(engine, requests, budgets, step) -> {request_id: [token ids]}`: at most `budgets[request_id]`
-  drafts for each request, which has just emitted its last token (K/V computed for all but that one).
-  `step` is the target pass that just ran (`StepOutputs`), for drafters that read its hidden states.
-- `draft_probs: {request_id: [num_drafts, vocab]}` for drafters that sample (the q of rejection sampling);
-  absent means the drafts are deterministic.
-- `reset(request)`: forget a request (finished or preempted).
-"""
+"""Drafters propose token trees for the target to verify, behind one interface (`serving.drafters.base.Drafter`), one
+drafter per file: ngram.py (prompt lookup), draft_model.py, early_exit.py, medusa.py, eagle.py (EAGLE-1, EAGLE-3,
+MTP reusing its first module), mtp.py (MTP, one module per draft), lookup_first.py (prompt lookup, then a head)."""
 from __future__ import annotations
 
 from serving.spec.config import SpeculativeConfig
@@ -25,7 +19,7 @@ def make_drafter(engine, config: SpeculativeConfig):
         from serving.drafters.early_exit import EarlyExitDrafter
 
         return EarlyExitDrafter(engine, config)
-    from serving.drafters.heads import make_head_drafter
+    from serving.drafters.head import make_head_drafter
 
     drafter = make_head_drafter(engine, config)
     if config.prompt_lookup_first:

@@ -8,11 +8,13 @@ import torch
 
 from serving import targets
 from serving.attention import KVCache
+from serving.drafters.base import Drafter
 from serving.drafters.runner import num_reusable, paged_forward, pick
 from serving.model import Model
+from serving.spec.tree import DraftTree
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     def __init__(self, engine, config):
         folder = targets.resolve(config.model)
         if folder == engine.folder:
@@ -30,9 +32,9 @@ class DraftModelDrafter:
         self.block_size = engine.block_size
         self.temperature = config.draft_temperature
         self.fed: dict[str, tuple[int, list[int]]] = {}  # request id -> (tokens before it all in the pool, drafts fed after)
-        self.draft_probs = {}
 
     def propose(self, engine, requests, budgets, step=None):
+        budgets = {rid: min(budget) for rid, budget in budgets.items()}  # a chain
         chunks, starts = [], []
         for r in requests:
             start, fed = self.fed.get(r.request_id, (0, []))
@@ -59,13 +61,12 @@ class DraftModelDrafter:
                 break
             chunks = [([drafts[requests[j].request_id][-1]], starts[j] + i, requests[j].block_ids) for j in active]
             logits = paged_forward(self.model, self.cache, self.block_size, chunks)
+        trees = {}
         for r, start in zip(requests, starts):
             rid = r.request_id
             self.fed[rid] = (start, drafts[rid][:-1])
-            if probs[rid]:
-                self.draft_probs[rid] = torch.stack(probs[rid])
-        return drafts
+            trees[rid] = DraftTree.chain(drafts[rid], torch.stack(probs[rid]) if probs[rid] else None)
+        return trees
 
     def reset(self, request):
         self.fed.pop(request.request_id, None)
-        self.draft_probs.pop(request.request_id, None)

@@ -5,18 +5,20 @@ target's pool, written by the verify pass: nothing to catch up. Drafting writes 
 and the drafts into the same slots the next verify pass overwrites with identical or corrected values."""
 from __future__ import annotations
 
+from serving.drafters.base import Drafter
 from serving.drafters.runner import paged_forward
+from serving.spec.tree import DraftTree
 
 
-class EarlyExitDrafter:
+class EarlyExitDrafter(Drafter):
     def __init__(self, engine, config):
         num_target_layers = engine.model.config.num_layers
         if config.num_layers >= num_target_layers:
             raise ValueError(f"early_exit num_layers={config.num_layers} must be below the target's {num_target_layers} layers")
         self.num_layers = config.num_layers
-        self.draft_probs = {}
 
     def propose(self, engine, requests, budgets, step=None):
+        budgets = {rid: min(budget) for rid, budget in budgets.items()}  # a chain
         drafts = {r.request_id: [] for r in requests}
         chunks = [([r.token_ids[-1]], r.num_tokens - 1, r.block_ids) for r in requests]
         active = list(requests)
@@ -28,7 +30,4 @@ class EarlyExitDrafter:
             chunks = [([drafts[r.request_id][-1]], r.num_tokens + i, r.block_ids) for r in active]
             if not active:
                 break
-        return drafts
-
-    def reset(self, request):
-        pass
+        return {rid: DraftTree.chain(chain) for rid, chain in drafts.items()}

@@ -1,6 +1,6 @@
 """A head that drafts by prompt lookup first: where the sequence's last n tokens occurred before (n from
 prompt_lookup_max down to prompt_lookup_min, as the ngram drafter), the tokens that followed are the chain;
-the head drafts only for the requests where the lookup finds nothing.
+the head drafts (its tree, when it drafts one) only for the requests where the lookup finds nothing.
 
 The two fail in different places. Lookup proposes long runs that are accepted whole when the answer copies
 earlier text (code, names, lists) and nothing elsewhere; a head trained on little data predicts one or two tokens
@@ -9,27 +9,26 @@ every kept token each step, so it can draft at the next step whichever drafted t
 """
 from __future__ import annotations
 
+from serving.drafters.base import Drafter
+from serving.drafters.ngram import NgramDrafter
 
-class LookupFirst:
-    def __init__(self, lookup, head):
+
+class LookupFirst(Drafter):
+    """Prompt lookup's chain where the sequence's last tokens occurred before, the head's tree elsewhere."""
+
+    def __init__(self, lookup: NgramDrafter, head: Drafter):
         self.lookup, self.head = lookup, head
-        self.aux_layers = head.aux_layers
-        self.num_lookahead = getattr(head, "num_lookahead", 0)
-        self.draft_probs = head.draft_probs  # both draft deterministically: always empty
-        self.leaves = {}
+        self.needs_hidden, self.aux_layers, self.num_lookahead = head.needs_hidden, head.aux_layers, head.num_lookahead
 
     def observe(self, engine, step):
-        if hasattr(self.head, "observe"):
-            self.head.observe(engine, step)
+        self.head.observe(engine, step)
 
     def propose(self, engine, requests, budgets, step):
-        drafts = self.lookup.propose(engine, requests, budgets)
-        rest = [r for r in requests if not drafts[r.request_id]]
-        self.leaves = {}  # a lookup chain has none
+        trees = self.lookup.propose(engine, requests, budgets)
+        rest = [r for r in requests if not trees[r.request_id]]
         if rest:
-            drafts.update(self.head.propose(engine, rest, budgets, step))
-            self.leaves = getattr(self.head, "leaves", {})
-        return drafts
+            trees.update(self.head.propose(engine, rest, budgets, step))
+        return trees
 
     def reset(self, request):
         self.head.reset(request)

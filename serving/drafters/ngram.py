@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from serving.drafters.base import Drafter
+from serving.spec.tree import DraftTree
 
-class NgramDrafter:
+
+class NgramDrafter(Drafter):
     def __init__(self, config):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
-        self.draft_probs = {}
 
     def propose(self, engine, requests, budgets, step=None):
-        return {r.request_id: self.lookup(r.token_ids, budgets[r.request_id]) for r in requests}
+        return {r.request_id: DraftTree.chain(self.lookup(r.token_ids, min(budgets[r.request_id])))
+                for r in requests}
 
     def lookup(self, tokens: list[int], num_drafts: int) -> list[int]:
         num_tokens = len(tokens)
@@ -28,6 +31,3 @@ class NgramDrafter:
             start = int(full[-1] if len(full) else starts[0])  # the latest full run, else the longest partial
             return tokens[start + n:start + n + num_drafts]
         return []
-
-    def reset(self, request):
-        pass

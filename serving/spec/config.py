@@ -5,8 +5,6 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from serving.attention import MAX_BATCHED_QUERY_LEN
-
 METHODS = ("ngram", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp")
 NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp")
 HEADS = ("medusa", "eagle", "eagle3", "mtp")  # trained draft heads: they read the target's hidden states
@@ -42,10 +40,18 @@ class SpeculativeConfig:
     # tokens occurred before, and by the head where they did not. A 1-token suffix nearly always occurred before
     # and takes steps from the head for little, hence a default minimum of 2 here.
     prompt_lookup_first: bool = False
-    # medusa/eagle/eagle3/mtp: verify the head's first_draft_topk most likely first drafts, the chain going on from
-    # the first and each other as a leaf in a row of its own (a tree: as SGLang's speculative_eagle_topk at the first
-    # step only). With confidence_threshold a leaf is verified only where its probability reaches it.
-    first_draft_topk: int = 1
+    # medusa/eagle/eagle3/mtp: draft a token tree, EAGLE-2's dynamic tree (SGLang's speculative_eagle_topk,
+    # speculative_num_draft_tokens; num_speculative_tokens is its speculative_num_steps): for num_speculative_tokens
+    # depths expand the topk most likely children of the topk best nodes so far, each node scored by the product of
+    # the head's probabilities along its path, then keep the num_draft_tokens - 1 best nodes. topk 1 is a chain.
+    topk: int = 1
+    # the tree's size counting the verified newest token, as SGLang's (default: num_speculative_tokens + 1 for a
+    # chain, num_speculative_tokens * topk + 1 for a tree)
+    num_draft_tokens: int | None = None
+    # medusa: a static tree, as Medusa's medusa_choices: paths of top-k ranks of its heads, e.g. [[0], [0, 0], [1],
+    # [0, 1]] (node [0, 1]: head 1's second most likely token after head 0's most likely one); every path's
+    # prefixes listed too.
+    medusa_choices: list | None = None
     # any method: no drafts in a step where more than this many requests are running (as vLLM's): past a few
     # sequences a step is no longer bound by reading the weights once, and every verified draft costs compute.
     # Drafters with a pool of their own still catch up every step.
@@ -85,19 +91,49 @@ class SpeculativeConfig:
                 raise ValueError(f"draft_weights applies to {', '.join(HEADS)} heads, not {self.method!r}")
             if self.draft_weights not in DRAFT_WEIGHTS:
                 raise ValueError(f"draft_weights={self.draft_weights!r} must be one of {', '.join(DRAFT_WEIGHTS)}")
-        if not isinstance(self.first_draft_topk, int) or self.first_draft_topk < 1:
-            raise ValueError(f"first_draft_topk={self.first_draft_topk!r} must be an integer >= 1 (1: a chain alone)")
-        if self.first_draft_topk > 1 and self.method not in HEADS:
-            raise ValueError(f"first_draft_topk applies to {', '.join(HEADS)} heads, not {self.method!r}")
-        if self.first_draft_topk > 1 and 1 + self.num_speculative_tokens > MAX_BATCHED_QUERY_LEN:
-            raise ValueError(f"first_draft_topk > 1 needs num_speculative_tokens <= {MAX_BATCHED_QUERY_LEN - 1} (leaves branch off "
-                             f"a chain verified as one short query), got {self.num_speculative_tokens}")
+        self._check_tree()
         if self.disable_by_batch_size is not None and (not isinstance(self.disable_by_batch_size, int)
                                                        or self.disable_by_batch_size < 1):
             raise ValueError(f"disable_by_batch_size={self.disable_by_batch_size!r} must be an integer >= 1 "
                              "(leave it unset to draft at every batch size)")
         if self.draft_temperature is not None and self.draft_temperature < 0:
             raise ValueError(f"draft_temperature={self.draft_temperature} must be >= 0")
+
+    def _check_tree(self) -> None:
+        k = self.num_speculative_tokens
+        if not isinstance(self.topk, int) or isinstance(self.topk, bool) or self.topk < 1:
+            raise ValueError(f"topk={self.topk!r} must be an integer >= 1 (1: a chain)")
+        if (self.topk > 1 or self.medusa_choices is not None) and self.method not in HEADS:
+            raise ValueError(f"draft trees (topk, medusa_choices) apply to {', '.join(HEADS)} heads, not {self.method!r}: "
+                             "it drafts a chain")
+        if self.medusa_choices is not None:
+            if self.method != "medusa":
+                raise ValueError(f"medusa_choices applies to medusa heads, not {self.method!r}: use topk and "
+                                 "num_draft_tokens for a dynamic tree")
+            if self.topk > 1:
+                raise ValueError("give either medusa_choices (a static tree) or topk (a dynamic one), not both")
+            self.medusa_choices = check_medusa_choices(self.medusa_choices, k)
+        if self.num_draft_tokens is None:
+            self.num_draft_tokens = (1 + len(self.medusa_choices) if self.medusa_choices is not None
+                                     else 1 + k * self.topk)
+        n = self.num_draft_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 2:
+            raise ValueError(f"num_draft_tokens={n!r} must be an integer >= 2 (it counts the verified newest token, "
+                             "as SGLang's)")
+        most = len(self.medusa_choices) if self.medusa_choices is not None else self.topk + (k - 1) * self.topk ** 2
+        if self.medusa_choices is None and n < k + 1:
+            raise ValueError(f"num_draft_tokens={n} cannot hold a path of num_speculative_tokens={k} drafts: it counts "
+                             f"the verified newest token as SGLang's does, so set num_draft_tokens >= {k + 1} or draft "
+                             f"fewer tokens")
+        if n - 1 > most:
+            raise ValueError(f"num_draft_tokens={n} asks for {n - 1} draft nodes but the tree has {most} candidates at most "
+                             f"({'its medusa_choices' if self.medusa_choices is not None else f'topk={self.topk} over {k} depths'}):"
+                             f" set num_draft_tokens <= {most + 1}")
+
+    @property
+    def max_draft_nodes(self) -> int:
+        """The most draft nodes a step verifies for one request."""
+        return self.num_draft_tokens - 1
 
     @classmethod
     def from_json(cls, text: str | dict) -> "SpeculativeConfig":
@@ -116,11 +152,38 @@ class SpeculativeConfig:
         return cls(**values)
 
     def label(self) -> str:
-        """The method, prompt lookup first with its shortest suffix, the first draft's top k, the confidence
+        """The method, prompt lookup first with its shortest suffix, the tree (topk and size, or Medusa's choices), the confidence
         threshold and the batch size that turns drafting off when set, and float32 draft weights: a bench row's
         name."""
         label = self.method + (f"+lookup{self.prompt_lookup_min}" if self.prompt_lookup_first else "")
-        label += f" top{self.first_draft_topk}" if self.first_draft_topk > 1 else ""
+        if self.medusa_choices is not None:
+            label += f" choices{len(self.medusa_choices)}"
+        elif self.topk > 1:
+            label += f" top{self.topk} n{self.num_draft_tokens}"
         label += f" p>={self.confidence_threshold:g}" if self.confidence_threshold else ""
         label += f" batch<={self.disable_by_batch_size}" if self.disable_by_batch_size else ""
         return label + (f" ({self.draft_weights} weights)" if self.draft_weights == "float32" else "")
+
+
+def check_medusa_choices(choices, max_depth: int) -> list[tuple[int, ...]]:
+    """Medusa's static tree: a list of paths of top-k ranks, each path's prefixes listed too; returned in topological
+    order (by length, then as listed)."""
+    example = "e.g. [[0], [1], [0, 0], [0, 1]]"
+    if not isinstance(choices, (list, tuple)) or not choices:
+        raise ValueError(f"medusa_choices={choices!r} must be a non-empty list of paths of ranks, {example}")
+    paths = []
+    for path in choices:
+        if (not isinstance(path, (list, tuple)) or not path
+                or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path)):
+            raise ValueError(f"medusa_choices: {path!r} is not a path of ranks (a non-empty list of integers >= 0), {example}")
+        paths.append(tuple(path))
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"medusa_choices lists a path twice: {sorted(p for p in set(paths) if paths.count(p) > 1)[0]}")
+    known = set(paths)
+    for path in paths:
+        if len(path) > 1 and path[:-1] not in known:
+            raise ValueError(f"medusa_choices has {list(path)} but not its parent {list(path[:-1])}: list every prefix")
+        if len(path) > max_depth:
+            raise ValueError(f"medusa_choices has {list(path)} of depth {len(path)} but num_speculative_tokens is "
+                             f"{max_depth}: raise num_speculative_tokens to the deepest path's length")
+    return sorted(paths, key=len)

@@ -1,9 +1,12 @@
 """Acceptance counts, as DESIGN.md "Measuring acceptance" defines them.
 
-For every verify step with d drafts, positions 1..d: `proposed_i` (d >= i), `reached_i` (every draft
-before i accepted), `accepted_i`. Conditional acceptance is accepted_i / reached_i, survival is
-accepted_i / steps that carried drafts (vLLM's per-position rate), the acceptance rate is sum(accepted) / sum(proposed), and the mean acceptance
-length tau is emitted tokens / verify steps (1.0 for plain decoding).
+Positions are tree depths. For every verify step whose tree reaches depth d, positions 1..d: `proposed_i` (the
+tree reaches depth i), `reached_i` (the accepted path reached depth i - 1 at a node with children, so depth i was
+tried), `accepted_i` (the accepted path reaches depth i). Conditional acceptance is accepted_i / reached_i, survival
+is accepted_i / steps that carried drafts (vLLM's per-position rate), the acceptance rate is sum(accepted) / draft
+nodes verified (every node of every tree counts), rows per step is 1 + draft nodes per verify step, and the mean
+acceptance length tau is emitted tokens / verify steps (1.0 for plain decoding). A chain of d drafts is the tree
+whose depths are 1..d.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ class AcceptanceStats:
         self.num_steps = 0
         self.num_emitted = 0
         self.num_drafts = 0  # steps that carried at least one draft (vLLM's spec_decode_num_drafts)
+        self.num_draft_tokens = 0  # draft nodes verified (vLLM's spec_decode_num_draft_tokens)
         self.proposed = [0] * num_positions
         self.reached = [0] * num_positions
         self.accepted = [0] * num_positions
@@ -21,24 +25,28 @@ class AcceptanceStats:
         for counts in (self.proposed, self.reached, self.accepted):
             counts.extend([0] * (size - len(counts)))
 
-    def record(self, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
-        """One verify step: `num_drafts` proposed, the first `num_accepted` accepted, `num_emitted` tokens kept."""
-        self._grow(num_drafts)
+    def record(self, tree, path: list[int], num_emitted: int) -> None:
+        """One verify step: `tree` (a serving.spec.tree.DraftTree) proposed, `path` accepted, `num_emitted` tokens
+        kept (fewer than len(path) + 1 where a stop cut them)."""
+        depth = tree.depth
+        self._grow(depth)
         self.num_steps += 1
         self.num_emitted += num_emitted
-        self.num_drafts += num_drafts > 0
-        for i in range(num_drafts):
+        self.num_drafts += len(tree) > 0
+        self.num_draft_tokens += len(tree)
+        last = path[-1] if path else -1
+        num_tried = len(path) + 1 if tree.children[last + 1] else len(path)
+        for i in range(depth):
             self.proposed[i] += 1
-            if i <= num_accepted:
-                self.reached[i] += 1
-            if i < num_accepted:
-                self.accepted[i] += 1
+            self.reached[i] += i < num_tried
+            self.accepted[i] += i < len(path)
 
     def merge(self, other: "AcceptanceStats") -> None:
         self._grow(len(other.proposed))
         self.num_steps += other.num_steps
         self.num_emitted += other.num_emitted
         self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
         for mine, theirs in ((self.proposed, other.proposed), (self.reached, other.reached), (self.accepted, other.accepted)):
             for i, n in enumerate(theirs):
                 mine[i] += n
@@ -49,8 +57,12 @@ class AcceptanceStats:
 
     @property
     def acceptance_rate(self) -> float:
-        proposed = sum(self.proposed)
-        return sum(self.accepted) / proposed if proposed else 0.0
+        return sum(self.accepted) / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def rows_per_step(self) -> float:
+        """Rows the target verified per step: the newest token and every draft node (1.0 for plain decoding)."""
+        return 1 + self.num_draft_tokens / self.num_steps if self.num_steps else 0.0
 
     def per_position(self) -> list[dict]:
         return [
@@ -71,6 +83,7 @@ class AcceptanceStats:
         stats = cls()
         stats.num_steps, stats.num_emitted = summary["num_verify_steps"], summary["num_emitted_tokens"]
         stats.num_drafts = summary["spec_decode_num_drafts"]
+        stats.num_draft_tokens = summary["spec_decode_num_draft_tokens"]
         for key in ("proposed", "reached", "accepted"):
             setattr(stats, key, [p[key] for p in summary["per_position"]])
         return stats
@@ -80,10 +93,11 @@ class AcceptanceStats:
         return {
             "tau": self.tau,
             "acceptance_rate": self.acceptance_rate,
+            "rows_per_step": self.rows_per_step,
             "num_verify_steps": self.num_steps,
             "num_emitted_tokens": self.num_emitted,
             "spec_decode_num_drafts": self.num_drafts,
-            "spec_decode_num_draft_tokens": sum(self.proposed),
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens": sum(self.accepted),
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted),
             "per_position": self.per_position(),

@@ -1,25 +1,28 @@
-"""The second half of an engine step when speculation is on: verify the drafts scheduled this step,
-roll back, then draft for the next step.
+"""The second half of an engine step when speculation is on: verify the draft trees scheduled this step, roll back,
+then draft for the next step.
 
-Rollback is `num_computed_tokens = before + 1 + accepted` and `trim`: nothing is erased, and the slots of
-rejected drafts are overwritten later; only an accepted leaf (an alternative to the first draft, verified in the
-slots after the chain's) has its K/V copied into the slot of its position. Drafts are capped so that they fit in
-the token budget, the free blocks, max_tokens and the context: speculation never causes a preemption. Requests whose
-sampling depends on more than the target's distribution (penalties, biases, logprobs) get no drafts
-and decode one token per step beside the others.
+Rollback is `num_computed_tokens = before + 1 + accepted` and `trim`: nothing is erased, and the slots of rejected
+nodes are overwritten later. Node i of a tree computed in the slot of position (newest) + 1 + i; an accepted node
+at depth d belongs in the slot of position (newest) + d, so each accepted node off that slot has its K/V copied
+there (none for a chain, whose node i is at depth i + 1). Trees are capped so that they fit in the token budget, the
+free blocks, max_tokens and the context: speculation never causes a preemption. Requests whose sampling depends on
+more than the target's distribution (penalties, biases, logprobs) get no drafts and decode one token per step beside
+the others.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from serving.drafters import make_drafter
+from serving.drafters.base import DraftBudget
 from serving.request import Request
 from serving.sampler import target_probs
-from serving.spec.config import HEADS, SpeculativeConfig
+from serving.spec.config import SpeculativeConfig
 from serving.spec.metrics import AcceptanceStats
-from serving.spec.verify import verify_greedy_leaves, verify_sampled, verify_sampled_leaves
+from serving.spec.tree import DraftTree
+from serving.spec.verify import verify_greedy, verify_sampled
 
 
 @dataclass
@@ -27,101 +30,83 @@ class StepOutputs:
     """What the target pass of this step computed, for drafters that read it."""
     batch: object  # serving.batch.Batch
     out: object  # serving.model.ModelOutput
-    num_accepted: dict[str, int]  # request id -> drafts accepted this step
-    kept_leaves: dict[str, int] = field(default_factory=dict)  # request id -> its accepted leaf's row among its rows
+    accepted_paths: dict[str, list[int]]  # request id -> the tree nodes accepted this step, depth 1 first
 
     def __post_init__(self):
         self.index = {r.request_id: i for i, r in enumerate(self.batch.requests)}  # request id -> its place in the batch
 
     def kept_rows(self, request: Request) -> tuple[list[int], int]:
         """(the rows of the flat batch that computed the tokens the request kept this step, in position order; the
-        position of the first)."""
-        first = self.batch.token_start[self.index[request.request_id]]
-        start = int(self.batch.positions[first])
-        rows = list(range(first, first + request.num_computed_tokens - start))
-        if request.request_id in self.kept_leaves:  # the leaf stands in for the chain's first draft
-            rows[1] = first + self.kept_leaves[request.request_id]
-        return rows, start
+        position of the first): its real tokens, then its accepted nodes."""
+        i = self.index[request.request_id]
+        first = self.batch.token_start[i]
+        num_real = self.batch.num_scheduled[i] - self.batch.num_tree_rows[i]
+        path = self.accepted_paths.get(request.request_id, [])
+        rows = list(range(first, first + num_real)) + [first + num_real + node for node in path]
+        return rows[:request.num_computed_tokens - int(self.batch.positions[first])], int(self.batch.positions[first])
 
 
 class Speculator:
     def __init__(self, engine, config: SpeculativeConfig):
         self.config = config
         self.drafter = make_drafter(engine, config)
-        self.aux_layers = getattr(self.drafter, "aux_layers", ())
-        self.needs_hidden = config.method in HEADS
         self.stats = AcceptanceStats(config.num_speculative_tokens)
 
     @staticmethod
     def can_speculate(request: Request) -> bool:
         return not request.params.needs_history
 
-    def verify(self, engine, request: Request, logits: torch.Tensor, best: list[int]) -> tuple[int, list[int], int | None]:
-        """logits: [1 + drafts, vocab] at the last real token and at each draft; best: their argmaxes. Rolls the
-        request back to its accepted tokens (before + 1 + accepted) and returns (accepted, tokens to emit, the row
-        of the accepted leaf among the request's rows or None). An accepted leaf's K/V moves into the slot of the
-        position it now holds."""
-        drafts, request.spec_token_ids = request.spec_token_ids, []
-        num_leaves, request.spec_num_leaves = request.spec_num_leaves, 0
-        chain, leaves = drafts[:len(drafts) - num_leaves], drafts[len(drafts) - num_leaves:]
-        leaf = None
+    def verify(self, engine, request: Request, logits: torch.Tensor, best: list[int]) -> tuple[DraftTree, list[int], list[int]]:
+        """logits: [1 + nodes, vocab] at the newest token and at each node of the request's tree; best: their
+        argmaxes. Rolls the request back to its accepted tokens and returns (the tree, the accepted path, the tokens
+        to emit). The accepted nodes' K/V move into the slots of their positions."""
+        tree, request.spec_tree = request.spec_tree, DraftTree()
         if request.params.is_greedy:
-            leaf, accepted, emitted = verify_greedy_leaves(best, chain, leaves)
+            path, emitted = verify_greedy(tree, best)
         else:
-            probs, generator = target_probs(logits, request.params), engine.generators[request.request_id]
-            if leaves:
-                leaf, accepted, emitted = verify_sampled_leaves(probs, chain, leaves, generator)
-            else:
-                draft_probs = self.drafter.draft_probs.pop(request.request_id, None)
-                accepted, emitted = verify_sampled(probs, drafts, draft_probs, generator)
-        request.num_computed_tokens -= len(drafts) - accepted
-        if leaf is not None:
-            engine.cache.move(request.block_ids, request.num_computed_tokens - 1 + len(chain) + leaf,
-                              request.num_computed_tokens - 1)
+            path, emitted = verify_sampled(tree, target_probs(logits, request.params), engine.generators[request.request_id])
+        newest = request.num_computed_tokens - 1 - len(tree)
+        for depth, node in enumerate(path, start=1):
+            if node != depth - 1:
+                engine.cache.move(request.block_ids, newest + 1 + node, newest + depth)
+        request.num_computed_tokens = newest + 1 + len(path)
         engine.block_manager.trim(request, request.num_computed_tokens)
-        return accepted, emitted, None if leaf is None else 1 + len(chain) + leaf
+        return tree, path, emitted
 
-    def record(self, request: Request, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
+    def record(self, request: Request, tree: DraftTree, path: list[int], num_emitted: int) -> None:
         if not hasattr(request, "spec_stats"):
             request.spec_stats = AcceptanceStats(self.config.num_speculative_tokens)
-        request.spec_stats.record(num_drafts, num_accepted, num_emitted)
-        self.stats.record(num_drafts, num_accepted, num_emitted)
+        request.spec_stats.record(tree, path, num_emitted)
+        self.stats.record(tree, path, num_emitted)
 
     def propose(self, engine, step: StepOutputs) -> None:
-        """Drafts for every running request that has just emitted a token and can be speculated for, unless more
+        """Draft trees for every running request that has just emitted a token and can be speculated for, unless more
         than disable_by_batch_size requests are running."""
-        scheduler, k = engine.scheduler, self.config.num_speculative_tokens
-        max_leaves = self.config.first_draft_topk - 1
-        budgets, leaf_budgets, requests = {}, {}, []
-        limit = self.config.disable_by_batch_size
-        for request in scheduler.running if limit is None or len(scheduler.running) <= limit else ():
-            if request.num_computed_tokens != request.num_tokens - 1 or not self.can_speculate(request):
-                continue
-            num_left = request.params.max_tokens - request.num_output_tokens - 1
-            num_rows = scheduler.fit_drafts(request, k + max_leaves)
-            num = min(num_rows, num_left, k)
-            num_leaves = min(max_leaves, num_rows - num) if num > 0 else 0
-            # Reserve the budget and the blocks before sizing the next request's drafts. When the pool is
-            # overcommitted (someone will be preempted next step) the request gets no drafts.
-            if num > 0 and engine.block_manager.allocate_slots(request, 1 + num + num_leaves):
-                request.spec_token_ids = [0] * (num + num_leaves)
-                budgets[request.request_id], leaf_budgets[request.request_id] = num, num_leaves
+        scheduler, config = engine.scheduler, self.config
+        limit = config.disable_by_batch_size
+        self.drafter.observe(engine, step)  # drafters with a pool of their own catch up every step
+        if limit is not None and len(scheduler.running) > limit:
+            return
+        ready = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1 and self.can_speculate(r)]
+        budgets, requests = {}, []
+        grants = scheduler.draft_budgets(ready, config.max_draft_nodes) if ready else {}
+        for request in ready:
+            depth = min(config.num_speculative_tokens, request.params.max_tokens - request.num_output_tokens - 1)
+            num_nodes = grants[request.request_id]
+            # Reserve the blocks. When the pool is overcommitted (someone will be preempted next step) the request
+            # gets no drafts.
+            if num_nodes > 0 and depth > 0 and engine.block_manager.allocate_slots(request, 1 + num_nodes):
+                budgets[request.request_id] = DraftBudget(num_nodes, depth)
                 requests.append(request)
-        if hasattr(self.drafter, "observe"):  # drafters with a pool of their own catch up every step
-            self.drafter.observe(engine, step)
         if not requests:
             return
-        proposals = self.drafter.propose(engine, requests, budgets, step)
-        leaves = getattr(self.drafter, "leaves", {})
+        trees = self.drafter.propose(engine, requests, budgets, step)
         for request in requests:
-            drafts = list(proposals.get(request.request_id, []))[:budgets[request.request_id]]
-            request_leaves = leaves.get(request.request_id, [])[:leaf_budgets[request.request_id]] if drafts else []
-            request.spec_token_ids, request.spec_num_leaves = drafts + request_leaves, len(request_leaves)
-            if len(drafts) < budgets[request.request_id] or len(request_leaves) < leaf_budgets[request.request_id]:
-                engine.block_manager.trim(request, request.num_tokens + len(request.spec_token_ids))
-                probs = self.drafter.draft_probs.get(request.request_id)
-                if probs is not None:
-                    self.drafter.draft_probs[request.request_id] = probs[:len(drafts)]
+            budget = budgets[request.request_id]
+            tree = trees.get(request.request_id, DraftTree()).prefix(budget.num_nodes, budget.depth)
+            request.spec_tree = tree
+            if len(tree) < budget.num_nodes:
+                engine.block_manager.trim(request, request.num_tokens + len(tree))
 
     def reset(self, request: Request) -> None:
         self.drafter.reset(request)

@@ -1,72 +1,76 @@
-"""Verification of drafts against the target.
+"""Verification of a draft tree against the target: which path the target keeps, and the token after it.
 
-Greedy: accept while the target's argmax equals the draft. Sampled: exact rejection sampling
-(Leviathan et al. 2023; Chen et al. 2023): accept draft d with probability min(1, p(d) / q(d)); on
-rejection sample from max(p - q, 0) renormalised; when every draft is accepted, sample a bonus token
-from the next distribution. Deterministic drafts are q = one-hot: accept with probability p(d), on
-rejection sample from p with d removed. Either way the emitted tokens follow p exactly. Leaves (alternatives to
-the first draft, each verified in a row of its own) are more deterministic drafts for the same token: tried in
-turn, each against p with the ones rejected before removed, they draw the token from p without replacement.
+The target's rows for a request are [newest token, node 0 .. n - 1]; row 1 + i holds the target's distribution
+after node i's path. Both rules walk down from the newest token and return the accepted path (node indices, depth
+1 first) and the tokens to emit: the path's tokens, then one token from the row of its last node.
+
+Greedy: at each node follow the child whose token is the target's argmax there; stop where none is.
+
+Sampled, exact (the emitted tokens follow the target's filtered distribution p at every step): at each node its
+children are tried in order against a residual distribution r that starts as the node's p.
+- Deterministic children (q one-hot), recursive rejection sampling without replacement: child c is accepted with
+  probability r(c) / sum(r); on rejection r(c) = 0. The token emitted at this depth is then a draw from p without
+  replacement of the rejected children, which is a draw from p (Leviathan et al. 2023 for one child; SpecInfer,
+  Miao et al. 2024, and Jeon et al. 2024, "Recursive Speculative Decoding", for several).
+- Children drawn independently from distributions q_c (drafters that sample), SpecInfer's multi-step speculative
+  sampling: child c is accepted with probability min(1, r(c) / q_c(c)); on rejection r = norm(max(r - q_c, 0)).
+  Exact for children drawn independently (Miao et al. 2024, Theorem 4.2); one child is Leviathan et al.'s rule.
+If every child is rejected the token is drawn from r; if the path ends at a leaf, from that leaf's row of p.
 """
 from __future__ import annotations
 
 import torch
 
 from serving.sampler import sample
+from serving.spec.tree import DraftTree
 
 
-def verify_greedy(target_tokens: list[int], drafts: list[int]) -> tuple[int, list[int]]:
-    """target_tokens: the target's argmax at each of 1 + len(drafts) rows. Returns (accepted, emitted)."""
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == target_tokens[accepted]:
-        accepted += 1
-    return accepted, drafts[:accepted] + [target_tokens[accepted]]
+def verify_greedy(tree: DraftTree, best: list[int]) -> tuple[list[int], list[int]]:
+    """best: the target's argmax at each of the 1 + len(tree) rows. Returns (accepted path, tokens to emit)."""
+    path, node = [], -1
+    while True:
+        target = best[node + 1]
+        child = next((c for c in tree.children[node + 1] if tree.tokens[c] == target), None)
+        if child is None:
+            return path, [tree.tokens[n] for n in path] + [target]
+        path.append(child)
+        node = child
 
 
-def verify_sampled(probs: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
-                   generator: torch.Generator) -> tuple[int, list[int]]:
-    """probs: [1 + len(drafts), vocab] the target's filtered distributions; draft_probs: [len(drafts), vocab]
-    or None for deterministic drafts."""
-    for i, token in enumerate(drafts):
-        p = probs[i]
-        q_token = 1.0 if draft_probs is None else float(draft_probs[i, token])
-        ratio = min(1.0, float(p[token]) / q_token) if q_token > 0 else 0.0
-        if float(torch.rand((), generator=generator, device="cpu")) < ratio:
-            continue
-        if draft_probs is None:
-            residual = p.clone()
-            residual[token] = 0.0
-        else:
-            residual = (p - draft_probs[i]).clamp_min(0.0)
-        if float(residual.sum()) <= 0:  # p == q up to rounding: rejection had probability ~0, so the draft stands
-            continue
-        return i, drafts[:i] + [sample(residual, generator)]  # sample renormalises
-    return len(drafts), drafts + [sample(probs[len(drafts)], generator)]
+def verify_sampled(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator) -> tuple[list[int], list[int]]:
+    """probs: [1 + len(tree), vocab] the target's filtered distributions at each row. Returns (accepted path,
+    tokens to emit)."""
+    path, node = [], -1
+    while True:
+        residual = probs[node + 1]
+        chosen = None
+        for child in tree.children[node + 1]:
+            token = tree.tokens[child]
+            if tree.q is None:
+                total, mass = float(residual.sum()), float(residual[token])
+                # nothing else left: p is this token up to rounding, so rejecting it had probability ~0
+                if total - mass <= 0 or _uniform(generator) * total < mass:
+                    chosen = child
+                    break
+                residual = residual.clone() if residual is probs[node + 1] else residual
+                residual[token] = 0.0
+            else:
+                q = tree.q[child]
+                r = residual / residual.sum()
+                q_token = float(q[token])
+                if q_token > 0 and _uniform(generator) < min(1.0, float(r[token]) / q_token):
+                    chosen = child
+                    break
+                rest = (r - q).clamp_min(0.0)
+                if float(rest.sum()) <= 0:  # r == q up to rounding: rejection had probability ~0
+                    chosen = child
+                    break
+                residual = rest
+        if chosen is None:
+            return path, [tree.tokens[n] for n in path] + [sample(residual, generator)]
+        path.append(chosen)
+        node = chosen
 
 
-def verify_greedy_leaves(target_tokens: list[int], chain: list[int], leaves: list[int]) -> tuple[int | None, int, list[int]]:
-    """target_tokens: the target's argmax at the first row, at each of the chain's drafts, then at each leaf.
-    Returns (the accepted leaf's index or None, accepted, emitted)."""
-    accepted, emitted = verify_greedy(target_tokens[:1 + len(chain)], chain)
-    if accepted or emitted[0] not in leaves:
-        return None, accepted, emitted
-    leaf = leaves.index(emitted[0])
-    return leaf, 1, [emitted[0], target_tokens[1 + len(chain) + leaf]]
-
-
-def verify_sampled_leaves(probs: torch.Tensor, chain: list[int], leaves: list[int],
-                          generator: torch.Generator) -> tuple[int | None, int, list[int]]:
-    """probs: [1 + len(chain) + len(leaves), vocab], rows as in verify_greedy_leaves; deterministic drafts.
-    Returns (the accepted leaf's index or None, accepted, emitted)."""
-    residual = probs[0].clone()
-    for i, token in enumerate([chain[0]] + leaves):
-        total = float(residual.sum())
-        rest = total - float(residual[token])
-        # rest <= 0: p is this token up to rounding, so rejecting it had probability ~0
-        if rest <= 0 or float(torch.rand((), generator=generator, device="cpu")) * total < float(residual[token]):
-            if i == 0:
-                accepted, emitted = verify_sampled(probs[1:1 + len(chain)], chain[1:], None, generator)
-                return None, 1 + accepted, [token] + emitted
-            return i - 1, 1, [token, sample(probs[len(chain) + i], generator)]
-        residual[token] = 0.0
-    return None, 0, [sample(residual, generator)]
+def _uniform(generator: torch.Generator) -> float:
+    return float(torch.rand((), generator=generator, device="cpu"))

@@ -1,0 +1,40 @@
+"""The one interface every drafter implements.
+
+A drafter proposes, for each request that has just emitted a token (K/V computed for all but that one), a token tree
+(`serving.spec.tree.DraftTree`) of at most `budget.num_nodes` nodes and depth `budget.depth`; a longer or deeper
+one is cut. What a drafter reads from the target's pass is declared here, never probed:
+- `needs_hidden`: the target's final hidden states of every computed row (Medusa, EAGLE, MTP);
+- `aux_layers`: target layers whose inputs it reads too (EAGLE-3);
+- `num_lookahead`: tokens after a block that its own K/V there depends on, so that the prefix cache shares a block
+  only where those tokens agree too (EAGLE and MTP: their entry at position p reads token p + 1).
+`observe(engine, step)` runs every step, before `propose`, for drafters that catch up over what the target kept;
+`reset(request)` forgets a request that finished or was preempted.
+"""
+from __future__ import annotations
+
+import abc
+from typing import NamedTuple
+
+from serving.spec.tree import DraftTree
+
+
+class DraftBudget(NamedTuple):
+    num_nodes: int  # the tree's nodes at most: they fit in the token budget, the free blocks and the context
+    depth: int  # its depth at most: num_speculative_tokens, and the tokens max_tokens leaves
+
+
+class Drafter(abc.ABC):
+    needs_hidden: bool = False
+    aux_layers: tuple[int, ...] = ()
+    num_lookahead: int = 0
+
+    @abc.abstractmethod
+    def propose(self, engine, requests: list, budgets: dict[str, DraftBudget], step) -> dict[str, DraftTree]:
+        """A tree per request id (a request left out gets none). `step` is the target pass that just ran
+        (`serving.spec.step.StepOutputs`)."""
+
+    def observe(self, engine, step) -> None:
+        """Catch up over the tokens the target kept this step (drafters with a pool of their own)."""
+
+    def reset(self, request) -> None:
+        """Forget a request."""

@@ -1,0 +1,118 @@
+"""EAGLE-1, EAGLE-3 and MTP with serve_mode 'reuse_first' (module 0 drafts every token) as drafters: a decoder layer
+of their own over a K/V pool addressed by the target's block tables, drafting EAGLE-2's dynamic tree
+(drafters/tree_search.py; topk 1 is a chain).
+
+Every step the head catches up over the tokens the target computed and kept (the pair (h_p, x_{p+1}) at position p,
+reading the target's hidden rows of the verify pass, the accepted path's among them), which rewrites its pool from
+the kept tokens, so rollback and preemption need nothing. Its newest output gives the first depth of the tree; each
+further depth runs the head once over the nodes being expanded, every node at its position and attending to the
+context and its own path, whose K/V sit in a scratch region of the pool past the target's blocks.
+"""
+from __future__ import annotations
+
+import torch
+
+from serving.attention import KVCache, PagedAttention, PagedMetadata
+from serving.drafters.base import Drafter
+from serving.drafters.head import Confidence, top_log_probs
+from serving.drafters.runner import flatten
+from serving.drafters.tree_search import grow
+
+
+class EagleDrafter(Drafter):
+    needs_hidden = True
+    num_lookahead = 1  # its K/V at position p depends on token p + 1
+
+    def __init__(self, engine, head, hot, config):
+        self.head, self.kind, self.hot = head, head.config.kind, hot
+        self.confidence, self.topk = Confidence(head, config.confidence_threshold), config.topk
+        self.aux_layers = tuple(head.config.aux_layers) if self.kind == "eagle3" else ()
+        layer = head.config.layer_config()
+        self.block_size, self.device = engine.block_size, engine.device
+        # scratch: one run of slots per request of a step, one slot per node expanded
+        self.num_scratch = config.topk * max(config.num_speculative_tokens - 1, 0)
+        self.scratch_start = engine.cache.num_blocks * engine.block_size
+        num_scratch_blocks = -(-engine.scheduler.max_num_seqs * self.num_scratch // engine.block_size)
+        self.cache = KVCache(1, engine.cache.num_blocks + num_scratch_blocks, engine.block_size, layer.num_kv_heads,
+                             layer.head_dim, engine.dtype, engine.device)
+        self.newest: dict[str, torch.Tensor] = {}
+
+    def _features(self, step, rows: torch.Tensor) -> torch.Tensor:
+        if self.kind == "eagle3":
+            return self.head.fuse([step.out.aux[layer][rows] for layer in self.aux_layers])
+        return step.out.hidden[rows]
+
+    def _forward(self, ids, features, positions, meta):
+        attention = PagedAttention(self.cache, meta)
+        if self.kind == "mtp":
+            return self.head.forward_module(0, ids, features, positions, attention)
+        return self.head(ids, features, positions, attention)
+
+    def _top(self, out: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probabilities, target ids) of the topk most likely drafts after each row of head outputs."""
+        logits = self.head.logits(0, out) if self.kind == "mtp" else self.head.logits(out)
+        log_probs, best = top_log_probs(logits, self.topk, self.confidence.temperature(depth))
+        if self.kind == "eagle3":
+            return log_probs, self.head.to_target_ids(best)
+        return log_probs, best if self.hot is None else self.hot[best]
+
+    @torch.inference_mode()
+    def observe(self, engine, step):
+        """Catch up over every token the target computed and kept this step: the pair (h_p, x_{p+1}) at
+        position p. Keeps each request's newest output, which its first draft reads."""
+        chunks, rows, last = [], [], {}
+        for request in step.batch.requests:
+            if request.is_finished:
+                continue
+            kept, start = step.kept_rows(request)
+            chunks.append((request.token_ids[start + 1:start + 1 + len(kept)], start, request.block_ids))
+            rows.extend(kept)
+            last[request.request_id] = len(rows) - 1
+        self.newest = {}
+        if not chunks:
+            return
+        ids, positions, meta, _ = flatten(chunks, self.block_size, self.device)
+        out = self._forward(ids, self._features(step, torch.tensor(rows, device=self.device)), positions, meta)
+        self.newest = {rid: out[row] for rid, row in last.items()}  # [hidden] each
+
+    @torch.inference_mode()
+    def propose(self, engine, requests, budgets, step):
+        requests = [r for r in requests if r.request_id in self.newest]
+        if not requests:
+            return {}
+        newest = torch.stack([self.newest[r.request_id] for r in requests])  # [requests, hidden]
+        outputs, slots, num_used = {}, {}, [0] * len(requests)  # (request, node) -> its output, its scratch slot
+
+        def expand(depth, nodes, found):
+            """Runs the head at the nodes of `depth` (grouped by request) and returns their children's scores."""
+            features, paths = [], {}
+            for r, c in nodes:
+                parent = found[r].parents[c]
+                features.append(newest[r] if parent < 0 else outputs[r, parent])
+                slots[r, c] = self.scratch_start + r * self.num_scratch + num_used[r]
+                num_used[r] += 1
+                path = paths.setdefault(r, [])
+                path.append([slots[r, n] for n in _path(found[r].parents, c)])
+            order = list(paths)  # requests in the order their nodes come
+            meta = PagedMetadata.build([0] * len(order), [requests[r].num_tokens - 1 for r in order],
+                                       [requests[r].block_ids for r in order], self.block_size, self.device,
+                                       [paths[r] for r in order])
+            ids = torch.tensor([found[r].tokens[c] for r, c in nodes], device=self.device)
+            # a node at depth d is the input at position (newest token's) + d - 1
+            positions = torch.tensor([requests[r].num_tokens - 2 + depth for r, _ in nodes], device=self.device)
+            out = self._forward(ids, torch.stack(features), positions, meta)
+            for (r, c), row in zip(nodes, out):
+                outputs[r, c] = row
+            return self._top(out, depth + 1)
+
+        max_depths = [budgets[r.request_id].depth for r in requests]
+        found = grow(self._top(newest, 1), expand, self.topk, max_depths, self.confidence.log_threshold)
+        return {r.request_id: candidates.best(budgets[r.request_id].num_nodes) for r, candidates in zip(requests, found)}
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]

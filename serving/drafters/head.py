@@ -1,0 +1,104 @@
+"""Trained heads (Medusa, EAGLE-1, EAGLE-3, MTP) as drafters: loading a head folder against the engine's target,
+and the head's calibrated confidence that every head drafter scores its drafts with.
+
+Medusa (drafters/medusa.py) reads the target's hidden state of the newest computed token and needs no K/V. EAGLE-1,
+EAGLE-3 and MTP (drafters/eagle.py, drafters/mtp.py) run a decoder layer of their own over a pool with the target's
+block size, addressed by the target's block tables.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+import heads
+from heads.token_map import lm_head_rows, load_token_map
+from serving.kernels import PackedLinear, for_inference
+
+
+def make_head_drafter(engine, config):
+    head = heads.load(config.model, engine.fingerprint)
+    parts = heads.load_target_parts(engine.folder, fingerprint=engine.fingerprint, weights=False)
+    weight_dtype = getattr(torch, config.draft_weights or "bfloat16")
+    hot = head.token_map
+    if config.token_map:
+        given = load_token_map(config.token_map, parts.vocab_size)
+        if hot is not None and not torch.equal(given, hot):
+            raise ValueError(f"{config.model} drafts among the {len(hot)} tokens of the token map it was trained over, "
+                             f"and {config.token_map} is another map: drop token_map from the speculative config (a "
+                             "head keeps its own map)")
+        if getattr(head.config, "own_lm_head", False) and hot is None:
+            raise ValueError(f"{config.model} is a Medusa head with LM heads of its own over the whole vocabulary: a "
+                             "token_map applies to heads that read the target's LM head; train it with the map instead")
+        hot = given
+    if hot is not None:
+        hot = hot.to(engine.device)
+        lm_head = PackedLinear(lm_head_rows(engine.model.lm_head, hot), weight_dtype)
+    else:
+        lm_head = engine.model.packed_lm_head(weight_dtype)
+    parts.embed, parts.norm, parts.lm_head = engine.model.embed, engine.model.norm, lm_head
+    head = head.bind_target(parts).to(engine.device, engine.dtype).eval().requires_grad_(False)
+    head = for_inference(head, weight_dtype)
+    kind = head.config.kind
+    if kind != config.method:
+        raise ValueError(f"{config.model} holds a head of kind {kind!r}, but the speculative config says method {config.method!r}: "
+                         f"use \"method\": \"{kind}\"")
+    if kind == "medusa":
+        from serving.drafters.medusa import MedusaDrafter
+
+        if config.num_speculative_tokens > head.config.num_heads:
+            raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds this Medusa head's "
+                             f"{head.config.num_heads} heads")
+        return MedusaDrafter(head, hot, config)
+    if kind == "mtp" and head.config.serve_mode == "chain":
+        from serving.drafters.mtp import MtpChainDrafter
+
+        if config.topk > 1:
+            raise ValueError(f"draft trees (topk > 1) apply to MTP heads with serve_mode 'reuse_first'; {config.model} has "
+                             "serve_mode 'chain': set serve_mode 'reuse_first' in its config.json, or leave topk 1")
+        if config.num_speculative_tokens > head.config.depth:
+            raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds this MTP head's depth "
+                             f"{head.config.depth} (serve_mode 'chain' drafts one token per module): draft fewer "
+                             "tokens or set serve_mode 'reuse_first' in its config.json")
+        return MtpChainDrafter(engine, head, hot, config.confidence_threshold)
+    from serving.drafters.eagle import EagleDrafter
+
+    return EagleDrafter(engine, head, hot, config)
+
+
+def log_confidence(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(argmax) under softmax(logits / temperature), without materialising the softmax: [..., vocab] -> [...].
+    The one definition the cut reads and training calibrates against."""
+    shifted = logits.float() - logits.amax(-1, keepdim=True).float()
+    return -torch.logsumexp(shifted / temperature, dim=-1)
+
+
+def top_log_probs(logits: torch.Tensor, num: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `num` most likely entries of each row of logits: (their log-probabilities under softmax(logits /
+    temperature), [..., num]; their indices, [..., num]). Without a softmax over the whole row."""
+    values, indices = logits.topk(num, dim=-1)
+    logits = logits.float()
+    return (values.float() - logits.amax(-1, keepdim=True)) / temperature - _log_norm(logits, temperature), indices
+
+
+def _log_norm(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    shifted = logits - logits.amax(-1, keepdim=True)
+    return torch.logsumexp(shifted / temperature, dim=-1, keepdim=True)
+
+
+class Confidence:
+    """The head's probability of a draft at depth d is read at the temperature its fit calibrated for draft d
+    (`confidence_temperatures` in its config.json, 1 past them): the estimate that the target accepts it. A path's
+    score is the sum of those log-probabilities; `confidence_threshold` prunes nodes whose path probability falls
+    below it (a draft pays when the chance that it and every draft before it land exceeds what verifying and
+    drafting one more token costs as a share of a step)."""
+
+    def __init__(self, head, threshold: float):
+        self.log_threshold = math.log(threshold) if threshold > 0 else -math.inf
+        self.temperatures = list(head.config.confidence_temperatures)
+
+    def temperature(self, depth: int) -> float:
+        """T of the drafts at `depth` (1 for the newest token's children)."""
+        return self.temperatures[depth - 1] if depth - 1 < len(self.temperatures) else 1.0
+
+

@@ -1,0 +1,66 @@
+"""Medusa heads as a drafter (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple
+Decoding Heads"): head i reads the target's final hidden state of the newest computed token and proposes the token
+i + 1 places after the next one, independently of the drafts before it, so the heads' top-k lists span a tree:
+- `medusa_choices` (Medusa's static tree): node [r_1, ..., r_d] is head d - 1's r_d-th most likely token after the
+  node [r_1, ..., r_{d-1}];
+- otherwise EAGLE-2's dynamic tree over the same lists (drafters/tree_search.py; topk 1 is a chain): a node is scored
+  by the product of its heads' probabilities along its path.
+Medusa needs no K/V and no catch-up.
+"""
+from __future__ import annotations
+
+import torch
+
+from serving.drafters.base import Drafter
+from serving.drafters.head import Confidence, top_log_probs
+from serving.drafters.tree_search import Candidates, grow
+
+
+class MedusaDrafter(Drafter):
+    needs_hidden = True
+
+    def __init__(self, head, hot, config):
+        self.head, self.hot = head, hot
+        self.confidence, self.topk = Confidence(head, config.confidence_threshold), config.topk
+        self.choices = config.medusa_choices  # in topological order, or None
+        if self.choices is not None and max(map(len, self.choices)) > head.config.num_heads:
+            raise ValueError(f"medusa_choices reach depth {max(map(len, self.choices))} but this Medusa head has "
+                             f"{head.config.num_heads} heads: keep the paths within that depth")
+        num_ranks = 1 + max(r for path in self.choices for r in path) if self.choices is not None else self.topk
+        self.num_ranks = num_ranks
+
+    def _top(self, logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        log_probs, best = top_log_probs(logits, self.num_ranks, self.confidence.temperature(depth))
+        return log_probs, best if self.hot is None else self.hot[best]
+
+    @torch.inference_mode()
+    def propose(self, engine, requests, budgets, step):
+        requests = [r for r in requests if r.request_id in step.index]
+        if not requests:
+            return {}
+        rows = [step.kept_rows(r)[0][-1] for r in requests]
+        hidden = step.out.hidden[torch.tensor(rows, device=step.out.hidden.device)]
+        max_depth = max(budgets[r.request_id].depth for r in requests)
+        logits = self.head(hidden)[:max_depth]  # [depths, requests, vocab]
+        # per depth: log-probabilities and target ids of each request's ranked drafts, [requests, ranks]
+        ranked = [self._top(logits[d], d + 1) for d in range(max_depth)]
+        if self.choices is not None:
+            found = [self._static(ranked, n, budgets[r.request_id].depth) for n, r in enumerate(requests)]
+        else:
+            found = grow(ranked[0], lambda depth, nodes, _: (ranked[depth][0][[r for r, _ in nodes]],
+                                                             ranked[depth][1][[r for r, _ in nodes]]),
+                         self.topk, [budgets[r.request_id].depth for r in requests], self.confidence.log_threshold)
+        return {r.request_id: candidates.best(budgets[r.request_id].num_nodes) for r, candidates in zip(requests, found)}
+
+    def _static(self, ranked, n: int, max_depth: int) -> Candidates:
+        """Request n's nodes of medusa_choices, within max_depth and the confidence threshold."""
+        found, index = Candidates(), {}
+        for path in self.choices:
+            parent = index.get(path[:-1], -1)
+            if len(path) > max_depth or (len(path) > 1 and path[:-1] not in index):
+                continue
+            log_probs, tokens = ranked[len(path) - 1]
+            score = (found.scores[parent] if parent >= 0 else 0.0) + float(log_probs[n, path[-1]])
+            if score >= self.confidence.log_threshold:
+                index[path] = found.add(int(tokens[n, path[-1]]), parent, len(path), score)
+        return found

@@ -1,0 +1,118 @@
+"""MTP modules with serve_mode 'chain' as a drafter: module j (0-based) drafts token j + 1, as the modules were
+trained (DeepSeek-V3's multi-token prediction). A chain: module j reads module j - 1's output, so one path only."""
+from __future__ import annotations
+
+import torch
+
+from serving.attention import KVCache, PagedAttention
+from serving.drafters.base import Drafter
+from serving.drafters.head import Confidence, top_log_probs
+from serving.drafters.runner import flatten
+from serving.spec.tree import DraftTree
+
+
+class MtpChainDrafter(Drafter):
+    """MTP with serve_mode 'chain': module j (0-based) drafts token j + 1, as the modules were trained.
+
+    Module j at position t reads (h^j_t, x_{t+j+1}), so its K/V reaches position c - 1 - j with real tokens when
+    the target has kept c tokens; drafting token j + 1 runs module j over positions c - j .. c - 1, whose inputs
+    are the drafts before it and module j - 1's outputs there. Each step's catch-up rewrites those speculative
+    entries, starting module j at c_before - j from module j - 1's output kept from the previous step."""
+
+    needs_hidden = True
+
+    def __init__(self, engine, head, hot=None, threshold=0.0):
+        self.head, self.depth, self.hot, self.confidence = head, head.config.depth, hot, Confidence(head, threshold)
+        layer = head.config.layer_config()
+        self.cache = KVCache(self.depth, engine.cache.num_blocks, engine.block_size, layer.num_kv_heads, layer.head_dim,
+                             engine.dtype, engine.device)
+        self.block_size, self.device = engine.block_size, engine.device
+        self.num_lookahead = self.depth  # module j's K/V at position p depends on token p + j + 1
+        self.carry: dict[str, dict[int, tuple[int, torch.Tensor]]] = {}  # request id -> module -> (position, output)
+
+    def _run(self, j: int, chunks):
+        """chunks: (token ids, first position, features [n, hidden], block table) -> outputs [n, hidden] each."""
+        ids, positions, meta, query_lens = flatten([(t, start, table) for t, start, _, table in chunks], self.block_size,
+                                                   self.device)
+        out = self.head.forward_module(j, ids, torch.cat([f for _, _, f, _ in chunks]), positions,
+                                       PagedAttention(self.cache, meta))
+        return out.split(query_lens)
+
+    @torch.inference_mode()
+    def observe(self, engine, step):
+        kept = {}  # request id -> (request, c_before, c, first row)
+        for request in step.batch.requests:
+            if not request.is_finished:
+                rows, start = step.kept_rows(request)
+                kept[request.request_id] = (request, start, start + len(rows), rows[0])
+        previous = {}  # request id -> (first position, outputs) of module j - 1 this step
+        carried_before = {rid: dict(self.carry.get(rid, {})) for rid in kept}  # as the previous step left them
+        for j in range(self.depth):
+            chunks, ranges = [], {}
+            for rid, (request, c_before, c, first_row) in kept.items():
+                high = c - 1 - j
+                if j == 0:
+                    low, features = c_before, step.out.hidden[first_row:first_row + c - c_before]
+                elif rid in previous:
+                    prev_low, prev_out = previous[rid]
+                    low = max(c_before - j, 0)
+                    carried = carried_before[rid].get(j - 1)
+                    if low + 1 == prev_low and carried is not None and carried[0] == low:
+                        features = torch.cat([carried[1][None], prev_out[:high - prev_low + 1]])
+                    else:
+                        low = prev_low
+                        features = prev_out[:high - prev_low + 1]
+                else:
+                    continue
+                if high < low:
+                    continue
+                chunks.append((request.token_ids[low + j + 1:high + j + 2], low, features, request.block_ids))
+                ranges[rid] = low
+            if not chunks:
+                break
+            for rid, out in zip(ranges, self._run(j, chunks)):
+                previous[rid] = (ranges[rid], out)
+                self.carry.setdefault(rid, {})[j] = (ranges[rid] + len(out) - 1, out[-1])
+
+    def _best(self, j: int, outputs: torch.Tensor) -> tuple[list[int], list[float]]:
+        """(target ids of module j's most likely drafts after each output row, their log-probabilities)."""
+        log_probs, best = top_log_probs(self.head.logits(j, outputs), 1, self.confidence.temperature(j + 1))
+        ids = best[:, 0] if self.hot is None else self.hot[best[:, 0]]
+        return ids.tolist(), log_probs[:, 0].tolist()
+
+    @torch.inference_mode()
+    def propose(self, engine, requests, budgets, step):
+        requests = [r for r in requests if 0 in self.carry.get(r.request_id, {})
+                    and self.carry[r.request_id][0][0] == r.num_tokens - 2]
+        if not requests:
+            return {}
+        first, log_probs = self._best(0, torch.stack([self.carry[r.request_id][0][1] for r in requests]))
+        scores = {r.request_id: p for r, p in zip(requests, log_probs)}  # log chain probability
+        drafts = {r.request_id: [token] for r, token in zip(requests, first)
+                  if scores[r.request_id] >= self.confidence.log_threshold}
+        requests = [r for r in requests if r.request_id in drafts]
+        outputs = {r.request_id: torch.empty(0, self.head.config.hidden_size, dtype=engine.dtype, device=self.device)
+                   for r in requests}
+        for s in range(1, max((budgets[r.request_id].depth for r in requests), default=0)):
+            active, chunks = [], []
+            for r in requests:
+                c, carried = r.num_tokens - 1, self.carry[r.request_id].get(s - 1)
+                if (budgets[r.request_id].depth <= s or len(drafts[r.request_id]) < s or carried is None
+                        or carried[0] != c - s):
+                    continue
+                features = torch.cat([carried[1][None], outputs[r.request_id]])  # module s - 1 at c - s .. c - 1
+                chunks.append((drafts[r.request_id][:s], c - s, features, r.block_ids))
+                active.append(r)
+            if not active:
+                break
+            outs = self._run(s, chunks)
+            tokens, log_probs = self._best(s, torch.stack([o[-1] for o in outs]))
+            for r, out, token, log_p in zip(active, outs, tokens, log_probs):
+                scores[r.request_id] += log_p
+                if scores[r.request_id] >= self.confidence.log_threshold:
+                    drafts[r.request_id].append(token)
+                    outputs[r.request_id] = out
+        return {rid: DraftTree.chain(chain) for rid, chain in drafts.items()}
+
+    def reset(self, request):
+        self.carry.pop(request.request_id, None)

@@ -1,0 +1,78 @@
+"""The token tree: what a drafter proposes for one request, and the one unit of speculation.
+
+Node i holds `tokens[i]` and hangs off `parents[i]`: -1 for a child of the request's newest token, else an earlier
+node, so the nodes are in topological order and any prefix of them is a tree too (budgets cut a tree that way). A
+chain is the tree whose node i hangs off node i - 1. `q[i]`, for drafters that sample, is the distribution node i
+was drawn from; without it every node is a deterministic draft (q one-hot).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: tuple[int, ...] = ()
+    parents: tuple[int, ...] = ()
+    q: torch.Tensor | None = None  # [num_nodes, vocab]
+
+    def __post_init__(self):
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        object.__setattr__(self, "parents", tuple(int(p) for p in self.parents))
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"a draft tree needs one parent per token: {len(self.tokens)} tokens, {len(self.parents)} parents")
+        for i, parent in enumerate(self.parents):
+            if not -1 <= parent < i:
+                raise ValueError(f"node {i} of a draft tree has parent {parent}: a parent is -1 (the newest token) "
+                                 "or an earlier node")
+        if self.q is not None and self.q.shape[0] != len(self.tokens):
+            raise ValueError(f"a draft tree's q has {self.q.shape[0]} rows for {len(self.tokens)} nodes")
+
+    @classmethod
+    def chain(cls, tokens, q: torch.Tensor | None = None) -> "DraftTree":
+        tokens = list(tokens)
+        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)), q)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @functools.cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Each node's depth: 1 for a child of the newest token."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return tuple(depths)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    @functools.cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """children[node + 1]: the nodes hanging off `node` (-1: the newest token), in node order."""
+        children: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, parent in enumerate(self.parents):
+            children[parent + 1].append(i)
+        return tuple(tuple(c) for c in children)
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from depth 1 down to `node`."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def prefix(self, num_nodes: int, max_depth: int | None = None) -> "DraftTree":
+        """The first `num_nodes` nodes, without those deeper than `max_depth`: a tree again."""
+        keep = [i for i in range(min(num_nodes, len(self))) if max_depth is None or self.depths[i] <= max_depth]
+        if len(keep) == len(self):
+            return self
+        index = {node: n for n, node in enumerate(keep)}
+        parents = [-1 if self.parents[i] < 0 else index[self.parents[i]] for i in keep]
+        q = None if self.q is None else self.q[keep]
+        return DraftTree(tuple(self.tokens[i] for i in keep), tuple(parents), q)
