@@ -1,7 +1,9 @@
-"""What a verify step costs against a plain decode step: one target forward over 1 + k tokens at a given
-context, through the engine's model and paged attention, timed side by side in one run.
+"""What a verify step costs against a plain decode step: one target forward over the newest token and a draft
+tree of n - 1 nodes (rows = n) at a given context, through the engine's model and paged tree attention, timed side
+by side in one run. The tree is 4-ary (node i hangs off node i // 4 - 1), the shape EAGLE-2 trees take; a chain
+of the same rows costs the same in the linear layers, which dominate.
 
-    python benchmarks/step_cost.py [--target smollm2-135m-instruct] [--context 300] [--repeats 20]
+    python benchmarks/step_cost.py [--target smollm2-135m-instruct] [--context 300] [--repeats 20] [--rows 1,5,8,16,32,64]
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 from serving.attention import KVCache, PagedAttention, PagedMetadata
 from serving.model import Model
+from serving.spec.tree import DraftTree
 from serving.targets import DEFAULT_TARGET, resolve
 
 
@@ -22,31 +25,36 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300, help="tokens already in the K/V cache")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--rows", default="1,5,8,16,32,64", help="rows per step: the newest token and rows - 1 nodes")
     args = parser.parse_args()
+    sizes = [int(n) for n in args.rows.split(",")]
     model = Model.from_folder(resolve(args.target))
     c = model.config
-    num_blocks = (args.context + 64) // args.block_size + 1
+    num_blocks = (args.context + max(sizes)) // args.block_size + 2
     cache = KVCache(c.num_layers, num_blocks, args.block_size, c.layer.num_kv_heads, c.layer.head_dim, torch.float32, "cpu")
     table = list(range(num_blocks))
-    ids = torch.randint(0, c.vocab_size, (args.context + 32,))
+    ids = torch.randint(0, c.vocab_size, (args.context + max(sizes),))
     model(ids[:args.context], torch.arange(args.context),
           PagedAttention(cache, PagedMetadata.build([args.context], [args.context], [table], args.block_size, "cpu")))
+    newest = args.context  # position of the newest token, computed in the step
 
-    def forward(num_tokens: int) -> float:
-        meta = PagedMetadata.build([num_tokens], [args.context + num_tokens], [table], args.block_size, "cpu")
+    def forward(num_rows: int) -> float:
+        tree = DraftTree(tuple(range(num_rows - 1)), tuple(i // 4 - 1 for i in range(num_rows - 1)))
+        slot = lambda node: newest + 1 + node  # the table is the identity
+        paths = [[slot(n) for n in tree.path(i)] for i in range(len(tree))]
+        meta = PagedMetadata.build([1], [newest + 1], [table], args.block_size, "cpu", [paths])
+        positions = torch.tensor([newest] + [newest + d for d in tree.depths])
         start = time.perf_counter()
-        model(ids[args.context:args.context + num_tokens], torch.arange(args.context, args.context + num_tokens),
-              PagedAttention(cache, meta), torch.arange(num_tokens))
+        model(ids[newest:newest + num_rows], positions, PagedAttention(cache, meta), torch.arange(num_rows))
         return time.perf_counter() - start
 
-    sizes = (1, 2, 3, 5, 9, 17)
     times = {n: [] for n in sizes}
     for _ in range(args.repeats):  # interleaved, so drift hits every size alike
         for n in sizes:
             times[n].append(forward(n))
     base = statistics.median(times[1])
     print(f"target {args.target}, context {args.context}, {torch.get_num_threads()} threads, median of {args.repeats}")
-    print("| tokens in the step | k (drafts) | ms | vs 1 token |")
+    print("| rows in the step | draft nodes | ms | vs 1 row |")
     print("|---|---|---|---|")
     for n in sizes:
         ms = statistics.median(times[n]) * 1e3

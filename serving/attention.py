@@ -74,7 +74,7 @@ class _Batched:
         table = torch.zeros(max(len(all_paths), 1), self.path_stride, dtype=torch.long, device="cpu")
         for n, path in enumerate(all_paths):
             table[n, 0] = len(path)
-            table[n, 1:1 + len(path)] = torch.tensor(path, dtype=torch.long)
+            table[n, 1:1 + len(path)] = torch.tensor(path, dtype=torch.long, device="cpu")
         self.paths = table.to(device)  # [tree rows, 1 + longest path]: each row's path length, then its slots
         first_paths = [0]
         for *_, paths in short:
@@ -111,8 +111,8 @@ class _Batched:
         mask = torch.zeros(len(self.short), self.max_q, num_keys, dtype=torch.bool, device="cpu")
         for i, ((_, q, c, slots, paths), tail) in enumerate(zip(self.short, tails)):
             keys[i, :c] = slots
-            keys[i, c:c + len(tail)] = torch.tensor(tail, dtype=torch.long)
-            mask[i, :q] = torch.arange(num_keys)[None] <= torch.arange(c - q, c)[:, None]
+            keys[i, c:c + len(tail)] = torch.tensor(tail, dtype=torch.long, device="cpu")
+            mask[i, :q] = torch.arange(num_keys, device="cpu")[None] <= torch.arange(c - q, c, device="cpu")[:, None]
             where = {slot: c + n for n, slot in enumerate(tail)}
             for t, path in enumerate(paths):
                 mask[i, q + t, :c] = True
@@ -159,7 +159,7 @@ class PagedMetadata:
             slots = (blocks[:, None] * block_size + offsets).flatten()[:context_len]
             slot_parts.append(slots[context_len - query_len:])
             if paths:
-                slot_parts.append(torch.tensor([path[-1] for path in paths], dtype=torch.long))
+                slot_parts.append(torch.tensor([path[-1] for path in paths], dtype=torch.long, device="cpu"))
             if query_len > MAX_BATCHED_QUERY_LEN and not paths:
                 if query_len == context_len:
                     singles.append(_Single(start, start + query_len, None, None))

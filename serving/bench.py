@@ -1,7 +1,7 @@
 """`draftheads bench`: plain decoding and each speculative config side by side on the same prompts,
 in one run, with transformers' `generate` as an optional baseline.
 
-Every row reports tokens/s and, for speculative rows, tau, the acceptance rate, per-position acceptance,
+Every row reports tokens/s and, for speculative rows, tau, the acceptance rate, rows verified per step, per-depth acceptance,
 speedup over plain decoding in the same run, and whether greedy outputs are identical to plain decoding.
 """
 from __future__ import annotations
@@ -145,7 +145,8 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
                "tokens_per_s": num_tokens / elapsed, "num_tokens": num_tokens, "seconds": elapsed}
         if config is None:
             plain_rate = row["tokens_per_s"]
-            row.update(tau=1.0, acceptance_rate=None, per_position=[], speedup=1.0, identical_to_plain=True)
+            row.update(tau=1.0, acceptance_rate=None, rows_per_step=1.0, per_position=[], speedup=1.0,
+                       identical_to_plain=True)
         else:
             stats, per_category = AcceptanceStats(), {}
             for output, category in zip(method_outputs, categories):
@@ -154,7 +155,8 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
                 stats.merge(request_stats)
                 per_category.setdefault(category, AcceptanceStats()).merge(request_stats)
             summary = stats.to_dict()
-            row.update(tau=summary["tau"], acceptance_rate=summary["acceptance_rate"], per_position=summary["per_position"],
+            row.update(tau=summary["tau"], acceptance_rate=summary["acceptance_rate"], rows_per_step=summary["rows_per_step"],
+                       per_position=summary["per_position"],
                        speedup=row["tokens_per_s"] / plain_rate,
                        identical_to_plain=all(a.token_ids == b.token_ids for a, b in zip(method_outputs, plain_outputs)),
                        per_category={c: {"tau": s.tau, "acceptance_rate": s.acceptance_rate} for c, s in sorted(per_category.items())})
@@ -233,16 +235,16 @@ def to_markdown(result: dict) -> str:
     lines = [f"target {result['target']} | {result['num_prompts']} prompts x {result['max_new_tokens']} tokens | "
              f"concurrency {result['concurrency']} | temperature {result['temperature']} | {result['dtype']} on "
              f"{result.get('device', 'cpu')}, {result['threads']} threads", "",
-             "| method | k | tau | accept rate | per-position conditional | tokens/s | speedup |"
+             "| method | k | tau | accept rate | rows/step | per-depth conditional | tokens/s | speedup |"
              + (" vs generate |" if has_hf else "") + " identical |",
-             "|---|---|---|---|---|---|---|" + ("---|" if has_hf else "") + "---|"]
+             "|---|---|---|---|---|---|---|---|" + ("---|" if has_hf else "") + "---|"]
     for row in result["rows"]:
         conditional = " ".join(f"{p['conditional']:.2f}" for p in row["per_position"]) or "-"
         rate = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.2f}"
         identical = {True: "yes", False: "NO", None: "n/a"}[row["identical_to_plain"]]
         vs_hf = f" {row['speed_vs_hf']:.2f}x |" if has_hf else ""
         lines.append(f"| {row['method']} | {row['num_speculative_tokens'] or '-'} | {row['tau']:.2f} | {rate} | "
-                     f"{conditional} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x |{vs_hf} {identical} |")
+                     f"{row.get('rows_per_step', 1.0):.2f} | {conditional} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x |{vs_hf} {identical} |")
     if has_hf:
         lines += ["", f"transformers generate: {result['hf_tokens_per_s']:.1f} tokens/s; engine plain / transformers = "
                   f"{result['speed_vs_hf']:.2f}x; identical to transformers: {result['identical_to_hf']}"]

@@ -101,9 +101,10 @@ class Scheduler:
         or delays another request."""
         num_spare_tokens = self.max_num_batched_tokens
         num_spare_blocks = self.block_manager.num_free_blocks
+        asked = {request.request_id for request in requests}  # their trees, if any, are replaced: not counted
         cut = set()  # requests whose chunk does not reach the end: they verify nothing
         for other in self.running:
-            num_wanted = self._num_wanted(other)
+            num_wanted = other.num_tokens - other.num_computed_tokens if other.request_id in asked else self._num_wanted(other)
             num_new = min(num_wanted, num_spare_tokens)
             if num_new < num_wanted:
                 cut.add(other.request_id)

@@ -22,12 +22,9 @@ class MedusaDrafter(Drafter):
     def __init__(self, head, hot, config):
         self.head, self.hot = head, hot
         self.confidence, self.topk = Confidence(head, config.confidence_threshold), config.topk
-        self.choices = config.medusa_choices  # in topological order, or None
-        if self.choices is not None and max(map(len, self.choices)) > head.config.num_heads:
-            raise ValueError(f"medusa_choices reach depth {max(map(len, self.choices))} but this Medusa head has "
-                             f"{head.config.num_heads} heads: keep the paths within that depth")
-        num_ranks = 1 + max(r for path in self.choices for r in path) if self.choices is not None else self.topk
-        self.num_ranks = num_ranks
+        # in topological order, or None; no deeper than num_speculative_tokens, itself at most the head's heads
+        self.choices = config.medusa_choices
+        self.num_ranks = 1 + max(r for path in self.choices for r in path) if self.choices is not None else self.topk
 
     def _top(self, logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         log_probs, best = top_log_probs(logits, self.num_ranks, self.confidence.temperature(depth))

@@ -42,7 +42,7 @@ def verify_sampled(tree: DraftTree, probs: torch.Tensor, generator: torch.Genera
     tokens to emit)."""
     path, node = [], -1
     while True:
-        residual = probs[node + 1]
+        residual = probs[node + 1].clone()  # the caller's probabilities stay as they are
         chosen = None
         for child in tree.children[node + 1]:
             token = tree.tokens[child]
@@ -52,7 +52,6 @@ def verify_sampled(tree: DraftTree, probs: torch.Tensor, generator: torch.Genera
                 if total - mass <= 0 or _uniform(generator) * total < mass:
                     chosen = child
                     break
-                residual = residual.clone() if residual is probs[node + 1] else residual
                 residual[token] = 0.0
             else:
                 q = tree.q[child]

@@ -1,4 +1,5 @@
-"""The head drafters in the engine (serving/drafters/heads.py): Medusa, EAGLE-1, EAGLE-3 and MTP.
+"""The head drafters in the engine (serving/drafters/head.py, medusa.py, eagle.py, mtp.py, tree_search.py): Medusa,
+EAGLE-1, EAGLE-3 and MTP.
 
 1. Whatever a head proposes, greedy outputs are plain greedy decoding's, token for token: random heads
    (parameters perturbed, so their drafts are not the target's), concurrency 1 and 8, forced preemption,
@@ -12,7 +13,7 @@
 3. Oracle: heads overfit (plain torch, AdamW) on the target's own greedy continuations must draft them back:
    every draft accepted, tau close to k + 1. EAGLE-1, EAGLE-3 and MTP train unrolled with the engine's
    drafting semantics: step s at anchor t feeds (x_{t+1+s}, its previous output) at position t+s, attending
-   to the real positions <= t and to its own earlier steps. Checked by mutating serving/drafters/heads.py:
+   to the real positions <= t and to its own earlier steps. Checked by mutating the drafters (then one heads.py):
    reading Medusa's row one position early gives tau 1.04; a catch-up pairing h_p with x_p instead of
    x_{p+1} gives MTP tau 1.30, EAGLE-3 2.23 and EAGLE acceptance 0.83 (on greedy data x_{p+1} = argmax
    lm_head(h_p), so EAGLE's token input is nearly redundant); rope offsets of the catch-up or draft positions
@@ -20,6 +21,7 @@
 4. save -> load -> save drafts identically in the engine.
 5. A head for another target, a method/kind mismatch, too many Medusa drafts, and an MTP head in chain mode
    are clear errors.
+6. Draft trees (topk > 1): every head drafts EAGLE-2's dynamic tree, and greedy outputs stay plain decoding's.
 
 Everything is float32 and single-threaded on tiny targets (2 shared cores).
 """
@@ -36,10 +38,12 @@ from transformers import AutoModelForCausalLM
 import heads
 from heads.attention import DenseCausalAttention, sdpa_gqa
 from serving import targets
+from serving.drafters.base import DraftBudget
 from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.spec.config import SpeculativeConfig
 from serving.spec.step import Speculator
+from serving.spec.tree import DraftTree
 from serving.targets import build_tiny_model
 
 K = 3  # drafts per step everywhere
@@ -132,12 +136,18 @@ def perturb(head, seed):
     return head
 
 
+def is_chain(tree: DraftTree) -> bool:
+    return tree.parents == tuple(range(-1, len(tree) - 1))
+
+
 @dataclass
 class Proposal:
     request_id: str
     token_ids: list[int]  # the request's tokens when the drafter proposed
-    budget: int
-    drafts: list[int]
+    budget: int  # the longest chain the budget allows: min(its nodes, its depth)
+    drafts: list[int]  # the tree's tokens (a chain's, in order, with topk 1)
+    tree: DraftTree
+    budgets: DraftBudget
 
 
 def record_proposals(engine) -> list[Proposal]:
@@ -151,8 +161,9 @@ def record_proposals(engine) -> list[Proposal]:
         proposals = propose(engine_, requests, budgets, step)
         for r in requests:
             if r.request_id in proposals:
-                records.append(Proposal(r.request_id, before[r.request_id], budgets[r.request_id],
-                                        list(proposals[r.request_id])))
+                tree, budget = proposals[r.request_id], budgets[r.request_id]
+                assert isinstance(tree, DraftTree) and isinstance(budget, DraftBudget)
+                records.append(Proposal(r.request_id, before[r.request_id], min(budget), list(tree.tokens), tree, budget))
         return proposals
 
     drafter.propose = spy
@@ -304,32 +315,44 @@ def test_random_heads_reproduce_plain_greedy(kind, fixture, concurrency, heads_r
 
 @pytest.mark.parametrize("concurrency", [1, 8])
 @pytest.mark.parametrize("kind, fixture", HEAD_CASES, ids=[f"{k}-{f}" for k, f in HEAD_CASES])
-def test_heads_with_leaves_reproduce_plain_greedy(kind, fixture, concurrency, heads_root, request):
-    """first_draft_topk 3: beside each chain the head's second and third most likely first drafts are verified as
-    leaves, under chunked prefill and preemption, and the outputs stay plain decoding's."""
+def test_head_trees_reproduce_plain_greedy(kind, fixture, concurrency, heads_root, request):
+    """topk 3, num_draft_tokens 8: each head drafts a tree of up to 7 nodes (its topk most likely children of the
+    best nodes, depth by depth), verified whole under chunked prefill and preemption, and the outputs stay plain
+    decoding's."""
     folder = request.getfixturevalue(fixture)
-    engine = make_engine(folder, dict(spec_config(kind, random_head_dir(kind, folder, heads_root)), first_draft_topk=3),
-                         **SCENARIOS[concurrency])
-    drafter, leaves = engine.speculator.drafter, []
-    propose = drafter.propose
-
-    def spy(engine_, requests, budgets, step):
-        proposals = propose(engine_, requests, budgets, step)
-        leaves.extend((proposals[rid][0], found) for rid, found in drafter.leaves.items())
-        return proposals
-
-    drafter.propose = spy
+    spec = dict(spec_config(kind, random_head_dir(kind, folder, heads_root)), topk=3, num_draft_tokens=8)
+    engine = make_engine(folder, spec, **SCENARIOS[concurrency])
+    assert engine.speculator.config.max_draft_nodes == 7
+    proposals = record_proposals(engine)
     outputs = engine.generate(PROMPTS, greedy(MAX_TOKENS))
     assert [o.token_ids for o in outputs] == plain_outputs(folder, PROMPTS, MAX_TOKENS)
     assert_pool_idle(engine)
-    assert leaves and all(len(found) == 2 and first not in found for first, found in leaves)
+    if concurrency == 8:
+        assert sum(o.metrics["num_preemptions"] for o in outputs) > 0, "no preemption: the pool is too roomy"
+    assert proposals
+    if concurrency == 1:  # alone, every request drafts; at 8 the first in running order take the token budget
+        assert {p.request_id for p in proposals} == {o.request_id for o in outputs}
+    for p in proposals:
+        tree = p.tree
+        # within the budget, and a head fills its nodes where the search made enough candidates (3 at depth 1, then
+        # the 3 children of each of the 3 best nodes per depth)
+        assert tree.depth <= p.budgets.depth, (tree.depth, p.budgets)
+        assert len(tree) == min(p.budgets.num_nodes, 3 + 9 * (p.budgets.depth - 1)), (len(tree), p.budgets)
+        assert all(0 <= t < VOCAB for t in tree.tokens)
+        for siblings in tree.children:  # a node's children are distinct drafts, at most topk of them
+            tokens = [tree.tokens[c] for c in siblings]
+            assert len(tokens) <= 3 and len(set(tokens)) == len(tokens), tree
+    assert any(len(tree.children[0]) == 3 for tree in (p.tree for p in proposals))
+    assert any(p.tree.depth == min(K, p.budgets.depth) > 1 and not is_chain(p.tree) for p in proposals)
+    stats = engine.speculator.stats
+    assert stats.num_draft_tokens > sum(stats.proposed), "trees verify more nodes than depths"
 
 
 @pytest.mark.parametrize("kind, fixture, serve_mode", [*((k, f, None) for k, f in HEAD_CASES), ("mtp", "tiny_llama", "chain")],
                          ids=[*(k for k, _ in HEAD_CASES), "mtp-chain"])
 def test_head_drafters_name_the_engines_device(kind, fixture, serve_mode, heads_root, request, device_unnamed_is_meta):
     """Every tensor a head drafter makes is on the engine's device: run with unnamed devices on meta, greedy and
-    sampled requests with leaves and the cut draft, accept and emit what the same run does on the CPU by default
+    sampled requests with trees (topk 2) and the cut draft, accept and emit what the same run does on the CPU by default
     (a meta index into a CPU tensor reads garbage instead of failing, which only the drafts show)."""
     folder = request.getfixturevalue(fixture)
     if serve_mode:
@@ -337,7 +360,7 @@ def test_head_drafters_name_the_engines_device(kind, fixture, serve_mode, heads_
         head_dir = heads.save(head, heads_root / f"mtp-{serve_mode}-{folder.name}")
     else:
         head_dir = random_head_dir(kind, folder, heads_root)
-    spec = dict(spec_config(kind, head_dir), confidence_threshold=0.001, first_draft_topk=1 if serve_mode else 2)
+    spec = dict(spec_config(kind, head_dir), confidence_threshold=0.001, topk=1 if serve_mode else 2)
     params = [greedy(12)] * 3 + [SamplingParams(max_tokens=12, temperature=0.8, seed=s, ignore_eos=True) for s in (1, 2)]
 
     def run():
@@ -348,6 +371,8 @@ def test_head_drafters_name_the_engines_device(kind, fixture, serve_mode, heads_
 
     expected = run()
     assert sum(len(p.drafts) for p in expected[1]) > 20, "the head barely drafted: the case tests nothing"
+    if not serve_mode:
+        assert any(not is_chain(p.tree) for p in expected[1]), "topk 2 drafted no tree"
     with device_unnamed_is_meta():
         assert run() == expected
     assert expected[0][:3] == [o[:12] for o in plain_outputs(folder, PROMPTS, MAX_TOKENS)[:3]]
@@ -378,6 +403,7 @@ def check_against_dense(folder, head, proposals, finals) -> tuple[int, list[str]
     states: dict = {}
     num_checked, mismatches = 0, []
     for p in proposals:
+        assert is_chain(p.tree), "topk 1 drafts a chain"
         final = finals[p.request_id]
         assert p.token_ids == final[:len(p.token_ids)], "the proposal's tokens are not a prefix of the output"
         if p.request_id not in states:
@@ -757,11 +783,11 @@ def test_mtp_chain_mode_is_a_clear_error(tiny_llama, tmp_path):
         make_engine(tiny_llama, spec_config("mtp", head_dir))
 
 
-def test_leaves_beside_an_mtp_chain_are_a_clear_error(tiny_llama, tmp_path):
+def test_trees_from_an_mtp_chain_are_a_clear_error(tiny_llama, tmp_path):
     head = chain_mtp(tiny_llama, 2)
     head_dir = heads.save(head, tmp_path / "mtp-chain")
-    with pytest.raises(ValueError, match="first_draft_topk applies to MTP heads with serve_mode 'reuse_first'"):
-        make_engine(tiny_llama, dict(spec_config("mtp", head_dir, k=2), first_draft_topk=2))
+    with pytest.raises(ValueError, match=r"draft trees \(topk > 1\) apply to MTP heads with serve_mode 'reuse_first'"):
+        make_engine(tiny_llama, dict(spec_config("mtp", head_dir, k=2), topk=2))
 
 
 # ---- MTP served as a chain: module j drafts token j + 1 --------------------------------------------------
@@ -872,17 +898,20 @@ def calibrated_head_dir(kind, folder, root) -> str:
 def median_confidence(folder, head_dir, kind, monkeypatch) -> float:
     """The median probability (at the first draft's temperature) the head gives its drafts in a run without a
     threshold."""
-    from serving.drafters import heads as drafters
+    from serving.drafters import eagle, medusa, mtp
 
-    seen, best = [], drafters._best
+    seen, top = [], eagle.top_log_probs
 
     def spy(logits, *args):
         seen.extend((logits.float() / TEMPERATURES[0]).softmax(-1).amax(-1).flatten().tolist())
-        return best(logits, *args)
+        return top(logits, *args)
 
-    monkeypatch.setattr(drafters, "_best", spy)
+    for module in (eagle, medusa, mtp):  # each head drafter reads its drafts' probabilities through top_log_probs
+        assert module.top_log_probs is top
+        monkeypatch.setattr(module, "top_log_probs", spy)
     make_engine(folder, spec_config(kind, head_dir), **SCENARIOS[1]).generate(PROMPTS, greedy(MAX_TOKENS))
     monkeypatch.undo()
+    assert seen, "the spy saw no draft"
     return float(torch.tensor(seen).median())
 
 
@@ -936,16 +965,31 @@ def test_a_confidence_threshold_cuts_chains_where_their_probability_falls_below_
 
 
 def test_confidence_is_the_heads_probability_of_its_draft_at_a_temperature():
-    from serving.drafters.heads import _best
+    from types import SimpleNamespace
+
+    from serving.drafters.head import Confidence, log_confidence, top_log_probs
+    from serving.drafters.medusa import MedusaDrafter
 
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.45, 0.35]]))
-    ids, probs = _best(logits, None, 1.0)
-    assert ids == [0, 1]
-    torch.testing.assert_close(torch.tensor(probs), torch.tensor([0.6, 0.45]))
-    ids, probs = _best(logits, torch.tensor([7, 8, 9]), 2.0)
-    assert ids == [7, 8]
-    torch.testing.assert_close(torch.tensor(probs), (logits / 2).softmax(-1).amax(-1))
-    assert _best(logits, None, None) == ([0, 1], [1.0, 1.0])  # no cut: no probability computed
+    log_probs, ids = top_log_probs(logits, 1, 1.0)
+    assert ids[:, 0].tolist() == [0, 1]
+    torch.testing.assert_close(log_probs[:, 0].exp(), torch.tensor([0.6, 0.45]))
+    torch.testing.assert_close(log_confidence(logits, 1.0).exp(), torch.tensor([0.6, 0.45]))
+    log_probs, ids = top_log_probs(logits, 2, 2.0)  # the two most likely, at temperature 2
+    assert ids.tolist() == [[0, 1], [1, 2]]
+    torch.testing.assert_close(log_probs.exp(), (logits / 2).softmax(-1).topk(2).values)
+    torch.testing.assert_close(log_confidence(logits, 2.0).exp(), (logits / 2).softmax(-1).amax(-1))
+    # draft d reads the temperature its fit calibrated for it, 1 past them; no threshold cuts nothing
+    head = SimpleNamespace(config=SimpleNamespace(confidence_temperatures=[1.7, 0.6]))
+    confidence = Confidence(head, 0.0)
+    assert [confidence.temperature(d) for d in (1, 2, 3)] == [1.7, 0.6, 1.0]
+    assert confidence.log_threshold == -float("inf") and Confidence(head, 0.25).log_threshold == pytest.approx(-1.3862944)
+    # a head over a token map drafts target ids
+    drafter = MedusaDrafter.__new__(MedusaDrafter)
+    drafter.hot, drafter.num_ranks, drafter.confidence = torch.tensor([7, 8, 9]), 2, Confidence(head, 0.0)
+    log_probs, ids = drafter._top(logits, 2)
+    assert ids.tolist() == [[7, 8], [8, 9]]
+    torch.testing.assert_close(log_probs.exp(), (logits / 0.6).softmax(-1).topk(2).values)
 
 
 def test_mtp_chain_with_a_confidence_threshold_cuts_the_chain_where_its_probability_falls_below_it(

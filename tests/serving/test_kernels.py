@@ -221,42 +221,121 @@ def test_argmax_falls_back_to_torch(no_kernels):
     assert kernels.argmax(x.to(torch.bfloat16)) == x.to(torch.bfloat16).argmax(-1).tolist()
 
 
-def test_leaves_attend_as_decode_steps_at_their_position():
-    """A chain of 4 drafts with 3 leaves (alternatives to its first draft): each leaf's output equals, bit for bit,
-    a decode step at the leaf's position whose key there is the leaf's; the chain's rows are those of the same step
-    without leaves; and the torch path agrees with the kernel."""
+def random_tree(num_nodes: int, depth: int, generator: torch.Generator):
+    """A random draft tree of `num_nodes` nodes exactly `depth` deep with a node of two children or more (redrawn
+    until it is)."""
+    from serving.spec.tree import DraftTree
+
+    while True:
+        parents, depths = [], []
+        for i in range(num_nodes):
+            choices = [-1] + [j for j in range(i) if depths[j] < depth]
+            parent = choices[int(torch.randint(len(choices), (), generator=generator))]
+            parents.append(parent)
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        tree = DraftTree(tuple(range(num_nodes)), tuple(parents))
+        if tree.depth == depth and max(map(len, tree.children)) >= 2:
+            return tree
+
+
+def test_tree_rows_attend_as_decode_steps_at_their_position():
+    """Two sequences verify a random tree each (7 nodes 3 deep after 3 query rows and 43 keys; 5 nodes 2 deep after
+    1 query row and 20 keys), over shuffled blocks of 16. Each tree row's kernel output equals, bit for bit, a decode
+    step at its node's position whose context holds the same keys (the context, then its path's K/V, written into
+    the slots of those positions of another table in a copy of the pool); the query rows are those of the same step
+    without trees; the torch path agrees with the kernel; and both agree with dense attention under the explicit
+    ancestor mask, computed here in plain torch."""
     from serving.attention import KVCache, PagedAttention, PagedMetadata
 
     torch.manual_seed(0)
-    block_size, num_heads, num_kv, head_dim = 4, 9, 3, 64
-    query_len, context_len, num_leaves = 5, 43, 3
-    cache = KVCache(2, 40, block_size, num_kv, head_dim, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    block_size, num_blocks, num_heads, num_kv, head_dim, layer = 16, 24, 9, 3, 64, 1
+    seqs = [(3, 43, random_tree(7, 3, g)), (1, 20, random_tree(5, 2, g))]  # (query rows, context, tree)
+    cache = KVCache(2, num_blocks, block_size, num_kv, head_dim, torch.float32, "cpu")
     cache.k.normal_()
     cache.v.normal_()
-    table = torch.randperm(40)[:-(-(context_len + num_leaves) // block_size)].tolist()
-    rows = query_len + num_leaves
-    q = torch.randn(rows, num_heads, head_dim)
+    order, tables = torch.randperm(num_blocks).tolist(), []
+    for _, context, tree in seqs:
+        tables.append(order[:-(-(context + len(tree)) // block_size)])
+        order = order[len(tables[-1]):]
+    other_table = order[:4]  # where the decode steps put the same keys: other blocks
+    assert len(other_table) == 4 and all(len(table) >= 2 for table in tables)
+
+    def slot(table, position):
+        return table[position // block_size] * block_size + position % block_size
+
+    tree_paths = [[[slot(table, context + n) for n in tree.path(i)] for i in range(len(tree))]
+                  for (_, context, tree), table in zip(seqs, tables)]
+    starts = [0]
+    for q_len, _, tree in seqs:
+        starts.append(starts[-1] + q_len + len(tree))
+    rows = starts[-1]
+    q = torch.randn(rows, num_heads + num_kv, head_dim)[:, :num_heads]  # strided, as the layer passes it
     k, v = torch.randn(rows, num_kv, head_dim), torch.randn(rows, num_kv, head_dim)
 
-    def attend(start, query_lens, context_lens, leaves, q, k, v, torch_path=False):
+    def attend(start, meta, q, k, v, torch_path=False):
         """(outputs, the pool after the step) of a step from a copy of the pool `start`."""
-        pool = KVCache(2, 40, block_size, num_kv, head_dim, torch.float32, "cpu")
+        pool = KVCache(2, num_blocks, block_size, num_kv, head_dim, torch.float32, "cpu")
         pool.k.copy_(start.k)
         pool.v.copy_(start.v)
-        attention = PagedAttention(pool, PagedMetadata.build(query_lens, context_lens, [table], block_size, "cpu", num_leaves=leaves))
-        if attention.lib is None and not torch_path:
-            pytest.skip("the kernels do not run here")
+        attention = PagedAttention(pool, meta)
         if torch_path:
             attention.lib = None
-        return attention(1, q, k, v), pool
+        return attention(layer, q, k, v), pool
 
-    out, after = attend(cache, [query_len], [context_len], [num_leaves], q, k, v)
-    chain_alone, _ = attend(cache, [query_len], [context_len], [0], q[:query_len], k[:query_len], v[:query_len])
-    assert torch.equal(out[:query_len], chain_alone)
-    branch = context_len - query_len + 1  # the position of the chain's first draft and of every leaf
-    for j in range(num_leaves):
-        row = slice(query_len + j, query_len + j + 1)
-        decode, _ = attend(after, [1], [branch + 1], [0], q[row], k[row], v[row])
-        assert torch.equal(out[row], decode)
-    reference, _ = attend(cache, [query_len], [context_len], [num_leaves], q, k, v, torch_path=True)
-    torch.testing.assert_close(out, reference)
+    query_lens, context_lens = [q_len for q_len, _, _ in seqs], [c for _, c, _ in seqs]
+    meta = PagedMetadata.build(query_lens, context_lens, tables, block_size, "cpu", tree_paths)
+    torch_out, torch_after = attend(cache, meta, q, k, v, torch_path=True)
+
+    # dense attention over [context, tree nodes] with the ancestor mask, from the keys the step wrote
+    dense = torch.empty(rows, num_heads, head_dim)
+    group = num_heads // num_kv
+    for (q_len, context, tree), table, first in zip(seqs, tables, starts):
+        nodes = range(first + q_len, first + q_len + len(tree))
+        context_slots = [slot(table, p) for p in range(context)]
+        keys = torch.cat([torch_after.k[layer, context_slots], k[nodes]])  # [context + nodes, kv_heads, dim]
+        values = torch.cat([torch_after.v[layer, context_slots], v[nodes]])
+        mask = torch.zeros(q_len + len(tree), context + len(tree), dtype=torch.bool)
+        for r in range(q_len):
+            mask[r, :context - q_len + r + 1] = True  # causal
+        for i in range(len(tree)):
+            mask[q_len + i, :context] = True
+            mask[q_len + i, [context + n for n in tree.path(i)]] = True  # its ancestors and itself
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[first:first + q_len + len(tree)], keys) * head_dim ** -0.5
+        scores = scores.masked_fill(~mask, -float("inf"))
+        dense[first:first + q_len + len(tree)] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+    torch.testing.assert_close(torch_out, dense)
+
+    out, after = attend(cache, meta, q, k, v)
+    if PagedAttention(after, meta).lib is None:
+        pytest.skip("the kernels do not run here (the torch path was checked against dense attention)")
+    torch.testing.assert_close(out, torch_out)
+    torch.testing.assert_close(out, dense)
+    assert torch.equal(after.k, torch_after.k) and torch.equal(after.v, torch_after.v)  # the same writes
+
+    real_rows = [r for (q_len, _, _), first in zip(seqs, starts) for r in range(first, first + q_len)]
+    plain_meta = PagedMetadata.build(query_lens, context_lens, tables, block_size, "cpu")
+    without_trees, _ = attend(cache, plain_meta, q[real_rows], k[real_rows], v[real_rows])
+    assert torch.equal(out[real_rows], without_trees)
+
+    num_checked = 0
+    for (q_len, context, tree), table, first in zip(seqs, tables, starts):
+        for n in range(len(tree)):  # each node's K/V sits in its slot of the tree step
+            assert torch.equal(after.k[layer, slot(table, context + n)], k[first + q_len + n])
+        for i in range(len(tree)):
+            path, row = tree.path(i), first + q_len + i
+            decode_pool = KVCache(2, num_blocks, block_size, num_kv, head_dim, torch.float32, "cpu")
+            decode_pool.k.normal_()
+            decode_pool.v.normal_()
+            for p in range(context):
+                decode_pool.k[:, slot(other_table, p)] = after.k[:, slot(table, p)]
+                decode_pool.v[:, slot(other_table, p)] = after.v[:, slot(table, p)]
+            for depth, node in enumerate(path[:-1]):  # the ancestors, at their positions; the row writes its own
+                decode_pool.k[:, slot(other_table, context + depth)] = after.k[:, slot(table, context + node)]
+                decode_pool.v[:, slot(other_table, context + depth)] = after.v[:, slot(table, context + node)]
+            decode_meta = PagedMetadata.build([1], [context + len(path)], [other_table], block_size, "cpu")
+            decode, _ = attend(decode_pool, decode_meta, q[row:row + 1], k[row:row + 1], v[row:row + 1])
+            assert torch.equal(out[row:row + 1], decode), (i, path)
+            num_checked += 1
+    assert num_checked == 12

@@ -51,3 +51,19 @@ def test_lookup_prefers_the_most_recent_full_run_then_the_longest_partial_one():
     assert lookup.lookup(tokens, 9) == [1, 2, 7, 8, 3, 4, 7, 8]  # none has 9: the longest run
     assert lookup.lookup([5, 6, 7, 8, 5, 9], 2) == []  # "5 9" never occurred before; 1-token suffixes are below min
     assert drafter(1, 3).lookup([5, 6, 7, 8, 5, 9, 1, 9], 2) == [1, 9]  # "9" at 5
+
+
+def test_propose_is_a_chain_of_the_lookup_cut_to_the_budgets_nodes_and_depth():
+    from types import SimpleNamespace
+
+    from serving.drafters.base import DraftBudget
+    from serving.spec.tree import DraftTree
+
+    lookup = drafter(2, 3)
+    tokens = [7, 8, 1, 2, 7, 8, 3, 4, 7, 8]
+    requests = [SimpleNamespace(request_id=name, token_ids=tokens) for name in ("a", "b", "c")]
+    budgets = {"a": DraftBudget(6, 9), "b": DraftBudget(9, 2), "c": DraftBudget(3, 3)}
+    trees = lookup.propose(None, requests, budgets)
+    assert trees == {"a": DraftTree.chain([1, 2, 7, 8, 3, 4]), "b": DraftTree.chain([3, 4]),
+                     "c": DraftTree.chain([3, 4, 7])}
+    assert all(tree.parents == tuple(range(-1, len(tree) - 1)) for tree in trees.values())

@@ -1,4 +1,4 @@
-"""Scheduler: token budget, chunked prefill, preemption by recompute, admission, drafts that fit,
+"""Scheduler: token budget, chunked prefill, preemption by recompute, admission, draft budgets that fit,
 and a randomized run of a fake engine that must end with every block free."""
 import random
 
@@ -139,7 +139,14 @@ def test_admission_that_cannot_allocate_is_undone():
     assert manager.num_free_blocks == 2 and manager.num_cached_blocks == 2
 
 
-def test_fit_drafts_leaves_room_for_every_running_request():
+def budget_of(scheduler, request, max_drafts):
+    """draft_budgets for one request alone."""
+    budgets = scheduler.draft_budgets([request], max_drafts)
+    assert list(budgets) == [request.request_id]
+    return budgets[request.request_id]
+
+
+def test_draft_budgets_leave_room_for_every_running_request():
     manager = BlockManager(num_blocks=6, block_size=4)
     scheduler = Scheduler(manager, max_model_len=24, max_num_batched_tokens=8)
     first, second = make_request("first", [1, 2, 3]), make_request("second", [4, 5, 6])
@@ -148,37 +155,44 @@ def test_fit_drafts_leaves_room_for_every_running_request():
     run_step(scheduler)  # each holds one block with 4 tokens, 3 computed; 4 blocks free
     assert manager.num_free_blocks == 4
 
-    assert scheduler.fit_drafts(first, 3) == 3
-    assert scheduler.fit_drafts(first, 10) == 6  # budget 8 minus second's token and first's own
+    assert budget_of(scheduler, first, 3) == 3
+    assert budget_of(scheduler, first, 10) == 6  # budget 8 minus second's token and first's own
+    # in one call the grants share the budget in running order: first takes the 6 spare tokens, second gets none
+    assert scheduler.draft_budgets([first, second], 10) == {"first": 6, "second": 0}
+    assert scheduler.draft_budgets([first, second], 3) == {"first": 3, "second": 3}
     first.spec_token_ids = [0] * 6
-    assert scheduler.fit_drafts(second, 5) == 0  # the budget is spent
+    assert budget_of(scheduler, second, 5) == 0  # the budget is spent
     first.spec_token_ids = [0] * 2
-    assert scheduler.fit_drafts(second, 5) == 4
+    assert budget_of(scheduler, second, 5) == 4
 
     tight = Scheduler(manager, max_model_len=24, max_num_batched_tokens=64)
     tight.running = [first, second]
     first.spec_token_ids = []
     hog = make_request("hog", [0])
     assert manager.allocate_slots(hog, 12)  # three of the four free blocks
-    assert tight.fit_drafts(first, 10) == 4  # first's block is full: one block left, four slots
+    assert budget_of(tight, first, 10) == 4  # first's block is full: one block left, four slots
+    assert budget_of(tight, second, 10) == 4  # alone, second could take that block too
+    # together, first's grant takes the last block: second's block is full, so it gets nothing
+    assert tight.draft_budgets([first, second], 10) == {"first": 4, "second": 0}
+    assert tight.draft_budgets([first, second], 2) == {"first": 2, "second": 0}  # a part of the block is the block
     first.spec_token_ids = [0] * 4
-    assert tight.fit_drafts(second, 10) == 0
-    assert tight.fit_drafts(first, 10) == 4
+    assert budget_of(tight, second, 10) == 0
+    assert budget_of(tight, first, 10) == 4  # a tree first already holds is replaced by the new one: not counted
 
     output = tight.schedule()
     assert output.preempted == [] and output.scheduled == [(first, 5), (second, 1)]
 
 
-def test_fit_drafts_respects_max_model_len_and_prefill_chunks():
+def test_draft_budgets_respect_max_model_len_and_prefill_chunks():
     manager = BlockManager(num_blocks=16, block_size=4)
     scheduler = Scheduler(manager, max_model_len=10, max_num_batched_tokens=4)
     request = make_request("a", list(range(8)))
     scheduler.add(request)
     scheduler.schedule()
     request.num_computed_tokens = 2
-    assert scheduler.fit_drafts(request, 3) == 0  # six prompt tokens to go: this step is a chunk
+    assert budget_of(scheduler, request, 3) == 0  # six prompt tokens to go: this step is a chunk
     request.num_computed_tokens = 7
-    assert scheduler.fit_drafts(request, 5) == 2
+    assert budget_of(scheduler, request, 5) == 2
 
 
 def test_finish_releases_blocks_from_either_queue():
@@ -274,10 +288,11 @@ def test_random_engine_run_ends_with_every_block_free(block_size, speculate):
                 scheduler.finish(request, "length")
 
         if speculate:
-            for request in scheduler.running:
-                if request.num_computed_tokens == request.num_tokens - 1:
-                    num_drafts = scheduler.fit_drafts(request, rng.randint(0, 4))
-                    request.spec_token_ids = [rng.randrange(4) for _ in range(num_drafts)]
+            ready = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+            budgets = scheduler.draft_budgets(ready, rng.randint(0, 4)) if ready else {}
+            for request in ready:
+                num_drafts = rng.randint(0, budgets[request.request_id])
+                request.spec_token_ids = [rng.randrange(4) for _ in range(num_drafts)]
     else:
         pytest.fail("the engine did not finish")
 

@@ -24,10 +24,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from serving.attention import KVCache, PagedAttention, PagedMetadata
+from serving.drafters.base import Drafter
 from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.sampler import target_probs
 from serving.spec.config import SpeculativeConfig
+from serving.spec.tree import DraftTree
+from serving.spec.verify import verify_greedy, verify_sampled
 from serving.targets import build_tiny_model
 
 VOCAB = 256
@@ -70,28 +73,33 @@ def assert_pool_idle(engine):
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
-class OracleStub:
-    """Knows each prompt's plain greedy continuation (`truth`). Proposes the true next tokens, the first
-    `num_right` of them unchanged and the rest shifted by one (always rejected); `num_right=None` keeps
-    all. `extra` proposes that many tokens past the budget (the speculator must cut them)."""
+class OracleStub(Drafter):
+    """Knows each prompt's plain greedy continuation (`truth`). Proposes a chain of the true next tokens, as long as
+    the budget's nodes and depth allow, the first `num_right` of them unchanged and the rest shifted by one (always
+    rejected); `num_right=None` keeps all. `extra` proposes that many tokens past the budget (the speculator must
+    cut them)."""
 
     def __init__(self, truth: dict, num_right: int | None = None, extra: int = 0, vocab: int = VOCAB):
         self.truth, self.num_right, self.extra, self.vocab = truth, num_right, extra, vocab
-        self.draft_probs = {}
         self.calls = []  # (request id, num output tokens, budget, drafts)
         self.num_resets = 0
+
+    def upcoming(self, r) -> list[int]:
+        """The request's true continuation from its next token on; checks the engine kept to plain decoding."""
+        truth = self.truth[tuple(r.token_ids[:r.num_prompt_tokens])]
+        n = r.num_output_tokens
+        assert r.output_token_ids == truth[:n], "the engine diverged from plain decoding"
+        return truth[n:]
 
     def propose(self, engine, requests, budgets, step):
         proposals = {}
         for r in requests:
-            truth = self.truth[tuple(r.token_ids[:r.num_prompt_tokens])]
-            n = r.num_output_tokens
-            assert r.output_token_ids == truth[:n], "the engine diverged from plain decoding"
-            upcoming = truth[n:n + budgets[r.request_id] + self.extra]
+            budget = budgets[r.request_id]
+            upcoming = self.upcoming(r)[:min(budget.num_nodes, budget.depth) + self.extra]
             right = len(upcoming) if self.num_right is None else self.num_right
             drafts = upcoming[:right] + [(t + 1) % self.vocab for t in upcoming[right:]]
-            proposals[r.request_id] = drafts
-            self.calls.append((r.request_id, n, budgets[r.request_id], drafts))
+            proposals[r.request_id] = DraftTree.chain(drafts)
+            self.calls.append((r.request_id, r.num_output_tokens, budget, drafts))
         return proposals
 
     def reset(self, request):
@@ -307,16 +315,20 @@ def test_sampled_law_is_the_target_law(case, v8_target, v8_draft):
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
     if not perfect:
         spec["draft_temperature"] = 1.0
-    # max_num_seqs stays moderate: Speculator.propose calls Scheduler.fit_drafts once per running request and
-    # each call walks every running request, so a step costs O(running^2) (about 5 s a step at 1024 running).
     engine = make_engine(v8_target, spec, block_size=4, num_blocks=4096, max_model_len=64, max_num_seqs=128,
                          max_num_batched_tokens=8192)
     first_verify = {}  # request id -> (num drafts, num accepted) of its first verify step
     record = engine.speculator.record
 
-    def spy(request, num_drafts, num_accepted, num_emitted):
-        first_verify.setdefault(request.request_id, (num_drafts, num_accepted))
-        record(request, num_drafts, num_accepted, num_emitted)
+    def spy(request, tree, path, num_emitted):
+        assert tree.parents == tuple(range(-1, len(tree) - 1)), "a draft model drafts chains"
+        assert path == list(range(len(path)))
+        # a sampling drafter's q travels in its tree: one distribution per node, and each node's token is possible
+        if not perfect and tree:
+            assert tree.q is not None and tree.q.shape == (len(tree), 8)
+            assert all(float(tree.q[i, t]) > 0 for i, t in enumerate(tree.tokens))
+        first_verify.setdefault(request.request_id, (len(tree), len(path)))
+        record(request, tree, path, num_emitted)
 
     engine.speculator.record = spy
     depth = 4  # x1 from the prefill, x2 x3 verified as two drafts, x4 the bonus or a plain step
@@ -506,11 +518,31 @@ def test_requests_needing_history_decode_plainly_beside_speculating_ones(tiny_ll
     ('{"method": "ngram", "confidence_threshold": 0.5}', "confidence_threshold applies to medusa, eagle, eagle3, mtp"),
     ('{"method": "eagle", "model": "x", "draft_weights": "float16"}', "draft_weights='float16' must be one of bfloat16, float32"),
     ('{"method": "draft_model", "model": "x", "draft_weights": "float32"}', "draft_weights applies to medusa, eagle"),
-    ('{"method": "eagle", "model": "x", "first_draft_topk": 0}', r"first_draft_topk=0 must be an integer >= 1 \(1: a chain"),
-    ('{"method": "eagle", "model": "x", "first_draft_topk": 2.0}', "first_draft_topk=2.0 must be an integer"),
-    ('{"method": "ngram", "first_draft_topk": 2}', "first_draft_topk applies to medusa, eagle, eagle3, mtp heads, not 'ngram'"),
-    ('{"method": "eagle", "model": "x", "first_draft_topk": 2, "num_speculative_tokens": 16}',
-     "first_draft_topk > 1 needs num_speculative_tokens <= 15"),
+    ('{"method": "eagle", "model": "x", "topk": 0}', r"topk=0 must be an integer >= 1 \(1: a chain"),
+    ('{"method": "eagle", "model": "x", "topk": 2.0}', "topk=2.0 must be an integer"),
+    ('{"method": "eagle", "model": "x", "topk": true}', "topk=True must be an integer"),
+    ('{"method": "ngram", "topk": 2}',
+     r"draft trees \(topk, medusa_choices\) apply to medusa, eagle, eagle3, mtp heads, not 'ngram'"),
+    ('{"method": "draft_model", "model": "x", "medusa_choices": [[0]]}',
+     r"draft trees \(topk, medusa_choices\) apply to medusa, eagle, eagle3, mtp heads, not 'draft_model'"),
+    ('{"method": "eagle", "model": "x", "num_speculative_tokens": 4, "topk": 2, "num_draft_tokens": 4}',
+     "num_draft_tokens=4 cannot hold a path of num_speculative_tokens=4"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "num_draft_tokens": 3}',
+     "num_draft_tokens=3 cannot hold a path of num_speculative_tokens=3"),
+    ('{"method": "eagle", "model": "x", "num_draft_tokens": 1}', "num_draft_tokens=1 must be an integer >= 2"),
+    ('{"method": "eagle", "model": "x", "num_draft_tokens": 4.0}', "num_draft_tokens=4.0 must be an integer"),
+    ('{"method": "eagle", "model": "x", "num_speculative_tokens": 2, "topk": 2, "num_draft_tokens": 8}',
+     "num_draft_tokens=8 asks for 7 draft nodes but the tree has 6 candidates at most"),
+    ('{"method": "eagle", "model": "x", "medusa_choices": [[0]]}', "medusa_choices applies to medusa heads, not 'eagle'"),
+    ('{"method": "medusa", "model": "x", "medusa_choices": [[0]], "topk": 2}', "give either medusa_choices"),
+    ('{"method": "medusa", "model": "x", "medusa_choices": []}', "must be a non-empty list of paths of ranks"),
+    ('{"method": "medusa", "model": "x", "medusa_choices": [[0], [-1]]}', r"\[-1\] is not a path of ranks"),
+    ('{"method": "medusa", "model": "x", "medusa_choices": [[0], [0]]}', r"lists a path twice: \(0,\)"),
+    ('{"method": "medusa", "model": "x", "medusa_choices": [[0], [1, 0]]}', r"has \[1, 0\] but not its parent \[1\]"),
+    ('{"method": "medusa", "model": "x", "num_speculative_tokens": 2, "medusa_choices": [[0], [0, 0], [0, 0, 0]]}',
+     r"has \[0, 0, 0\] of depth 3 but num_speculative_tokens is 2"),
+    ('{"method": "medusa", "model": "x", "medusa_choices": [[0], [1]], "num_draft_tokens": 4}',
+     r"asks for 3 draft nodes but the tree has 2 candidates at most \(its medusa_choices\)"),
 ])
 def test_bad_speculative_configs_are_clear_errors(text, message):
     with pytest.raises(ValueError, match=message):
@@ -549,6 +581,22 @@ def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(tiny_llama
     assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, prompts, params)
     assert batch_sizes and max(batch_sizes) <= 3, batch_sizes
     assert sum(engine.speculator.stats.proposed) > 0
+
+
+def test_tree_sizes_default_as_sglangs_and_name_the_bench_row():
+    """num_draft_tokens counts the verified newest token: a chain of k drafts is k + 1, a topk tree k * topk + 1,
+    Medusa's choices one more than its paths; the label names the tree."""
+    chain = SpeculativeConfig(method="eagle", model="x", num_speculative_tokens=3)
+    assert (chain.topk, chain.num_draft_tokens, chain.max_draft_nodes, chain.label()) == (1, 4, 3, "eagle")
+    tree = SpeculativeConfig(method="eagle3", model="x", num_speculative_tokens=3, topk=2)
+    assert (tree.num_draft_tokens, tree.max_draft_nodes, tree.label()) == (7, 6, "eagle3 top2 n7")
+    small = SpeculativeConfig(method="mtp", model="x", num_speculative_tokens=3, topk=4, num_draft_tokens=4)
+    assert (small.max_draft_nodes, small.label()) == (3, "mtp top4 n4")  # the smallest that holds a 3-deep path
+    medusa = SpeculativeConfig(method="medusa", model="x", num_speculative_tokens=2,
+                               medusa_choices=[[1], [0, 0], [0], [0, 1]])
+    assert medusa.medusa_choices == [(1,), (0,), (0, 0), (0, 1)]  # topological: by depth, then as listed
+    assert (medusa.num_draft_tokens, medusa.label()) == (5, "medusa choices4")
+    assert SpeculativeConfig(method="ngram", num_speculative_tokens=5).num_draft_tokens == 6
 
 
 def test_prompt_lookup_first_looks_up_two_tokens_or_more_unless_told():
@@ -710,78 +758,150 @@ def test_drafts_never_enter_the_prefix_cache(tiny_llama, drafter, block_size):
     assert_pool_idle(engine)
 
 
-# ---- leaves: alternatives to the first draft -----------------------------------------------------------
+# ---- trees: the accepted path off the slot order --------------------------------------------------------
 
 
-class LeafOracle(OracleStub):
-    """Drafts a chain whose first draft is always wrong, beside two leaves: a wrong token, then the true one."""
+class TreeOracle(OracleStub):
+    """Drafts a tree whose first child of the newest token is a wrong token and whose second child is the true next
+    token, with the true tokens after it in a chain below it: nodes [wrong, t1, t2, ...], parents [-1, -1, 1, 2, ...].
+    The accepted path is nodes 1, 2, ...: node i at depth i, one slot past its position, so every accepted node's
+    K/V moves."""
 
     def __init__(self, truth: dict):
-        super().__init__(truth, num_right=0)
-        self.leaves = {}
+        super().__init__(truth)
+        self.trees = []
 
     def propose(self, engine, requests, budgets, step):
-        proposals = super().propose(engine, requests, budgets, step)
-        self.leaves = {}
+        trees = {}
         for r in requests:
-            right = self.truth[tuple(r.token_ids[:r.num_prompt_tokens])][r.num_output_tokens]
-            self.leaves[r.request_id] = [(right + 2) % self.vocab, right]
-        return proposals
+            true = self.upcoming(r)[:budgets[r.request_id].depth]
+            tokens = [(true[0] + 2) % self.vocab] + true
+            trees[r.request_id] = DraftTree(tokens, [-1, -1] + list(range(1, len(true))))
+            self.trees.append(trees[r.request_id])
+        return trees  # deeper than the budget's nodes where the room is short: the speculator cuts it
 
 
 @pytest.mark.parametrize("scenario,block_size", [("batch", 3), ("preempt", 16), ("prefix", 1), ("chunked", 16), ("single", 4)])
-def test_an_accepted_leaf_reproduces_plain_greedy(tiny_llama, scenario, block_size):
-    """Every step's true next token comes as a leaf: accepted, its K/V moved into place, the output stays plain
-    decoding's, and each verify step that carried drafts emits two tokens. Where the pool or the token budget is
-    short, the chain takes the room first and some steps verify it without leaves."""
+def test_an_accepted_branch_off_the_slot_order_reproduces_plain_greedy(tiny_llama, scenario, block_size):
+    """Every step's true continuation comes as the root's second child and the chain below it: accepted, each node's
+    K/V moved into place, the output stays plain decoding's, and each verify step that carried a whole tree emits
+    its depth plus one. Where the pool or the token budget is short, the tree is cut to its first nodes (the wrong
+    one first) and some steps accept less or nothing."""
+    k = 3
     sc = SCENARIOS[scenario]
     params = SamplingParams(max_tokens=sc["max_tokens"], ignore_eos=True)
     all_prompts = ([sc["warmup"]] if "warmup" in sc else []) + sc["prompts"]
     plain = plain_outputs(tiny_llama, all_prompts, params)
     num_blocks = -(-sc["pool_tokens"] // block_size) if "pool_tokens" in sc else None
-    engine = make_engine(tiny_llama, {"method": "ngram", "num_speculative_tokens": 3}, block_size=block_size,
+    engine = make_engine(tiny_llama, {"method": "ngram", "num_speculative_tokens": k}, block_size=block_size,
                          num_blocks=num_blocks, max_model_len=sc.get("max_model_len", 128), **sc.get("engine", {}))
-    engine.speculator.drafter = LeafOracle({tuple(p): out for p, out in zip(all_prompts, plain)})
-    engine.speculator.config.first_draft_topk = 3  # a stub stands in for a head, the only drafter that takes leaves
+    engine.speculator.drafter = drafter = TreeOracle({tuple(p): out for p, out in zip(all_prompts, plain)})
+    # a stub stands in for a head, the only drafter whose config takes trees: room for the wrong node and k true ones
+    engine.speculator.config.num_draft_tokens = k + 2
+    moves = []
+    move = engine.cache.move
+
+    def spy(block_table, source, target):
+        moves.append(source - target)
+        move(block_table, source, target)
+
+    engine.cache.move = spy
     outputs = engine.generate(all_prompts, params)
     assert [o.token_ids for o in outputs] == plain
     assert_pool_idle(engine)
     stats = engine.speculator.stats
-    assert stats.accepted[0] > 0 and sum(stats.accepted[1:]) == 0
+    assert drafter.trees and any(len(tree) == k + 1 for tree in drafter.trees)
+    assert sum(stats.accepted) > 0 and stats.accepted[0] > 0 and stats.accepted[1] > 0
+    assert moves and set(moves) == {1}, "each accepted node sits one slot past its position"
+    assert len(moves) == sum(stats.accepted)  # every accepted node moved, none else
     if scenario not in ("preempt", "chunked"):
-        assert stats.accepted[0] == stats.proposed[0]
-        assert stats.num_emitted == 2 * stats.num_drafts + (stats.num_steps - stats.num_drafts)
+        # whole trees: every depth proposed is accepted, one wrong node beside the path
+        assert stats.accepted == stats.proposed
+        assert stats.num_draft_tokens == sum(stats.proposed) + stats.num_drafts
+        assert stats.num_emitted == stats.num_steps + sum(stats.proposed)
+        assert stats.acceptance_rate < 1.0
 
 
-def test_greedy_leaves_accept_the_target_token_only_where_the_chain_fails():
-    from serving.spec.verify import verify_greedy_leaves
+def test_greedy_verification_follows_the_targets_choice_down_the_tree():
+    """Node i's row is 1 + i; the path follows, at each node, the child whose token is the target's argmax there."""
+    #        root
+    #       /     \
+    #   0:6        1:5
+    #   /  \         \
+    # 2:9  3:4       5:2
+    #        \
+    #        4:7
+    tree = DraftTree((6, 5, 9, 4, 7, 2), (-1, -1, 0, 0, 3, 1))
+    assert tree.depths == (1, 1, 2, 2, 3, 2)
 
-    # rows: the first token, chain drafts 6 and 9, leaves 5 and 4
-    assert verify_greedy_leaves([5, 9, 7, 3, 8], [6, 9], [5, 4]) == (0, 1, [5, 3])
-    assert verify_greedy_leaves([4, 9, 7, 3, 8], [6, 9], [5, 4]) == (1, 1, [4, 8])
-    assert verify_greedy_leaves([6, 9, 7, 3, 8], [6, 9], [5, 4]) == (None, 2, [6, 9, 7])
-    assert verify_greedy_leaves([2, 9, 7, 3, 8], [6, 9], [5, 4]) == (None, 0, [2])
-    assert verify_greedy_leaves([6, 1, 7], [6, 9], []) == (None, 1, [6, 1])
+    def best(rows: dict) -> list[int]:  # the target's argmax at each row: 0 unless told
+        return [rows.get(row, 0) for row in range(1 + len(tree))]
+
+    # the second child at depth 2, then its child: rows 0 (root), 1 (node 0), 4 (node 3), 5 (node 4, a leaf)
+    assert verify_greedy(tree, best({0: 6, 1: 4, 4: 7, 5: 1})) == ([0, 3, 4], [6, 4, 7, 1])
+    assert verify_greedy(tree, best({0: 6, 1: 9, 3: 8})) == ([0, 2], [6, 9, 8])  # the first child, a leaf
+    assert verify_greedy(tree, best({0: 6, 1: 4, 4: 3})) == ([0, 3], [6, 4, 3])  # node 4 rejected
+    assert verify_greedy(tree, best({0: 6, 1: 2})) == ([0], [6, 2])  # both depth-2 children rejected
+    assert verify_greedy(tree, best({0: 5, 2: 2, 6: 3})) == ([1, 5], [5, 2, 3])  # the root's second child
+    assert verify_greedy(tree, best({0: 5, 2: 4})) == ([1], [5, 4])  # 4 is node 3's token, not a child of node 1
+    assert verify_greedy(tree, best({0: 9})) == ([], [9])  # 9 is deeper in the tree, not a child of the root
+    assert verify_greedy(tree, best({0: 3})) == ([], [3])
+    # rows of nodes off the path do not matter
+    assert verify_greedy(tree, best({0: 5, 1: 9, 2: 2, 3: 1, 6: 3})) == ([1, 5], [5, 2, 3])
+    # a chain, and no tree at all
+    assert verify_greedy(DraftTree.chain([6, 9]), [6, 9, 7]) == ([0, 1], [6, 9, 7])
+    assert verify_greedy(DraftTree.chain([6, 9]), [6, 1, 7]) == ([0], [6, 1])
+    assert verify_greedy(DraftTree(), [8]) == ([], [8])
 
 
-def test_sampled_leaves_keep_the_target_law():
-    """The first token follows the first row's distribution whichever draft or leaf it came from, and the token
-    after it follows the distribution of that draft's or leaf's own row."""
-    from serving.spec.verify import verify_sampled_leaves
-
-    vocab, chain, leaves = 6, [1, 4], [0, 3]
+def test_sampled_tree_verification_keeps_the_target_law():
+    """Deterministic children, two at the root and two below the first: the first token follows the first row's
+    distribution whichever child (or none) it came from, and the token after an accepted node follows that node's
+    own row, at depth 1 and 2."""
+    #        root
+    #       /     \
+    #   0:1        1:3
+    #   /  \
+    # 2:4  3:2
+    vocab = 6
+    tree = DraftTree((1, 3, 4, 2), (-1, -1, 0, 0))
     g = torch.Generator().manual_seed(0)
-    probs = torch.rand(1 + len(chain) + len(leaves), vocab, generator=g) ** 2
-    probs[0] = torch.tensor([0.25, 0.3, 0.1, 0.2, 0.1, 0.05])  # the chain's first draft and the leaves all likely
+    probs = torch.rand(1 + len(tree), vocab, generator=g) ** 2
+    probs[0] = torch.tensor([0.25, 0.3, 0.1, 0.2, 0.1, 0.05])  # both children of the root likely
+    probs[1] = torch.tensor([0.1, 0.05, 0.25, 0.1, 0.35, 0.15])  # and both children of node 0
     probs /= probs.sum(-1, keepdim=True)
-    first, after = torch.zeros(vocab), {t: torch.zeros(vocab) for t in [chain[0]] + leaves}
-    for _ in range(20000):
-        leaf, accepted, emitted = verify_sampled_leaves(probs, chain, leaves, g)
+    first = torch.zeros(vocab)
+    after = {node: torch.zeros(vocab) for node in range(len(tree))}  # the token emitted after accepting `node`
+    for _ in range(30000):
+        path, emitted = verify_sampled(tree, probs.clone(), g)  # as the engine: fresh probabilities every step
+        assert emitted[:len(path)] == [tree.tokens[n] for n in path] and len(emitted) == len(path) + 1
+        assert path == (tree.path(path[-1]) if path else [])
+        # a rejected child's token is out of the residual: a child's token comes first exactly where it was accepted
+        assert bool(path) == (emitted[0] in (1, 3))
         first[emitted[0]] += 1
-        assert (leaf is not None) == (emitted[0] in leaves) and accepted == len(emitted) - 1
-        if emitted[0] in after:
-            after[emitted[0]][emitted[1]] += 1
+        if path:
+            after[path[-1]][emitted[len(path)]] += 1
     assert tv(first, probs[0]) < 0.02
-    assert tv(after[chain[0]], probs[1]) < 0.03
-    for j, leaf in enumerate(leaves):
-        assert tv(after[leaf], probs[1 + len(chain) + j]) < 0.03
+    # a path that ends at node 0 rejected both its children: the token is drawn from its row without theirs
+    residual = probs[1] * torch.tensor([1.0, 1, 0, 1, 0, 1])
+    assert tv(after[0], residual / residual.sum()) < 0.03
+    for node in range(len(tree)):
+        assert after[node].sum() > 1000
+    # the token at depth 2 (an accepted child of node 0, or drawn from node 0's residual) follows node 0's row
+    second_after_0 = after[0] + torch.zeros(vocab).index_add_(0, torch.tensor([4, 2]), torch.stack(
+        [after[2].sum(), after[3].sum()]))
+    assert tv(second_after_0, probs[1]) < 0.03
+    assert tv(after[1], probs[2]) < 0.03  # the root's second child is a leaf: its own row
+    assert tv(after[2], probs[3]) < 0.03
+    assert tv(after[3], probs[4]) < 0.03
+
+
+def test_sampled_verification_leaves_the_targets_probabilities_alone():
+    """Rejecting a deterministic child takes its token out of a residual, not out of the caller's distributions."""
+    tree = DraftTree((1, 3, 4, 2), (-1, -1, 0, 0))
+    probs = torch.softmax(torch.randn(1 + len(tree), 6, generator=torch.Generator().manual_seed(3)), -1)
+    before = probs.clone()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        verify_sampled(tree, probs, g)
+    assert torch.equal(probs, before)

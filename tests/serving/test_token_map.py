@@ -50,7 +50,7 @@ def run(folder, head_dir, kind, token_map=None):
 
     def spy(engine_, requests, budgets, step):
         out = propose(engine_, requests, budgets, step)
-        proposals.append({rid: list(drafts) for rid, drafts in out.items()})
+        proposals.append({rid: list(tree.tokens) for rid, tree in out.items()})
         return out
 
     engine.speculator.drafter.propose = spy

@@ -53,7 +53,7 @@ def feature_head(kind: str, parts, batch_size: int, num_positions: int):
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
 def test_unrolled_step_s_is_the_engines_draft_s_plus_1(kind, tiny_llama):
-    """Step s at anchor t of the unrolled training forward equals what FeatureDrafter computes for draft s+1 after a
+    """Step s at anchor t of the unrolled training forward equals what EagleDrafter computes for draft s+1 after a
     catch-up over the real tokens up to t: the pool holds the catch-up K/V at positions <= t and each drafting step
     writes its own at t+1, t+2, ...; padded positions of a shorter sequence are never seen."""
     parts = load_target_parts(tiny_llama)

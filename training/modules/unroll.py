@@ -1,6 +1,6 @@
 """Training-time test: a draft layer unrolled over its own outputs, with the attention it will see when drafting.
 
-The engine drafts with a feature head (serving/drafters/heads.py, FeatureDrafter) like this: a catch-up pass over
+The engine drafts with a feature head (serving/drafters/eagle.py, EagleDrafter) like this: a catch-up pass over
 the real tokens up to t writes the layer's K/V at positions <= t and its output at t yields draft 1; draft s+1
 feeds (draft s, the previous output) at position t+s, whose query attends to the catch-up K/V at positions <= t
 and to the K/V the drafting steps themselves wrote at positions t+1..t+s. Nothing else: the drafts of other
