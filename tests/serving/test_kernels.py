@@ -98,10 +98,12 @@ def test_packed_linear_rows_do_not_depend_on_the_batch():
     packed = kernels.PackedLinear(linear(576, 100, False))
     if packed.lib is None:
         pytest.skip("the kernels do not run here")
-    x = torch.randn(13, 576)
-    together = packed(x)
-    for i in range(13):
-        assert torch.equal(together[i:i + 1], packed(x[i:i + 1]))
+    x = torch.randn(25, 576)
+    alone = [packed(x[i:i + 1]) for i in range(len(x))]
+    for num_rows in range(2, len(x) + 1):  # every remainder of a tile of 6 or 12 rows, and two tiles and more
+        together = packed(x[:num_rows])
+        for i in range(num_rows):
+            assert torch.equal(together[i:i + 1], alone[i])
 
 
 def test_packed_linear_refuses_other_dtypes():
