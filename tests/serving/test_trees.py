@@ -23,11 +23,14 @@ dense head's, and bad tree configs are clear errors.
    itself, in a tree): every verify step accepts the whole path, tau = 1 + depth.
 5. After random-tree steps (block size 4), the target's K/V at every computed position of running requests,
    read through their block tables in all layers, equal a fresh plain engine's prefill of the same tokens.
-6. Paged equals dense for EAGLE-2 trees: every proposal of an EAGLE-1 random head (topk 2, 3 depths, 6 nodes;
-   float32 draft weights) makes the candidates (tokens, parents, scores within 2e-5) and keeps the tree that
-   `tree_search.grow` gives over the head run densely (heads.attention.DenseCausalAttention) on the pairs
-   (h_p, x_{p+1}) with h from transformers, each node at depth d the input at position (newest) + d - 1 after the
-   context and its own path. (Dropping the path from a node's keys, or one context key, fails it.)
+6. Paged equals dense for EAGLE-2 trees: every proposal of an EAGLE-1, EAGLE-3 and MTP ('reuse_first') random head
+   (topk 2, 3 depths, 6 nodes; float32 draft weights) makes the candidates (tokens, parents, scores within 2e-5)
+   and keeps the tree that `tree_search.grow` gives over the head run densely (heads.attention.DenseCausalAttention)
+   on the pairs (f_p, x_{p+1}) with h from transformers (f: h, or EAGLE-3's fuse of its aux layers' inputs), each
+   node at depth d the input at position (newest) + d - 1 after the context and its own path. (Dropping the path
+   from a node's keys, or one context key, fails it.) A random Medusa head's static tree (medusa_choices: node
+   [r1..rd] is head d-1's r_d-th token under node [r1..r_{d-1}]) and dynamic tree (topk 2, 5 nodes: grow over its
+   heads' ranked lists) equal the same recomputed from its logits at h_{T-2} from transformers.
 7. Bad tree configs (SpeculativeConfig.from_json, the messages of serving/spec/config.py) and a Medusa tree deeper
    than its heads are clear errors.
 8. DraftTree, verify_greedy on a tree, and AcceptanceStats.record on trees, against hand-computed values.
@@ -44,7 +47,7 @@ import torch
 
 from serving.drafters.base import Drafter
 from serving.drafters.head import Confidence, top_log_probs
-from serving.drafters.tree_search import grow
+from serving.drafters.tree_search import Candidates, grow
 from serving.request import SamplingParams
 from serving.sampler import sample, target_probs
 from serving.spec.config import SpeculativeConfig
@@ -465,24 +468,45 @@ def test_kv_after_random_tree_steps_equals_a_fresh_prefill(tiny_llama):
 # ---- 6. EAGLE-2 trees: paged equals dense ------------------------------------------------------------------
 
 
+def head_top(head, out, topk, temperature):
+    """(log-probabilities, target ids) of the topk most likely drafts after each row of head outputs: MTP reads
+    module 0's logits (serve_mode 'reuse_first'), EAGLE-3 maps its draft vocabulary with to_target_ids, the others
+    map through the head's token map where it has one."""
+    kind = head.config.kind
+    logits = head.logits(0, out) if kind == "mtp" else head.logits(out)
+    log_probs, best = top_log_probs(logits, topk, temperature)
+    if kind == "eagle3":
+        return log_probs, head.to_target_ids(best)
+    return log_probs, best if head.token_map is None else head.token_map[best]
+
+
 @torch.no_grad()
 def dense_candidates(head, states, tokens, budget, topk):
-    """EAGLE-2's search after `tokens` (T of them), the head run densely: the pairs (h_p, x_{p+1}) for p in
-    [0, T-2] give the newest output; a node at depth d is the entry (its token, its parent's output) at position
-    T-2+d after the context and its path's entries. Returns every candidate made (tree_search.Candidates)."""
+    """EAGLE-2's search after `tokens` (T of them), the head run densely: the pairs (f_p, x_{p+1}) for p in
+    [0, T-2] give the newest output, f_p the target's final hidden state h_p (EAGLE-1, MTP) or EAGLE-3's fuse of
+    the inputs of its aux layers at p; a node at depth d is the entry (its token, its parent's output) at position
+    T-2+d after the context and its path's entries. MTP runs module 0 for every entry. Returns every candidate
+    made (tree_search.Candidates)."""
     from heads.attention import DenseCausalAttention
 
     confidence = Confidence(head, 0.0)
-    features = states[-1][:len(tokens) - 1]
+    num = len(tokens) - 1
+    if head.config.kind == "eagle3":
+        features = head.fuse([states[i][:num] for i in head.config.aux_layers])
+    else:
+        features = states[-1][:num]
     ids = list(tokens[1:])
 
     def run(extra_ids, extra_features):
         all_ids = torch.tensor(ids + extra_ids)[None]
         feats = torch.cat([features, *[f[None] for f in extra_features]])[None]
-        return head(all_ids, feats, torch.arange(all_ids.shape[1])[None], DenseCausalAttention())[0, -1]
+        positions, attention = torch.arange(all_ids.shape[1])[None], DenseCausalAttention()
+        if head.config.kind == "mtp":
+            return head.forward_module(0, all_ids, feats, positions, attention)[0, -1]
+        return head(all_ids, feats, positions, attention)[0, -1]
 
     def top(out, depth):
-        return top_log_probs(head.logits(out), topk, confidence.temperature(depth))
+        return head_top(head, out, topk, confidence.temperature(depth))
 
     newest, outputs = run([], []), {}
 
@@ -499,58 +523,211 @@ def dense_candidates(head, states, tokens, budget, topk):
     return grow(top(newest[None], 1), expand, topk, [budget.depth], confidence.log_threshold)[0]
 
 
-def test_eagle_trees_drafted_over_the_pool_equal_the_dense_heads(tiny_llama, heads_root, monkeypatch):
-    """Every candidate the search makes (token, parent, depth, score: its path's log-probability under the head)
-    and the tree kept, for every proposal of 3 requests under chunked prefill, block size 4."""
-    import serving.drafters.eagle as eagle
-    from test_head_drafters import hf_hidden_states, load_as_drafted, random_head_dir
+def compare_candidates(where, paged, dense, tree, dense_tree) -> str | None:
+    """A description of the first difference between a drafter's candidates and kept tree and the dense
+    reference's: tokens, parents and depths exactly, scores within 2e-5; None if they agree."""
+    if (paged.tokens, paged.parents, paged.depths) != (dense.tokens, dense.parents, dense.depths):
+        return f"{where}: drafted candidates {paged.tokens} {paged.parents}, dense {dense.tokens} {dense.parents}"
+    if not torch.allclose(torch.tensor(paged.scores), torch.tensor(dense.scores), atol=2e-5, rtol=0):
+        return f"{where}: drafted scores {paged.scores}, dense {dense.scores}"
+    if (tree.tokens, tree.parents) != (dense_tree.tokens, dense_tree.parents):
+        return f"{where}: drafted tree {tree.tokens} {tree.parents}, dense {dense_tree.tokens} {dense_tree.parents}"
+    return None
 
-    head_dir = random_head_dir("eagle", tiny_llama, heads_root)
-    spec = {"method": "eagle", "model": head_dir, "num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 7,
-            "draft_weights": "float32"}
-    engine = make_engine(tiny_llama, spec, block_size=4, max_num_batched_tokens=16)
-    drafter, records, searches = engine.speculator.drafter, [], []
-    propose = drafter.propose
 
-    def spy_grow(*args, **kwargs):
-        searches.append(grow(*args, **kwargs))
-        return searches[-1]
+def record_trees(drafter, searches):
+    """Wraps drafter.propose: every proposal as (request id, its tokens then, its budget, the tree, the
+    candidates the search made for it, which the caller's spies put in `searches` in request order)."""
+    records, propose = [], drafter.propose
 
     def spy(engine_, requests, budgets, step):
         before = {r.request_id: list(r.token_ids) for r in requests}
         searches.clear()
         trees = propose(engine_, requests, budgets, step)
-        found = searches[0] if searches else []
-        assert len(found) == len(trees)
+        assert len(searches) == len(trees)
         records.extend((rid, before[rid], budgets[rid], tree, candidates)
-                       for (rid, tree), candidates in zip(trees.items(), found))
+                       for (rid, tree), candidates in zip(trees.items(), searches))
         return trees
 
-    monkeypatch.setattr(eagle, "grow", spy_grow)
     drafter.propose = spy
+    return records
+
+
+TREE_HEAD_KINDS = ["eagle", "eagle3", "mtp"]
+
+
+@pytest.mark.parametrize("kind", TREE_HEAD_KINDS)
+def test_eagle_trees_drafted_over_the_pool_equal_the_dense_heads(kind, tiny_llama, heads_root, monkeypatch):
+    """Every candidate the search makes (token, parent, depth, score: its path's log-probability under the head)
+    and the tree kept, for every proposal of 3 requests under chunked prefill, block size 4: EAGLE-1, EAGLE-3
+    (fused aux features, draft vocabulary mapped to the target's) and MTP served 'reuse_first' (module 0 drafts
+    every depth)."""
+    import serving.drafters.eagle as eagle
+    from test_head_drafters import hf_hidden_states, load_as_drafted, random_head_dir
+
+    head_dir = random_head_dir(kind, tiny_llama, heads_root)
+    spec = {"method": kind, "model": head_dir, "num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 7,
+            "draft_weights": "float32"}
+    engine = make_engine(tiny_llama, spec, block_size=4, max_num_batched_tokens=16)
+    drafter, searches = engine.speculator.drafter, []
+    assert isinstance(drafter, eagle.EagleDrafter)
+
+    def spy_grow(*args, **kwargs):
+        found = grow(*args, **kwargs)
+        searches.extend(found)
+        return found
+
+    monkeypatch.setattr(eagle, "grow", spy_grow)
+    records = record_trees(drafter, searches)
     prompts = random_prompts((5, 14, 23), seed=81)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     outputs = engine.generate(prompts, params)
     assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, prompts, params)
     head = load_as_drafted(head_dir, tiny_llama, "float32")
+    assert head.config.kind == kind and (kind != "mtp" or head.config.serve_mode == "reuse_first")
     finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
     states = {rid: hf_hidden_states(tiny_llama, final) for rid, final in finals.items()}
     mismatches = []
     for rid, tokens, budget, tree, paged in records:
         assert tokens == finals[rid][:len(tokens)]
         dense = dense_candidates(head, states[rid], tokens, budget, topk=2)
-        dense_tree = dense.best(budget.num_nodes)
-        where = f"request {rid} at T={len(tokens)}"
-        if (paged.tokens, paged.parents, paged.depths) != (dense.tokens, dense.parents, dense.depths):
-            mismatches.append(f"{where}: paged candidates {paged.tokens} {paged.parents}, dense {dense.tokens} {dense.parents}")
-        elif not torch.allclose(torch.tensor(paged.scores), torch.tensor(dense.scores), atol=2e-5, rtol=0):
-            mismatches.append(f"{where}: paged scores {paged.scores}, dense {dense.scores}")
-        elif (tree.tokens, tree.parents) != (dense_tree.tokens, dense_tree.parents):
-            mismatches.append(f"{where}: paged tree {tree.tokens} {tree.parents}, dense {dense_tree.tokens} {dense_tree.parents}")
+        mismatch = compare_candidates(f"request {rid} at T={len(tokens)}", paged, dense, tree,
+                                      dense.best(budget.num_nodes))
+        if mismatch:
+            mismatches.append(mismatch)
     assert len(records) >= 3 * 3
     assert not mismatches, f"{len(mismatches)} of {len(records)} proposals differ:\n" + "\n".join(mismatches)
     full = [tree for _, _, budget, tree, _ in records if budget.depth == 3 and budget.num_nodes == 6]
     assert full and all(len(t) == 6 and max(map(len, t.children)) == 2 and t.depth >= 2 for t in full)
+
+
+MEDUSA_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]  # in topological order
+# confidence_temperatures of the Medusa head. The random head's distributions are nearly flat; read flat at depth 1
+# and sharp below it, a node's best child nearly keeps its score, so depth-3 nodes outscore depth-2 ones: the kept
+# trees are the best-scored nodes, not the shallowest, and each depth reads its own temperature. (Scores at these
+# temperatures differ from the dense ones by < 1e-5.)
+MEDUSA_TEMPERATURES = [0.5, 0.04, 0.03]
+
+
+def medusa_head_dir(folder, root) -> str:
+    """random_head_dir's Medusa head (3 heads) with MEDUSA_TEMPERATURES in its config.json, as a fit writes them."""
+    import heads
+    from test_head_drafters import random_head_dir, target_parts
+
+    path = root / f"medusa-{folder.name}-sharpened"
+    if not path.exists():
+        head = heads.load(random_head_dir("medusa", folder, root), target=target_parts(folder))
+        head.config.confidence_temperatures = list(MEDUSA_TEMPERATURES)
+        heads.save(head, path)
+    return str(path)
+
+
+@torch.no_grad()
+def dense_medusa_candidates(head, hidden, budget, choices, topk):
+    """Medusa's candidates from its heads' logits at `hidden` (h_{T-2}, the target's final hidden state of the
+    newest computed token), head d-1 ranking the drafts at depth d, each read at the temperature of depth d.
+    Static (`choices`): node [r_1..r_d] is head d-1's r_d-th most likely token (through the head's token map),
+    its parent the node [r_1..r_{d-1}], scored by the sum of its ranks' log-probabilities along the path, the
+    paths no deeper than the budget in the order given. Dynamic: tree_search.grow over the same ranked lists."""
+    confidence = Confidence(head, 0.0)
+    logits = head(hidden)  # [num_heads, vocab]
+
+    def target_ids(best):
+        return best if head.token_map is None else head.token_map[best]
+
+    if choices is None:
+        def top(depth):  # depth d's topk drafts and their log-probabilities, [1, topk]
+            log_probs, best = top_log_probs(logits[depth - 1][None], topk, confidence.temperature(depth))
+            return log_probs, target_ids(best)
+
+        def expand(depth, nodes, found):
+            log_probs, ids = top(depth + 1)
+            return log_probs.expand(len(nodes), -1), ids.expand(len(nodes), -1)
+
+        return grow(top(1), expand, topk, [budget.depth], confidence.log_threshold)[0]
+    found, index = Candidates(), {}
+    for path in map(tuple, choices):
+        depth = len(path)
+        if depth > budget.depth:
+            continue
+        log_probs = torch.log_softmax(logits[depth - 1].double() / confidence.temperature(depth), -1)
+        ranked = log_probs.argsort(descending=True)
+        parent = index.get(path[:-1], -1)
+        score = (found.scores[parent] if parent >= 0 else 0.0) + float(log_probs[ranked[path[-1]]])
+        index[path] = found.add(int(target_ids(ranked[path[-1]])), parent, depth, score)
+    return found
+
+
+def token_paths(tree) -> set[tuple[int, ...]]:
+    return {tuple(tree.tokens[n] for n in tree.path(i)) for i in range(len(tree))}
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic"])
+def test_medusa_trees_equal_the_dense_heads(mode, tiny_llama, heads_root, monkeypatch):
+    """A random Medusa head drafting a static tree (MEDUSA_CHOICES, 3 heads) or EAGLE-2's dynamic one (topk 2, 5
+    nodes): every proposal's candidates (tokens, parents, depths exactly, scores within 2e-5) and kept tree equal
+    the dense recomputation from the head's logits at h_{T-2} from transformers, for 3 requests under chunked
+    prefill, block size 4; outputs are plain greedy decoding's."""
+    import serving.drafters.medusa as medusa
+    from test_head_drafters import hf_hidden_states, load_as_drafted
+
+    head_dir = medusa_head_dir(tiny_llama, heads_root)
+    spec = {"method": "medusa", "model": head_dir, "num_speculative_tokens": 3, "draft_weights": "float32"}
+    if mode == "static":
+        spec["medusa_choices"], choices, topk = MEDUSA_CHOICES, MEDUSA_CHOICES, None
+    else:
+        spec.update(topk=2, num_draft_tokens=6)
+        choices, topk = None, 2
+    engine = make_engine(tiny_llama, spec, block_size=4, max_num_batched_tokens=16)
+    drafter, searches = engine.speculator.drafter, []
+    assert isinstance(drafter, medusa.MedusaDrafter)
+    if mode == "static":
+        static = drafter._static
+
+        def spy_static(*args, **kwargs):
+            searches.append(static(*args, **kwargs))
+            return searches[-1]
+
+        drafter._static = spy_static
+    else:
+        def spy_grow(*args, **kwargs):
+            found = grow(*args, **kwargs)
+            searches.extend(found)
+            return found
+
+        monkeypatch.setattr(medusa, "grow", spy_grow)
+    records = record_trees(drafter, searches)
+    prompts = random_prompts((5, 14, 23), seed=81)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    outputs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, prompts, params)
+    head = load_as_drafted(head_dir, tiny_llama, "float32")
+    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
+    states = {rid: hf_hidden_states(tiny_llama, final)[-1] for rid, final in finals.items()}
+    mismatches, num_full, num_deep = [], 0, 0
+    for rid, tokens, budget, tree, drafted in records:
+        assert tokens == finals[rid][:len(tokens)]
+        dense = dense_medusa_candidates(head, states[rid][len(tokens) - 2], budget, choices, topk)
+        where = f"request {rid} at T={len(tokens)} ({budget})"
+        mismatch = compare_candidates(where, drafted, dense, tree, dense.best(budget.num_nodes))
+        if mismatch:
+            mismatches.append(mismatch)
+            continue
+        # the shallowest nodes (by depth, then score) are not the tree kept: deeper nodes outscored shallower ones
+        num_deep += tree != dense.best(len(dense.tokens)).prefix(budget.num_nodes)
+        if mode == "static" and budget.depth == 3 and budget.num_nodes >= len(MEDUSA_CHOICES):
+            # the whole static tree, whatever the scores: each choice's path of ranked tokens, once
+            num_full += 1
+            if len(tree) != len(MEDUSA_CHOICES) or token_paths(tree) != token_paths(DraftTree(dense.tokens, dense.parents)):
+                mismatches.append(f"{where}: drafted tree {tree.tokens} {tree.parents} is not medusa_choices'")
+        elif mode == "dynamic" and budget.depth == 3 and budget.num_nodes == 5:
+            num_full += 1
+            if not (len(tree) == 5 and max(map(len, tree.children)) == 2 and tree.depth >= 2):
+                mismatches.append(f"{where}: drafted tree {tree.tokens} {tree.parents} is not a full tree")
+    assert len(records) >= 3 * 3
+    assert not mismatches, f"{len(mismatches)} of {len(records)} proposals differ:\n" + "\n".join(mismatches)
+    assert num_full > 0, "no proposal had the full budget: the case tests little"
+    assert num_deep > 0, "every tree kept was its shallowest nodes: the case cannot tell best-scored from shallowest"
 
 
 @pytest.fixture(scope="module")
