@@ -24,7 +24,7 @@ def plot_acceptance(results: list[dict], path: str | Path) -> Path:
                 if category not in categories:
                     categories.append(category)
                 taus.setdefault(row["method"], {})[category] = stats["tau"]
-    left.set(xlabel="draft position", ylabel="conditional acceptance", ylim=(0, 1.02), title="accepted_i / reached_i")
+    left.set(xlabel="draft depth", ylabel="conditional acceptance", ylim=(0, 1.02), title="accepted_i / reached_i")
     left.set_xticks(range(1, 1 + max((len(r["per_position"]) for res in results for r in res["rows"]), default=1)))
     left.grid(alpha=0.3)
     left.legend(fontsize=8)

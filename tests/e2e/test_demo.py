@@ -17,21 +17,26 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
     assert [r["name"] for r in results] == ["mt-bench", "humaneval"]
     for result in results:
         methods = [row["method"] for row in result["rows"]]
-        cut = [f"{kind} p>={demo.CONFIDENCE_THRESHOLD:g}" for kind in demo.KINDS]
+        trees = [f"{kind} top{demo.TREE['topk']} n{demo.TREE['num_draft_tokens']}" for kind in demo.KINDS]
         lookup_first = [f"{kind}+lookup2 p>={demo.CONFIDENCE_THRESHOLD:g}" for kind in demo.KINDS]
-        assert methods == ["plain", "ngram", *demo.KINDS, *cut, *lookup_first]
+        assert methods == ["plain", "ngram", *demo.KINDS, *trees, *lookup_first]
         assert result["identical_to_hf"] is True  # greedy at concurrency 1: transformers' generate ran alongside
         assert result["speed_vs_hf"] == result["rows"][0]["tokens_per_s"] / result["hf_tokens_per_s"]
         for row in result["rows"]:
-            assert {"tau", "acceptance_rate", "per_position", "tokens_per_s", "speedup", "identical_to_plain"} <= row.keys()
+            assert {"tau", "acceptance_rate", "rows_per_step", "per_position", "tokens_per_s", "speedup",
+                    "identical_to_plain"} <= row.keys()
             assert row["speed_vs_hf"] == row["tokens_per_s"] / result["hf_tokens_per_s"]
             assert row["identical_to_plain"] is True, row["method"]
             assert row["tau"] >= 1.0
         for row in result["rows"][1:]:
-            if row["method"] in cut + lookup_first:  # chains end early
+            if row["method"] in trees:  # a tree: more rows than depths, as deep as its best nodes go
+                assert row["config"]["topk"] == demo.TREE["topk"] and row["rows_per_step"] > 1 + demo.NUM_SPECULATIVE_TOKENS
+                assert 1 <= len(row["per_position"]) <= demo.NUM_SPECULATIVE_TOKENS
+                continue
+            if row["method"] in lookup_first:  # chains end early
                 assert len(row["per_position"]) <= demo.NUM_SPECULATIVE_TOKENS
                 assert row["config"]["confidence_threshold"] == demo.CONFIDENCE_THRESHOLD
-                assert row["config"]["prompt_lookup_first"] is (row["method"] in lookup_first)
+                assert row["config"]["prompt_lookup_first"] is True
                 continue
             assert len(row["per_position"]) == demo.NUM_SPECULATIVE_TOKENS
             assert {"position", "proposed", "reached", "accepted", "conditional", "survival"} <= row["per_position"][0].keys()
