@@ -29,10 +29,11 @@ class EagleDrafter(Drafter):
         self.aux_layers = tuple(head.config.aux_layers) if self.kind == "eagle3" else ()
         layer = head.config.layer_config()
         self.block_size, self.device = engine.block_size, engine.device
-        # scratch: one run of slots per request of a step, one slot per node expanded
+        # scratch: one run of slots for each of up to max_num_seqs requests drafted at once, one per node expanded
         self.num_scratch = config.topk * max(config.num_speculative_tokens - 1, 0)
         self.scratch_start = engine.cache.num_blocks * engine.block_size
-        num_scratch_blocks = -(-engine.scheduler.max_num_seqs * self.num_scratch // engine.block_size)
+        self.max_requests = engine.scheduler.max_num_seqs
+        num_scratch_blocks = -(-self.max_requests * self.num_scratch // engine.block_size)
         self.cache = KVCache(1, engine.cache.num_blocks + num_scratch_blocks, engine.block_size, layer.num_kv_heads,
                              layer.head_dim, engine.dtype, engine.device)
         self.newest: dict[str, torch.Tensor] = {}
@@ -75,11 +76,15 @@ class EagleDrafter(Drafter):
         out = self._forward(ids, self._features(step, torch.tensor(rows, device=self.device)), positions, meta)
         self.newest = {rid: out[row] for rid, row in last.items()}  # [hidden] each
 
-    @torch.inference_mode()
     def propose(self, engine, requests, budgets, step):
         requests = [r for r in requests if r.request_id in self.newest]
-        if not requests:
-            return {}
+        trees = {}
+        for first in range(0, len(requests), self.max_requests):  # more only if max_num_seqs grew since
+            trees.update(self._draft(requests[first:first + self.max_requests], budgets))
+        return trees
+
+    @torch.inference_mode()
+    def _draft(self, requests, budgets):
         newest = torch.stack([self.newest[r.request_id] for r in requests])  # [requests, hidden]
         outputs, slots, num_used = {}, {}, [0] * len(requests)  # (request, node) -> its output, its scratch slot
 

@@ -884,3 +884,22 @@ def test_acceptance_stats_record_trees():
     assert positions[1]["conditional"] == pytest.approx(0.75) and positions[2]["conditional"] == pytest.approx(0.5)
     assert positions[0]["survival"] == pytest.approx(5 / 6)
     assert AcceptanceStats.from_dict(stats.to_dict()).to_dict() == stats.to_dict()
+
+
+def test_eagle_trees_for_more_requests_than_the_drafter_was_built_for(tiny_llama, heads_root):
+    """The head's scratch region holds the nodes of max_num_seqs requests as the engine had it when the drafter was
+    built; raised later (as the bench does), the drafter drafts in rounds, and outputs stay plain decoding's."""
+    from test_head_drafters import random_head_dir
+
+    prompts = random_prompts((5, 9, 14, 3, 20, 11), seed=21)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    spec = {"method": "eagle", "model": random_head_dir("eagle", tiny_llama, heads_root), "num_speculative_tokens": 3,
+            "topk": 2, "num_draft_tokens": 6}
+    engine = make_engine(tiny_llama, spec, block_size=4, max_num_seqs=2)
+    engine.scheduler.max_num_seqs = 6
+    calls = []
+    draft = engine.speculator.drafter._draft
+    engine.speculator.drafter._draft = lambda requests, budgets: calls.append(len(requests)) or draft(requests, budgets)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == plain_outputs(tiny_llama, prompts, params)
+    assert max(calls) == 2 and calls.count(2) > calls.count(1)  # six running requests, drafted two at a time
+    assert_pool_idle(engine)
