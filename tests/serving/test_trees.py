@@ -556,6 +556,24 @@ def record_trees(drafter, searches):
 TREE_HEAD_KINDS = ["eagle", "eagle3", "mtp"]
 
 
+def spy_on_grow(searches: list):
+    """tree_search.grow, appending every request's candidates to `searches`."""
+    def spy(*args, **kwargs):
+        found = grow(*args, **kwargs)
+        searches.extend(found)
+        return found
+    return spy
+
+
+def generate_as_plain(engine, folder):
+    """Three prompts of different lengths, 10 tokens each: the outputs, checked equal to plain decoding's."""
+    prompts = random_prompts((5, 14, 23), seed=81)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    outputs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == plain_outputs(folder, prompts, params)
+    return outputs
+
+
 @pytest.mark.parametrize("kind", TREE_HEAD_KINDS)
 def test_eagle_trees_drafted_over_the_pool_equal_the_dense_heads(kind, tiny_llama, heads_root, monkeypatch):
     """Every candidate the search makes (token, parent, depth, score: its path's log-probability under the head)
@@ -572,17 +590,9 @@ def test_eagle_trees_drafted_over_the_pool_equal_the_dense_heads(kind, tiny_llam
     drafter, searches = engine.speculator.drafter, []
     assert isinstance(drafter, eagle.EagleDrafter)
 
-    def spy_grow(*args, **kwargs):
-        found = grow(*args, **kwargs)
-        searches.extend(found)
-        return found
-
-    monkeypatch.setattr(eagle, "grow", spy_grow)
+    monkeypatch.setattr(eagle, "grow", spy_on_grow(searches))
     records = record_trees(drafter, searches)
-    prompts = random_prompts((5, 14, 23), seed=81)
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
-    outputs = engine.generate(prompts, params)
-    assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, prompts, params)
+    outputs = generate_as_plain(engine, tiny_llama)
     head = load_as_drafted(head_dir, tiny_llama, "float32")
     assert head.config.kind == kind and (kind != "mtp" or head.config.serve_mode == "reuse_first")
     finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
@@ -690,17 +700,9 @@ def test_medusa_trees_equal_the_dense_heads(mode, tiny_llama, heads_root, monkey
 
         drafter._static = spy_static
     else:
-        def spy_grow(*args, **kwargs):
-            found = grow(*args, **kwargs)
-            searches.extend(found)
-            return found
-
-        monkeypatch.setattr(medusa, "grow", spy_grow)
+        monkeypatch.setattr(medusa, "grow", spy_on_grow(searches))
     records = record_trees(drafter, searches)
-    prompts = random_prompts((5, 14, 23), seed=81)
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
-    outputs = engine.generate(prompts, params)
-    assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, prompts, params)
+    outputs = generate_as_plain(engine, tiny_llama)
     head = load_as_drafted(head_dir, tiny_llama, "float32")
     finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
     states = {rid: hf_hidden_states(tiny_llama, final)[-1] for rid, final in finals.items()}
