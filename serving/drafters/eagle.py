@@ -17,6 +17,7 @@ from serving.drafters.base import Drafter
 from serving.drafters.head import Confidence, top_log_probs
 from serving.drafters.runner import flatten
 from serving.drafters.tree_search import grow
+from serving.spec.tree import path_to
 
 
 class EagleDrafter(Drafter):
@@ -96,8 +97,7 @@ class EagleDrafter(Drafter):
                 features.append(newest[r] if parent < 0 else outputs[r, parent])
                 slots[r, c] = self.scratch_start + r * self.num_scratch + num_used[r]
                 num_used[r] += 1
-                path = paths.setdefault(r, [])
-                path.append([slots[r, n] for n in _path(found[r].parents, c)])
+                paths.setdefault(r, []).append([slots[r, n] for n in path_to(found[r].parents, c)])
             order = list(paths)  # requests in the order their nodes come
             meta = PagedMetadata.build([0] * len(order), [requests[r].num_tokens - 1 for r in order],
                                        [requests[r].block_ids for r in order], self.block_size, self.device,
@@ -114,10 +114,3 @@ class EagleDrafter(Drafter):
         found = grow(self._top(newest, 1), expand, self.topk, max_depths, self.confidence.log_threshold)
         return {r.request_id: candidates.best(budgets[r.request_id].num_nodes) for r, candidates in zip(requests, found)}
 
-
-def _path(parents: list[int], node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]

@@ -43,7 +43,8 @@ class StepOutputs:
         num_real = self.batch.num_scheduled[i] - self.batch.num_tree_rows[i]
         path = self.accepted_paths.get(request.request_id, [])
         rows = list(range(first, first + num_real)) + [first + num_real + node for node in path]
-        return rows[:request.num_computed_tokens - int(self.batch.positions[first])], int(self.batch.positions[first])
+        start = int(self.batch.positions[first])
+        return rows[:request.num_computed_tokens - start], start
 
 
 class Speculator:

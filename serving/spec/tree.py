@@ -61,11 +61,7 @@ class DraftTree:
 
     def path(self, node: int) -> list[int]:
         """The nodes from depth 1 down to `node`."""
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
+        return path_to(self.parents, node)
 
     def prefix(self, num_nodes: int, max_depth: int | None = None) -> "DraftTree":
         """The first `num_nodes` nodes, without those deeper than `max_depth`: a tree again."""
@@ -76,3 +72,12 @@ class DraftTree:
         parents = [-1 if self.parents[i] < 0 else index[self.parents[i]] for i in keep]
         q = None if self.q is None else self.q[keep]
         return DraftTree(tuple(self.tokens[i] for i in keep), tuple(parents), q)
+
+
+def path_to(parents, node: int) -> list[int]:
+    """The nodes from depth 1 down to `node`, given each node's parent (-1: a child of the newest token)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
