@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import time
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from serving.sampler import make_generator, next_token
 from serving.scheduler import Scheduler
 from serving.spec.config import SpeculativeConfig
 from serving.spec.step import Speculator, StepOutputs
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,7 +71,7 @@ class Engine:
         self.device = resolve_device(device)
         self.model = Model.from_folder(self.folder, self.dtype, self.device)
         config = self.model.config
-        self.max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        self.max_model_len = _max_model_len(max_model_len, config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(self.folder)
         layer = config.layer
         bytes_per_block = KVCache.bytes_per_block(config.num_layers, block_size, layer.num_kv_heads, layer.head_dim, self.dtype)
@@ -303,6 +306,21 @@ class Engine:
                 bar.update(1)
         bar.close()
         return [results[i] for i in ids]
+
+
+def _max_model_len(asked, model_max: int) -> int:
+    """The context the engine serves: `asked`, at most the model's max_position_embeddings (lowered with a warning),
+    or the model's maximum when None."""
+    if asked is None:
+        return model_max
+    if not isinstance(asked, int) or isinstance(asked, bool) or asked < 2:
+        raise ValueError(f"max_model_len={asked!r} must be an integer >= 2 (a prompt token and one to generate), or "
+                         "unset for the model's maximum")
+    if asked > model_max:
+        log.warning("max_model_len=%d exceeds the target's max_position_embeddings (%d): serving %d tokens", asked,
+                    model_max, model_max)
+        return model_max
+    return asked
 
 
 def _to_host(rows: torch.Tensor) -> torch.Tensor:

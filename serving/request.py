@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -29,22 +30,26 @@ class SamplingParams:
         def bad(name, value, allowed):
             raise ValueError(f"SamplingParams.{name}={value!r} is invalid: must be {allowed}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        integer = lambda value: isinstance(value, int) and not isinstance(value, bool)
+        number = lambda value: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not integer(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if not self.temperature >= 0:
-            bad("temperature", self.temperature, ">= 0 (0 means greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not number(self.temperature) or not self.temperature >= 0:
+            bad("temperature", self.temperature, "a number >= 0 (0 means greedy)")
+        if not integer(self.top_k) or self.top_k < 0:
             bad("top_k", self.top_k, "an integer >= 0 (0 disables top-k)")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", self.top_p, "in (0, 1]")
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", self.min_p, "in [0, 1]")
-        if not self.repetition_penalty > 0:
-            bad("repetition_penalty", self.repetition_penalty, "> 0 (1 disables it)")
-        if not -2 <= self.presence_penalty <= 2:
-            bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if not number(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", self.top_p, "a number in (0, 1]")
+        if not number(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", self.min_p, "a number in [0, 1]")
+        if self.seed is not None and (not integer(self.seed) or not 0 <= self.seed < 2**64):
+            bad("seed", self.seed, "an integer in [0, 2**64) or None")
+        if not number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            bad("repetition_penalty", self.repetition_penalty, "a number > 0 (1 disables it)")
+        if not number(self.presence_penalty) or not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", self.presence_penalty, "a number in [-2, 2]")
+        if not number(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", self.frequency_penalty, "a number in [-2, 2]")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not (

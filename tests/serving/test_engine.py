@@ -431,6 +431,16 @@ def test_capture_names_its_device_and_keeps_states_in_host_memory(tiny_llama, de
         ("stop", dict(stop=[1, 2])),
         ("stop", dict(stop=[""])),
         ("stop_token_ids", dict(stop_token_ids=["a"])),
+        ("seed", dict(seed="abc")),
+        ("seed", dict(seed=2**70)),
+        ("seed", dict(seed=-1)),
+        ("seed", dict(seed=3.0)),
+        ("temperature", dict(temperature=True)),
+        ("temperature", dict(temperature="0.7")),
+        ("temperature", dict(temperature=float("nan"))),
+        ("max_tokens", dict(max_tokens=True)),
+        ("top_p", dict(top_p=None)),
+        ("presence_penalty", dict(presence_penalty="1")),
     ],
 )
 def test_bad_sampling_params_name_the_field(field, kwargs):
@@ -532,6 +542,17 @@ def test_too_many_kv_blocks_is_a_clear_error_with_the_number_that_fits(tiny_llam
     assert 0 < fits * bytes_per_block <= available_memory_bytes(torch.device("cpu"))
     with pytest.raises(ValueError, match=r"at most \d+ blocks"):
         tiny_engine(tiny_llama, num_blocks=None, kv_cache_memory_gib=10**6)
+
+
+def test_max_model_len_is_refused_below_two_and_lowered_to_the_model_s_with_a_warning(tiny_llama, caplog):
+    for bad in (-5, 0, 1, 64.0, True):
+        with pytest.raises(ValueError, match=rf"max_model_len={bad!r} must be an integer >= 2"):
+            tiny_engine(tiny_llama, max_model_len=bad)
+    with caplog.at_level("WARNING", logger="serving.engine"):
+        engine = tiny_engine(tiny_llama, max_model_len=4096)
+    assert engine.max_model_len == 512  # the tiny models' max_position_embeddings
+    assert "max_model_len=4096 exceeds the target's max_position_embeddings (512): serving 512 tokens" in caplog.text
+    assert tiny_engine(tiny_llama, max_model_len=None).max_model_len == 512
 
 
 def test_bad_engine_settings(tiny_llama):

@@ -242,11 +242,15 @@ def test_bad_options_say_what_to_do(tmp_path):
         GenerateConfig(prompts="p", out="o", device="tpu")
 
 
-def test_a_run_whose_every_prompt_is_too_long_says_so(tmp_path):
+def test_a_run_whose_every_prompt_is_too_long_says_so_and_a_corrected_rerun_into_the_same_folder_proceeds(tmp_path):
     prompts = write_prompts(tmp_path / "prompts.jsonl", CONVERSATIONS)
     out = tmp_path / "store"
     with pytest.raises(ValueError, match=rf"every prompt \(3\) is longer than max_model_len=8 tokens, so {out} holds "
-                                         "no example: generate into a new --out with a larger --max-model-len"):
+                                         "no example: rerun with a larger --max-model-len"):
         generate(GenerateConfig(prompts=str(prompts), out=str(out), target="debug", max_model_len=8), progress=False)
-    assert cli(["generate", "--prompts", str(prompts), "--out", str(tmp_path / "long"), "--target", "debug",
+    assert cli(["generate", "--prompts", str(prompts), "--out", str(out), "--target", "debug",
                 "--max-model-len", "64", "--max-new-tokens", "2"]) == 0  # long enough for these prompts
+    assert Store(out).meta["prompts"]["max_model_len"] == 64 and len(Store(out)) == 3
+    # a store that holds examples still refuses other settings
+    with pytest.raises(ValueError, match="holds a store written with other settings"):
+        generate(GenerateConfig(prompts=str(prompts), out=str(out), target="debug", max_model_len=32), progress=False)

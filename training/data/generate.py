@@ -203,8 +203,8 @@ def generate(config: GenerateConfig, progress: bool = True) -> dict:
     counts = writer.counts
     if not counts["num_examples"] and generation.num_skipped:
         raise ValueError(f"every prompt ({generation.num_skipped}) is longer than max_model_len={config.max_model_len} "
-                         f"tokens, so {writer.path} holds no example: generate into a new --out with a larger "
-                         "--max-model-len")
+                         f"tokens, so {writer.path} holds no example: rerun with a larger --max-model-len (the empty "
+                         "store takes the new settings)")
     keys = tensor_keys(config.layers, aux_layers)
     return {
         "out": str(writer.path),

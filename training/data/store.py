@@ -245,7 +245,8 @@ class StoreWriter:
         self.keys = tensor_keys(self.meta["layers"], self.meta["aux_layers"])
         self.shard_size = shard_size
         if (self.path / "meta.json").is_file():
-            self._check_settings(read_meta(self.path))
+            if committed_shards(self.path):  # a store that holds no example yet has nothing to keep: any settings go
+                self._check_settings(read_meta(self.path))
         elif any(file.name != ".lock" for file in self.path.iterdir()):
             raise ValueError(f"{self.path} is not empty and holds no store (no meta.json): choose an empty or new --out folder")
         self._discard_uncommitted()
