@@ -12,7 +12,10 @@ WANDB_MODE says otherwise (WANDB_MODE=online syncs, or `wandb sync` the run fold
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
+import re
 import warnings
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -23,9 +26,32 @@ from training.modules import MODULES, DraftModule
 COMMANDS = ("fit", "validate")
 
 
+# how jsonargparse says that a head module does not take a key, buried in its listing of the model's union types
+UNKNOWN_OPTION = re.compile(r"class_path '(?:[\w.]+\.)?(\w+)':\s+Option '(\w+)' is not accepted")
+
+
+def module_options(module: type) -> list[str]:
+    """The keys a head module takes under model.init_args: its __init__'s parameters and its bases'."""
+    names = []
+    for cls in inspect.getmro(module):
+        if "__init__" in cls.__dict__ and cls is not object:
+            names += [p.name for p in inspect.signature(cls.__init__).parameters.values()
+                      if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return list(dict.fromkeys(names))
+
+
 class DraftParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None):
-        if 'Parser key "model"' in message:
+        unknown = UNKNOWN_OPTION.search(message)
+        modules = {cls.__name__: cls for cls in MODULES.values()}
+        if unknown and unknown.group(1) in modules:
+            name, key = unknown.groups()
+            known = module_options(modules[name])
+            close = difflib.get_close_matches(key, known, n=1)
+            message += (f"\nmodel.init_args.{key} is not a setting of {name}"
+                        + (f": did you mean model.init_args.{close[0]}?" if close else
+                           f"; it takes {', '.join(known)} (--model.help training.modules.{name} explains them)"))
+        elif 'Parser key "model"' in message:
             kinds = ", ".join(f"training.modules.{cls.__name__} ({kind})" for kind, cls in MODULES.items())
             message += f"\nmodel.class_path names the head kind to train: one of {kinds}"
         super().error(message, ex)

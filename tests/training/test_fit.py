@@ -225,6 +225,17 @@ def test_an_unknown_head_kind_is_named_with_the_known_ones(debug_store, tmp_path
     assert "HydraModule" in error and "training.modules.EagleModule (eagle)" in error
 
 
+def test_a_misspelled_model_key_is_named_last_with_the_closest_known_one(debug_store, capsys):
+    with pytest.raises(SystemExit):
+        build_cli(fit_args("eagle", "debug", debug_store, "--model.init_args.learning_rat=1e-3"), run=False)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "model.init_args.learning_rat is not a setting of EagleModule: did you mean model.init_args.learning_rate?"
+    with pytest.raises(SystemExit):
+        build_cli(fit_args("medusa", "debug", debug_store, "--model.init_args.zzqx=1"), run=False)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("model.init_args.zzqx is not a setting of MedusaModule; it takes ") and "learning_rate" in last
+
+
 def test_a_checkpoint_of_another_kind_fails_before_training(debug_store, tmp_path):
     medusa = build_cli(fit_args("medusa", "debug", debug_store, "--trainer.max_steps=1",
                                 ), run=False)
