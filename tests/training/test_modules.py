@@ -236,6 +236,19 @@ def test_length_batches_reshuffle_per_epoch_group_lengths_and_resume_mid_epoch()
     assert sorted(ranks[0] + ranks[1]) == sorted(first) and not set(map(tuple, ranks[0])) & set(map(tuple, ranks[1]))
 
 
+def test_lightning_reaches_the_batch_sampler_s_epoch(debug_store):
+    """Lightning sets each epoch on `loader.sampler` and `loader.batch_sampler.sampler` (not on the batch sampler):
+    the training loader's batches must follow it, or every epoch trains in epoch 0's order."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    data = DraftDataModule(str(debug_store), target="debug", batch_size=2, num_pool_batches=1)
+    data.setup("fit")
+    loader = data.train_dataloader()
+    first = list(loader.batch_sampler)
+    _set_sampler_epoch(loader, 1)
+    assert loader.batch_sampler.epoch == 1 and list(loader.batch_sampler) != first
+
+
 def test_a_store_without_the_layers_a_head_reads_fails_before_training(tmp_path_factory):
     store = session_store(tmp_path_factory, "debug", num_prompts=2, max_new_tokens=4, layers="last")
     data = DraftDataModule(str(store), target="debug", batch_size=4)

@@ -73,6 +73,9 @@ class LengthBatches(Sampler[list[int]]):
         self.lengths, self.batch_size, self.shuffle, self.seed = lengths, batch_size, shuffle, seed
         self.num_pool_batches, self.num_replicas, self.rank = num_pool_batches, num_replicas, rank
         self.epoch = 0
+        # Lightning sets each epoch through `loader.sampler` and `loader.batch_sampler.sampler`, never on the batch
+        # sampler itself: this makes the latter reach set_epoch.
+        self.sampler = self
         self.num_skipped = 0  # batches of this epoch the current pass left out
         self._resume_at: tuple[int, int] | None = None
 
