@@ -1,0 +1,256 @@
+"""The checkpoint layouts of other engines and repositories, each one explicit name map from this project's head
+tensors to theirs, read in both directions: `draftheads export` writes ours under their names (to_theirs),
+`draftheads import` reads theirs back (to_ours). `{}` in a name is an index (a Medusa head, a block), the same in
+both names; `{num_layers}` is the head config's field. A tuple of their names is one tensor of ours, concatenated
+along dim 0 (our decoder layer fuses q/k/v and gate/up).
+
+    kind    source       architecture             their tensors                                      read from
+    eagle   vllm         EagleLlamaForCausalLM    fc.weight (no bias), layers.0.* (no input_layernorm)  vllm llama_eagle.py
+            sglang       LlamaForCausalLMEagle    fc.weight, fc.bias, layers.0.*                     sglang llama_eagle.py
+            eagle-repo   LlamaForCausalLM         fc.weight, fc.bias (config "bias"), layers.0.*     SafeAILab/EAGLE cnets1.py
+    eagle3  vllm, sglang LlamaForCausalLMEagle3   fc.weight, midlayer.* (input_layernorm, hidden_norm), norm.weight,
+            eagle-repo                            lm_head.weight, d2t, t2d    vllm llama_eagle3.py, EAGLE cnets.py,
+                                                                              SpecForge llama3_eagle.py
+    medusa  vllm         MedusaModel              blocks.{i}.layers.{j}.weight/bias, lm_heads.{i}.weight,  vllm medusa.py
+                                                  token_map
+            medusa-repo  (medusa_lm_head.*)       medusa_head.{i}.{j}.linear.weight/bias,            FasterDecoding/Medusa
+                                                  medusa_head.{i}.{num_layers}.weight                medusa_model.py
+
+Their files may also hold tensors of the target (EAGLE's embed_tokens.weight; vLLM Medusa's one shared LM head,
+original_lm_head): an import checks their shapes and leaves them out, since a head reads the target's own.
+EAGLE-3's aux layer ids mean the input of layer i in this project, in vLLM and in the EAGLE repository; SGLang's
+file names the layer before (it captures the output of the layer it is given).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+import torch
+
+Names = dict[str, "str | tuple[str, ...]"]  # our state_dict name -> theirs (a tuple: split along dim 0)
+
+LLAMA_LAYER: Names = {
+    "qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "o.weight": "self_attn.o_proj.weight",
+    "post_norm.weight": "post_attention_layernorm.weight",
+    "gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down.weight": "mlp.down_proj.weight",
+}
+
+
+def _under(ours: str, theirs: str, names: Names) -> Names:
+    return {ours + k: tuple(theirs + x for x in v) if isinstance(v, tuple) else theirs + v for k, v in names.items()}
+
+
+EAGLE: Names = {"fc.weight": "fc.weight", "fc.bias": "fc.bias", **_under("layer.", "layers.0.", LLAMA_LAYER)}
+EAGLE3: Names = {
+    "fc.weight": "fc.weight", "input_norm.weight": "midlayer.input_layernorm.weight",
+    "hidden_norm.weight": "midlayer.hidden_norm.weight", **_under("layer.", "midlayer.", LLAMA_LAYER),
+    "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d",
+}
+MEDUSA_VLLM: Names = {
+    "heads.{}.{}.linear.weight": "blocks.{}.layers.{}.weight", "heads.{}.{}.linear.bias": "blocks.{}.layers.{}.bias",
+    "lm_heads.{}.weight": "lm_heads.{}.weight", "token_map": "token_map",
+}
+MEDUSA_REPO: Names = {
+    "heads.{}.{}.linear.weight": "medusa_head.{}.{}.linear.weight",
+    "heads.{}.{}.linear.bias": "medusa_head.{}.{}.linear.bias",
+    "lm_heads.{}.weight": "medusa_head.{}.{num_layers}.weight",
+}
+EMBED = "embed_tokens.weight"  # the target's embedding, which EAGLE checkpoints may carry
+
+
+def _pattern(name: str) -> re.Pattern:
+    return re.compile(re.escape(name).replace(r"\{\}", r"(\d+)"))
+
+
+def their_names(names: Names, ours: str, config) -> tuple[str, ...]:
+    """Their names of our tensor `ours` under the map `names` (one, or the pieces of a fused tensor)."""
+    for pattern, theirs in names.items():
+        match = _pattern(pattern).fullmatch(ours)
+        if match:
+            indices = match.groups()
+            fields = asdict(config)
+            return tuple(name.format(*indices, **fields) for name in (theirs if isinstance(theirs, tuple) else (theirs,)))
+    raise KeyError(ours)
+
+
+def piece_sizes(config, ours: str) -> list[int]:
+    """The dim-0 sizes of the pieces our fused tensor `ours` splits into."""
+    module = ours.split(".")[-2]
+    if module == "qkv":
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        return [q, kv, kv]
+    if module == "gate_up":
+        return [config.intermediate_size] * 2
+    raise KeyError(ours)
+
+
+def to_theirs(names: Names, config, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our tensors under their names; fused ones split."""
+    theirs = {}
+    for name, tensor in ours.items():
+        pieces = their_names(names, name, config)
+        parts = tensor.split(piece_sizes(config, name)) if len(pieces) > 1 else (tensor,)
+        theirs.update(zip(pieces, parts, strict=True))
+    return theirs
+
+
+def to_ours(names: Names, config, theirs: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+            where: str) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Our tensors `expected` (name -> a tensor of the shape and dtype wanted) read from `theirs`, and the names of
+    theirs that were read. A missing or misshapen tensor is a ValueError naming it, its expected and its shape."""
+    ours, used = {}, set()
+    for name, like in expected.items():
+        pieces = their_names(names, name, config)
+        sizes = piece_sizes(config, name) if len(pieces) > 1 else [like.shape[0] if like.ndim else 0]
+        read = []
+        for piece, size in zip(pieces, sizes, strict=True):
+            if piece not in theirs:
+                raise ValueError(f"{where} has no tensor {piece}, which this head needs (its {name})")
+            shape = (size, *like.shape[1:]) if like.ndim else ()
+            if tuple(theirs[piece].shape) != shape:
+                raise ValueError(f"{where}: tensor {piece} has shape {tuple(theirs[piece].shape)}, expected {shape} "
+                                 "from the target's sizes and the checkpoint's config.json")
+            read.append(theirs[piece])
+            used.add(piece)
+        ours[name] = (torch.cat(read) if len(read) > 1 else read[0]).to(like.dtype)
+    return ours, used
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One source's layout of one head kind: its name map, its config.json fields, and the tensors of the target it
+    may hold."""
+    kind: str
+    source: str
+    architecture: str | None
+    names: Names
+
+    def kind_fields(self, config: dict, where: str) -> dict:
+        """Our head config's fields (those of its kind, and intermediate_size) from their config.json."""
+        raise NotImplementedError
+
+    def export_config(self, head) -> dict:
+        """Their config.json's fields of this kind."""
+        return {}
+
+    def exported(self, head) -> dict[str, torch.Tensor]:
+        """The head's tensors to write under their names: its state_dict."""
+        return head.state_dict()
+
+    def target_tensors(self, config) -> dict[str, tuple[int, ...]]:
+        """Their names of tensors of the target a file may hold, with their shapes."""
+        return {}
+
+    def target_values(self, head) -> dict[str, torch.Tensor]:
+        """Tensors of the target the export writes, under their names."""
+        return {}
+
+
+def _num_layers(config: dict, where: str) -> None:
+    if config.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"{where}: num_hidden_layers is {config['num_hidden_layers']}, but this project's EAGLE heads "
+                         "have one decoder layer")
+
+
+def _intermediate(config: dict) -> dict:
+    return {"intermediate_size": config["intermediate_size"]} if "intermediate_size" in config else {}
+
+
+class EagleLayout(Layout):
+    def kind_fields(self, config, where):
+        _num_layers(config, where)
+        fc_bias = {"vllm": False, "sglang": True}.get(self.source, config.get("bias", True))
+        return {"fc_bias": fc_bias, **_intermediate(config)}
+
+    def exported(self, head):
+        ours = {name: t for name, t in head.state_dict().items() if name != "token_map"}  # neither engine loads it
+        bias = ours.get("fc.bias")
+        if self.source == "vllm":
+            if bias is not None and bias.any():
+                raise ValueError("vLLM's EAGLE-1 layer has no bias on fc, and this head's fc has one: train with "
+                                 "--model.init_args.fc_bias false to export for vLLM, or export --format sglang")
+            ours.pop("fc.bias", None)
+        elif bias is None:  # SGLang's fc always has a bias and keeps a random one when the file has none
+            ours["fc.bias"] = torch.zeros(head.config.hidden_size)
+        return ours
+
+    def target_tensors(self, config):
+        return {EMBED: (config.vocab_size, config.hidden_size)}
+
+
+class Eagle3Layout(Layout):
+    def kind_fields(self, config, where):
+        _num_layers(config, where)
+        hidden = config.get("target_hidden_size", config.get("hidden_size"))
+        if hidden != config.get("hidden_size"):
+            raise ValueError(f"{where}: target_hidden_size {hidden} differs from hidden_size {config.get('hidden_size')}: "
+                             "this project's EAGLE-3 heads share the target's hidden size")
+        eagle = config.get("eagle_config") or {}
+        layers = eagle.get("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids")) or []
+        if self.source == "sglang":
+            layers = [i + 1 for i in layers]
+        fields = {"aux_layers": tuple(layers), **_intermediate(config)}
+        if config.get("draft_vocab_size"):
+            fields["draft_vocab_size"] = config["draft_vocab_size"]
+        return fields
+
+    def export_config(self, head):
+        c = head.config
+        layers = list(c.aux_layers)
+        if self.source == "sglang":
+            if min(layers) < 1:
+                raise ValueError(f"aux layer 0 (the embeddings) cannot be named for SGLang, which captures the "
+                                 f"output of the layer it is given: train with aux layers >= 1 (got {layers})")
+            layers = [i - 1 for i in layers]
+        return {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size,
+                "eagle_aux_hidden_state_layer_ids": layers,
+                "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": layers}}
+
+    def target_tensors(self, config):
+        return {EMBED: (config.vocab_size, config.hidden_size)}
+
+
+class MedusaLayout(Layout):
+    def kind_fields(self, config, where):
+        if self.source == "medusa-repo":
+            return {"num_heads": config["medusa_num_heads"], "num_layers": config.get("medusa_num_layers", 1),
+                    "own_lm_head": True}
+        if not config.get("medusa_fc_bias", False):
+            raise ValueError(f"{where}: medusa_fc_bias is false, but this project's Medusa blocks have biases")
+        truncated = config.get("truncated_vocab_size") or config["vocab_size"]
+        return {"num_heads": config["num_heads"], "num_layers": config["num_hidden_layers"],
+                "own_lm_head": not config.get("original_lm_head", False),
+                "token_map_size": truncated if truncated < config["vocab_size"] else 0}
+
+    def export_config(self, head):
+        c = head.config
+        return {"model_type": "medusa", "num_heads": c.num_heads, "num_hidden_layers": c.num_layers,
+                "truncated_vocab_size": c.token_map_size or c.vocab_size, "medusa_fc_bias": True,
+                "original_lm_head": not c.own_lm_head}
+
+    def target_tensors(self, config):
+        if self.source == "vllm" and not config.own_lm_head:  # vLLM reads the shared LM head from the file
+            return {"lm_heads.0.weight": (config.token_map_size or config.vocab_size, config.hidden_size)}
+        return {}
+
+    def target_values(self, head):
+        if self.source == "vllm" and not head.config.own_lm_head:  # the map's rows when the head has one
+            return {"lm_heads.0.weight": head.target.lm_head.weight}
+        return {}
+
+
+LAYOUTS: dict[tuple[str, str], Layout] = {
+    ("eagle", "vllm"): EagleLayout("eagle", "vllm", "EagleLlamaForCausalLM", EAGLE),
+    ("eagle", "sglang"): EagleLayout("eagle", "sglang", "LlamaForCausalLMEagle", EAGLE),
+    ("eagle", "eagle-repo"): EagleLayout("eagle", "eagle-repo", "LlamaForCausalLM", EAGLE),
+    ("eagle3", "vllm"): Eagle3Layout("eagle3", "vllm", "LlamaForCausalLMEagle3", EAGLE3),
+    ("eagle3", "sglang"): Eagle3Layout("eagle3", "sglang", "LlamaForCausalLMEagle3", EAGLE3),
+    ("eagle3", "eagle-repo"): Eagle3Layout("eagle3", "eagle-repo", "LlamaForCausalLMEagle3", EAGLE3),
+    ("medusa", "vllm"): MedusaLayout("medusa", "vllm", "MedusaModel", MEDUSA_VLLM),
+    ("medusa", "medusa-repo"): MedusaLayout("medusa", "medusa-repo", None, MEDUSA_REPO),
+}
+SOURCES = tuple(dict.fromkeys(source for _, source in LAYOUTS))
