@@ -17,6 +17,7 @@ COMMANDS = {
     "fit": ("training.fit", "train a draft head from a YAML config (LightningCLI fit)"),
     "validate": ("training.fit", "validate a draft head from a YAML config (LightningCLI validate)"),
     "export": ("training.export", "convert a head folder to the format vLLM or SGLang loads"),
+    "import": ("training.import_head", "read a published or exported EAGLE-1, EAGLE-3 or Medusa head into a head folder"),
 }
 
 

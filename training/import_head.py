@@ -1,0 +1,176 @@
+"""`draftheads import`: a published or exported draft head (EAGLE-1, EAGLE-3, Medusa) as a head folder for a target,
+read through the same name maps `draftheads export` writes with (training/formats.py):
+
+    draftheads import yuhuili/EAGLE3-LLaMA3.1-Instruct-8B --format eagle3 --target meta-llama/Llama-3.1-8B-Instruct --out heads/e3
+    draftheads import exported/eagle --format eagle --from sglang --target debug --out heads/eagle
+
+SRC is a folder with config.json and the weights (*.safetensors, else pytorch_model.bin, or Medusa's
+medusa_lm_head.safetensors / .pt, which hold MedusaModel.medusa_head's tensors). --from is read from config.json
+when not given: its architecture (EagleLlamaForCausalLM: vllm, LlamaForCausalLMEagle: sglang, LlamaForCausalLM:
+eagle-repo, LlamaForCausalLMEagle3: vllm, MedusaModel: vllm) or Medusa's medusa_num_heads (medusa-repo). An EAGLE-3
+file that names its aux layers needs --from, since SGLang numbers them one lower than vLLM and the EAGLE repository.
+
+Every tensor is checked against the shape the target's sizes and the checkpoint's config.json imply, and a wrong
+one is named with both shapes. The head's attention geometry, norm epsilon and rope are the target's (config.json
+must agree on the sizes); its MLP width, and each kind's own settings, are the checkpoint's. Tensors of the target
+a file carries (EAGLE's embed_tokens, vLLM Medusa's shared LM head) are checked and left out. Calibrated confidence
+temperatures are not part of these layouts: `draftheads fit --model.init_args.init_from OUT` recalibrates them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+import heads
+from heads.checkpoint import HEADS
+from heads.draft_head import DraftHead
+from heads.token_map import check_token_ids, lm_head_rows
+from training.formats import LAYOUTS, SOURCES, Layout, to_ours
+
+KINDS = ("eagle", "eagle3", "medusa")
+SOURCE_OF = {"EagleLlamaForCausalLM": "vllm", "LlamaForCausalLMEagle": "sglang", "LlamaForCausalLM": "eagle-repo",
+             "LlamaForCausalLMEagle3": "vllm", "MedusaModel": "vllm"}
+KIND_OF = {"EagleLlamaForCausalLM": "eagle", "LlamaForCausalLMEagle": "eagle", "LlamaForCausalLMEagle3": "eagle3",
+           "MedusaModel": "medusa"}
+TORCH_FILES = ("pytorch_model.bin", "medusa_lm_head.pt")
+MEDUSA_FILE = "medusa_lm_head"  # its tensors are MedusaModel.medusa_head's, named from inside it
+SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def add_arguments(parser) -> None:
+    parser.description, parser.formatter_class = __doc__, _HelpFormatter
+    parser.add_argument("src", help="folder of the published or exported head (config.json and its weights)")
+    parser.add_argument("--format", choices=KINDS, required=True, help="the head's kind")
+    parser.add_argument("--from", dest="source", choices=SOURCES, default=None,
+                        help="the layout it is in (default: read from its config.json)")
+    parser.add_argument("--target", default=None, help="the target the head drafts for (default: the built-in one)")
+    parser.add_argument("--out", required=True, help="the head folder to write")
+
+
+def run(args) -> int:
+    from serving import targets
+
+    target = args.target or targets.DEFAULT_TARGET
+    head, layout = import_head(args.src, args.format, target, args.source)
+    out = heads.save(head, args.out, metadata={"imported": {"from": str(args.src), "layout": layout.source}})
+    print(f"wrote the {layout.source} {args.format} head in {args.src} as a head folder for {target} to {out}")
+    return 0
+
+
+def import_head(src, kind: str, target, source: str | None = None) -> tuple[DraftHead, Layout]:
+    """The head in folder `src` (kind `kind`, layout `source` or the one its config.json names) for the target
+    `target` (a name or folder serving.targets resolves), bound to that target's parts."""
+    from serving import targets
+
+    src = Path(src)
+    config = _read_config(src)
+    layout = _layout(config, kind, source, src)
+    folder = targets.resolve(target)
+    parts = heads.load_target_parts(folder, fingerprint=targets.fingerprint(folder))
+    where = f"{src} ({layout.source} {kind} layout)"
+    _check_sizes(config, parts, where)
+    cls = HEADS[kind]
+    try:
+        head_config = cls.config_class.from_target(parts, **layout.kind_fields(config, where))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: its config.json does not make a {kind} head for this target: {error}") from None
+    with torch.device("cpu"):
+        head = cls(head_config)
+    theirs = _read_tensors(src)
+    ours, used = to_ours(layout.names, head_config, theirs, head.state_dict(), where)
+    for name, shape in layout.target_tensors(head_config).items():
+        if name in theirs and tuple(theirs[name].shape) != shape:
+            raise ValueError(f"{where}: tensor {name} (the target's) has shape {tuple(theirs[name].shape)}, expected "
+                             f"{shape} from the target's sizes")
+        used.add(name)
+    unexpected = sorted(theirs.keys() - used)
+    if unexpected:
+        raise ValueError(f"{where} has tensor(s) {unexpected} that this {kind} head has no place for")
+    head.load_state_dict(ours)
+    _check_vocabulary(head, where)
+    if head.token_map is not None:
+        parts.lm_head = lm_head_rows(parts.lm_head, head.token_map)
+    return head.bind_target(parts), layout
+
+
+def _read_config(src: Path) -> dict:
+    config_file = src / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{src} has no config.json: import reads a head's folder (config.json and its weights)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{config_file} is malformed ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} is malformed: expected a JSON object")
+    return config
+
+
+def _layout(config: dict, kind: str, source: str | None, src: Path) -> Layout:
+    architecture = (config.get("architectures") or [None])[0]
+    named = KIND_OF.get(architecture)
+    if named is not None and named != kind:
+        raise ValueError(f"{src}/config.json names {architecture}, a {named} head: import it with --format {named}")
+    if source is None:
+        eagle3_ids = "eagle_aux_hidden_state_layer_ids"
+        if "medusa_num_heads" in config:
+            source = "medusa-repo"
+        elif architecture == "LlamaForCausalLMEagle3" and (eagle3_ids in config or eagle3_ids in (config.get("eagle_config") or {})):
+            raise ValueError(f"{src}/config.json names EAGLE-3 aux layers, which SGLang numbers one lower than vLLM and "
+                             "the EAGLE repository: say which it was written for with --from vllm, sglang or eagle-repo")
+        elif architecture in SOURCE_OF:
+            source = SOURCE_OF[architecture]
+        else:
+            raise ValueError(f"{src}/config.json names no architecture this import knows ({architecture!r}): say "
+                             f"which layout it is in with --from ({', '.join(SOURCES)})")
+    if (kind, source) not in LAYOUTS:
+        known = ", ".join(s for k, s in LAYOUTS if k == kind)
+        raise ValueError(f"no {kind} layout from {source}: a {kind} head comes from {known}")
+    return LAYOUTS[kind, source]
+
+
+def _check_sizes(config: dict, parts, where: str) -> None:
+    layer = parts.layer
+    target = {"hidden_size": layer.hidden_size, "num_attention_heads": layer.num_heads,
+              "num_key_value_heads": layer.num_kv_heads, "head_dim": layer.head_dim, "vocab_size": parts.vocab_size}
+    differing = [f"{name}: checkpoint {config[name]}, target {target[name]}" for name in SIZES
+                 if config.get(name) is not None and config[name] != target[name]]
+    if differing:
+        raise ValueError(f"{where} was made for another target: {'; '.join(differing)}")
+
+
+def _read_tensors(src: Path) -> dict[str, torch.Tensor]:
+    files = sorted(src.glob("*.safetensors")) or [src / name for name in TORCH_FILES if (src / name).is_file()]
+    if not files:
+        raise ValueError(f"{src} has no weights: expected *.safetensors, {' or '.join(TORCH_FILES)}")
+    tensors = {}
+    for file in files:
+        try:
+            read = load_file(str(file)) if file.suffix == ".safetensors" else torch.load(
+                file, map_location="cpu", weights_only=True)
+        except (SafetensorError, OSError, RuntimeError) as error:
+            raise ValueError(f"{file} is unreadable ({error})") from None
+        prefix = "medusa_head." if file.stem == MEDUSA_FILE else ""
+        tensors.update({prefix + name: tensor for name, tensor in read.items()})
+    return tensors
+
+
+def _check_vocabulary(head: DraftHead, where: str) -> None:
+    """EAGLE-3's d2t must give distinct target ids, ascending, that t2d marks; a token map distinct ids."""
+    if head.token_map is not None:
+        check_token_ids(head.token_map, head.config.vocab_size, f"{where}: token_map")
+    if head.config.kind == "eagle3":
+        ids = head.draft_token_ids
+        fine = bool((ids >= 0).all() and (ids < head.config.vocab_size).all() and (ids.diff() > 0).all())
+        if not fine or int(head.t2d.sum()) != len(ids) or not head.t2d[ids.clamp(0, head.config.vocab_size - 1)].all():
+            raise ValueError(f"{where}: d2t and t2d do not describe one draft vocabulary (target id = draft id + "
+                             "d2t[draft id], ascending and distinct, each marked in t2d)")
