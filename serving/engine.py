@@ -172,6 +172,18 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort(self, request_id: str) -> bool:
+        """Drops a waiting or running request between steps: its blocks go back to the pool, its drafter state and
+        generator are dropped, and it returns no output. False if no such request is in the engine (it finished)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request, "abort")
+        self.generators.pop(request_id, None)
+        if self.speculator:
+            self.speculator.reset(request)
+        return True
+
     # ---- one step -------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

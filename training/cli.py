@@ -12,6 +12,8 @@ COMMANDS = {
     "info": ("serving.targets", "print a target's resolved folder, architecture, sizes, dtype and fingerprint (JSON)"),
     "prompts": ("serving.prompts", "print a prompt source as JSONL (sharegpt, sharegpt-heldout, mt-bench, humaneval, or a file)"),
     "bench": ("serving.bench", "benchmark the engine: plain decoding and speculative configs side by side"),
+    "serve": ("serving.server.serve", "serve the engine over an OpenAI-compatible HTTP API, with Prometheus metrics"),
+    "bench-serve": ("serving.bench_serve", "benchmark a running OpenAI-compatible server (ours, vLLM, SGLang) under load"),
     "generate": ("training.data.generate", "let the target answer prompts and store its answers and hidden states"),
     "token-map": ("training.data.vocab", "write a store's most frequent answer tokens as a token map for drafting"),
     "fit": ("training.fit", "train a draft head from a YAML config (LightningCLI fit)"),
@@ -27,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="draftheads",
         description="Train speculative-decoding draft heads on a frozen target's own outputs and measure them.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="commands:\n" + "\n".join(f"  {name:<10} {help}" for name, (_, help) in COMMANDS.items())
+        epilog="commands:\n" + "\n".join(f"  {name:<12} {help}" for name, (_, help) in COMMANDS.items())
         + "\n\n`draftheads COMMAND --help` explains each command's options.",
     )
     parser.add_argument("command", choices=COMMANDS, metavar="COMMAND")

@@ -1,0 +1,275 @@
+"""The HTTP API: OpenAI's chat and text completions (whole or streamed as server-sent events), the model list,
+health and Prometheus metrics, over one engine loop (serving.server.loop).
+
+A handler parses and checks the body (serving.server.protocol), renders the prompt with a tokenizer of its own
+(the engine's belongs to the engine thread), refuses what the context cannot hold, and queues the request. It
+answers only once the engine accepted the request, so every refusal is an HTTP status with OpenAI's error object.
+A client that goes away (a closed stream, or a dropped connection while waiting for a whole answer) aborts its
+request, which frees its blocks at the next step boundary.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from serving.engine import Engine
+from serving.server.detokenizer import Detokenizer
+from serving.server.loop import Accepted, EngineLoop, Failed, Finished, Stream, Tokens
+from serving.server.metrics import ServerMetrics
+from serving.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, parse
+from serving.spec.metrics import AcceptanceStats
+
+log = logging.getLogger(__name__)
+DISCONNECT_POLL_S = 0.5  # how often a handler waiting for a whole answer checks that its client is still there
+
+
+def build_app(engine: Engine, model_name: str) -> FastAPI:
+    """The app over `engine`; its lifespan starts and stops the engine loop (`app.state.engine_loop`)."""
+    metrics = ServerMetrics(model_name)
+    loop = EngineLoop(engine, metrics)
+    api = OpenAIServer(engine, loop, metrics, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        loop.start()
+        yield
+        await asyncio.to_thread(loop.stop)
+
+    app = FastAPI(title="draftheads", description="OpenAI-compatible API over the draftheads speculative engine",
+                  lifespan=lifespan)
+    app.state.engine_loop, app.state.metrics = loop, metrics
+    app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/metrics", api.prometheus, methods=["GET"])
+
+    @app.exception_handler(APIError)
+    async def api_error(_, error: APIError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, error: HTTPException):
+        return JSONResponse(APIError(error.status_code, str(error.detail)).body(), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(_, error: Exception):
+        log.exception("unexpected error while serving a request")
+        return JSONResponse(APIError(500, f"internal error: {type(error).__name__}: {error}").body(), status_code=500)
+
+    return app
+
+
+class OpenAIServer:
+    def __init__(self, engine: Engine, loop: EngineLoop, metrics: ServerMetrics, model_name: str):
+        self.engine, self.loop, self.metrics, self.model_name = engine, loop, metrics, model_name
+        self.created = int(time.time())
+        self.tokenizer = None
+        if engine.tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(engine.folder)
+
+    # ---- routes -------------------------------------------------------------------------------------
+
+    async def chat(self, request: Request):
+        body = parse(ChatCompletionRequest, await _json(request))
+        self._check_model(body.model)
+        prompt_ids = self._encode([message.to_engine() for message in body.messages])
+        return await self._serve(request, body, prompt_ids, Reply(self.model_name, chat=True), body.logprobs)
+
+    async def completions(self, request: Request):
+        body = parse(CompletionRequest, await _json(request))
+        self._check_model(body.model)
+        prompt_ids = self._encode(body.prompt)
+        return await self._serve(request, body, prompt_ids, Reply(self.model_name, chat=False), body.logprobs == 0)
+
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "draftheads", "root": str(self.engine.folder),
+                                            "max_model_len": self.engine.max_model_len}]}
+
+    async def health(self):
+        if not self.loop.thread.is_alive():
+            raise APIError(503, "the engine loop is not running")
+        return Response(status_code=200)
+
+    async def prometheus(self):
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- one request --------------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+    def _encode(self, prompt) -> list[int]:
+        """The engine's own rendering (Engine.encode), run with this thread's tokenizer."""
+        try:
+            return Engine.encode(SimpleNamespace(tokenizer=self.tokenizer, folder=self.engine.folder), prompt)
+        except ValueError as error:
+            raise APIError(400, str(error), "messages" if isinstance(prompt, list) and prompt else "prompt") from None
+
+    def _max_tokens(self, body: SamplingFields, num_prompt_tokens: int) -> int:
+        limit = self.engine.max_model_len
+        if num_prompt_tokens >= limit:
+            raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but max_model_len is {limit}: shorten it "
+                                f"to at most {limit - 1} tokens",
+                           "messages" if isinstance(body, ChatCompletionRequest) else "prompt", "context_length_exceeded")
+        asked, name = body.requested_max_tokens
+        if asked is None:
+            return limit - num_prompt_tokens
+        if asked >= 1 and num_prompt_tokens + asked > limit:
+            pool = self.engine.block_manager.num_blocks * self.engine.block_size
+            raise APIError(400, f"{name}={asked} after a prompt of {num_prompt_tokens} tokens needs "
+                                f"{num_prompt_tokens + asked} tokens of context, but this server holds at most "
+                                f"max_model_len={limit} per request (its K/V pool holds {pool} tokens in all): ask "
+                                f"for at most {limit - num_prompt_tokens}", name, "context_length_exceeded")
+        return asked
+
+    async def _serve(self, request: Request, body: SamplingFields, prompt_ids: list[int], reply: "Reply",
+                     logprobs: bool):
+        params = body.sampling_params(self._max_tokens(body, len(prompt_ids)), logprobs)
+        stream = self.loop.submit(prompt_ids, params, reply.request_id)
+        try:
+            first = await stream.get()
+        except asyncio.CancelledError:
+            self.loop.abort(reply.request_id)
+            raise
+        if isinstance(first, Failed):
+            raise APIError(first.status, first.message)
+        assert isinstance(first, Accepted), first
+        usage = Usage(first.num_prompt_tokens, self.engine.speculator is not None)
+        detokenizer = Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        if body.stream:
+            return StreamingResponse(self._events(stream, reply, detokenizer, usage, body.include_usage),
+                                     media_type="text/event-stream")
+        return await self._whole(request, stream, reply, usage)
+
+    async def _whole(self, request: Request, stream: Stream, reply: "Reply", usage: "Usage"):
+        done = False
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(stream.get(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+                    continue
+                if isinstance(event, Failed):
+                    done = True
+                    raise APIError(event.status, event.message)
+                if isinstance(event, Finished):
+                    done = True
+                    output = event.output
+                    logprobs = reply.logprobs(self.tokenizer, output.token_ids, output.logprobs)
+                    return reply.whole(output.text, output.finish_reason, logprobs, usage.of(output))
+        finally:
+            if not done:
+                self.loop.abort(stream.request_id)
+
+    async def _events(self, stream: Stream, reply: "Reply", detokenizer: Detokenizer | None, usage: "Usage",
+                      include_usage: bool):
+        """Server-sent events: OpenAI's chunks, the last one with the finish reason, usage if asked, then [DONE]."""
+        done = False
+        try:
+            if reply.chat:
+                yield _sse(reply.chunk(role="assistant", text=""))
+            while not done:
+                event = await stream.get()
+                if isinstance(event, Tokens):
+                    text = detokenizer.add(event.token_ids) if detokenizer else ""
+                    logprobs = reply.logprobs(self.tokenizer, event.token_ids, event.logprobs)
+                    if text or logprobs:
+                        yield _sse(reply.chunk(text=text, logprobs=logprobs))
+                elif isinstance(event, Finished):
+                    done = True
+                    text = detokenizer.finish(event.output.text) if detokenizer else ""
+                    yield _sse(reply.chunk(text=text, finish_reason=event.output.finish_reason))
+                    if include_usage:
+                        yield _sse(reply.usage_chunk(usage.of(event.output)))
+                elif isinstance(event, Failed):
+                    done = True
+                    yield _sse(APIError(event.status, event.message).body())
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:  # the client went away (starlette cancels the stream) or the server is stopping
+                self.loop.abort(stream.request_id)
+
+
+class Usage:
+    def __init__(self, num_prompt_tokens: int, speculating: bool):
+        self.num_prompt_tokens, self.speculating = num_prompt_tokens, speculating
+
+    def of(self, output) -> dict:
+        num_completion = len(output.token_ids)
+        usage = {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": num_completion,
+                 "total_tokens": self.num_prompt_tokens + num_completion}
+        if self.speculating:  # a request served plain (logprobs) reports zero drafts
+            usage["speculative"] = output.metrics.get("spec") or AcceptanceStats().to_dict()
+        return usage
+
+
+class Reply:
+    """The shape of one answer: a chat completion or a text completion, whole or as chunks."""
+
+    def __init__(self, model: str, chat: bool):
+        self.model, self.chat = model, chat
+        self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _envelope(self, object_name: str, choices: list) -> dict:
+        return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def whole(self, text: str, finish_reason: str, logprobs, usage: dict) -> dict:
+        choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+        return {**self._envelope(self.object, [choice]), "usage": usage}
+
+    def chunk(self, text: str, finish_reason: str | None = None, logprobs=None, role: str | None = None) -> dict:
+        choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.chat:
+            choice["delta"] = {"role": role, "content": text} if role else ({"content": text} if text else {})
+        else:
+            choice["text"] = text
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {**self._envelope("chat.completion.chunk" if self.chat else "text_completion", []), "usage": usage}
+
+    def logprobs(self, tokenizer, token_ids: list[int], logprobs: list[float] | None):
+        """OpenAI's logprobs object for these tokens (the sampled tokens' only), or None when not asked."""
+        if logprobs is None:
+            return None
+        tokens = [tokenizer.decode([t]) if tokenizer is not None else str(t) for t in token_ids]
+        if self.chat:
+            return {"content": [{"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
+                                for token, logprob in zip(tokens, logprobs)]}
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+
+
+async def _json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise APIError(400, f"the body is not valid JSON: {error}") from None
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

@@ -1,0 +1,228 @@
+"""The engine loop: one thread owns the engine and steps it while requests are in flight. The HTTP handlers
+reach it only through an inbox (new requests, aborts, calls) and per-request streams of events, so the engine is
+never touched from two threads.
+
+Between steps the loop empties the inbox, so a request joins the running batch at the next step after it arrives
+(continuous batching); with nothing in flight it sleeps on the inbox. After each step every in-flight request's
+stream gets the tokens emitted to it since the last step, and a finished request its RequestOutput. A step that
+raises fails every request in flight (they are aborted, their clients get a 500) and the loop goes on serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from serving.request import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Accepted:
+    num_prompt_tokens: int
+
+
+@dataclass
+class Tokens:
+    token_ids: list[int]
+    logprobs: list[float] | None
+
+
+@dataclass
+class Finished:
+    output: RequestOutput
+
+
+@dataclass
+class Failed:
+    status: int
+    message: str
+
+
+class Stream:
+    """One request's events: written by the engine thread, read by the handler on its event loop."""
+
+    def __init__(self, request_id: str, event_loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.event_loop = event_loop
+        self.arrival_time = time.perf_counter()
+        self.last_token_time: float | None = None
+        self.num_sent = 0
+
+    def put(self, event) -> None:
+        try:
+            self.event_loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop closed: nobody is listening any more
+            pass
+
+    async def get(self):
+        return await self.events.get()
+
+
+class EngineLoop:
+    def __init__(self, engine, metrics=None):
+        self.engine = engine
+        self.metrics = metrics
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.streams: dict[str, Stream] = {}
+        self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.closed = False  # set once the loop has ended; the lock orders it against submissions
+        self._lock = threading.Lock()
+
+    # ---- from the handlers' threads -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, prompt, params: SamplingParams, request_id: str) -> Stream:
+        """Queues a request (token ids, text or chat messages); its stream first says Accepted or Failed."""
+        stream = Stream(request_id, asyncio.get_running_loop())
+        with self._lock:
+            if self.closed:
+                stream.put(Failed(503, "the server is shutting down"))
+            else:
+                self.inbox.put(("add", stream, prompt, params))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(("abort", request_id))
+
+    def call(self, function) -> concurrent.futures.Future:
+        """Runs function(engine) in the engine thread between steps; its result comes back in the future."""
+        future = concurrent.futures.Future()
+        with self._lock:
+            if self.closed:
+                future.set_exception(RuntimeError("the engine loop has stopped"))
+            else:
+                self.inbox.put(("call", function, future))
+        return future
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Aborts whatever is still in flight and ends the thread."""
+        if self.thread.is_alive():
+            self.inbox.put(("stop",))
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                log.error("the engine loop did not stop within %.0f s", timeout)
+
+    # ---- the engine thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._take_inbox(wait=not self.engine.has_unfinished()):
+                if not self.engine.has_unfinished():
+                    continue
+                try:
+                    finished = self.engine.step()
+                except Exception:
+                    log.exception("an engine step failed; failing every request in flight")
+                    self._fail_all(500, "the engine failed while serving this request; see the server's log")
+                    continue
+                self._publish(finished)
+        finally:
+            self._fail_all(503, "the server is shutting down")
+            self._refuse_inbox()
+
+    def _take_inbox(self, wait: bool) -> bool:
+        """Handles what the inbox holds (waiting for one item if `wait`); False once told to stop."""
+        items = [self.inbox.get()] if wait else []
+        while True:
+            try:
+                items.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        for item in items:
+            kind = item[0]
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(*item[1:])
+            elif kind == "abort":
+                self.streams.pop(item[1], None)
+                self.engine.abort(item[1])
+            elif kind == "call":
+                function, future = item[1:]
+                try:
+                    future.set_result(function(self.engine))
+                except Exception as error:
+                    future.set_exception(error)
+        if items and self.metrics:
+            self.metrics.update_engine(self.engine)
+        return True
+
+    def _add(self, stream: Stream, prompt, params: SamplingParams) -> None:
+        try:
+            self.engine.add_request(prompt, params, stream.request_id)
+        except ValueError as error:
+            stream.put(Failed(400, str(error)))
+            return
+        num_prompt_tokens = self.engine.requests[stream.request_id].num_prompt_tokens
+        self.streams[stream.request_id] = stream
+        if self.metrics:
+            self.metrics.of(self.metrics.prompt_tokens).inc(num_prompt_tokens)
+        stream.put(Accepted(num_prompt_tokens))
+
+    def _publish(self, finished: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        outputs = {output.request_id: output for output in finished}
+        num_emitted = 0
+        for request_id, stream in list(self.streams.items()):
+            output = outputs.get(request_id)
+            if output is not None:
+                new = output.token_ids[stream.num_sent:]
+                logprobs = output.logprobs[stream.num_sent:] if output.logprobs is not None else None
+            else:
+                request = self.engine.requests[request_id]
+                new = request.token_ids[request.num_prompt_tokens + stream.num_sent:]
+                logprobs = request.logprobs[stream.num_sent:] if request.params.logprobs else None
+            if new:
+                num_emitted += len(new)
+                stream.num_sent += len(new)
+                stream.put(Tokens(new, logprobs))
+                self._observe_tokens(stream, now)
+            if output is not None:
+                del self.streams[request_id]
+                stream.put(Finished(output))
+                if self.metrics:
+                    self.metrics.of(self.metrics.e2e_request_latency).observe(now - stream.arrival_time)
+                    self.metrics.of(self.metrics.request_success, finished_reason=output.finish_reason).inc()
+        if self.metrics:
+            self.metrics.of(self.metrics.generation_tokens).inc(num_emitted)
+            self.metrics.update_engine(self.engine)
+
+    def _observe_tokens(self, stream: Stream, now: float) -> None:
+        if self.metrics:
+            if stream.last_token_time is None:
+                self.metrics.of(self.metrics.time_to_first_token).observe(now - stream.arrival_time)
+            else:
+                self.metrics.of(self.metrics.inter_token_latency).observe(now - stream.last_token_time)
+        stream.last_token_time = now
+
+    def _refuse_inbox(self) -> None:
+        """After the loop ends: requests and calls still queued get an answer instead of waiting forever."""
+        with self._lock:
+            self.closed = True
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "add":
+                item[1].put(Failed(503, "the server is shutting down"))
+            elif item[0] == "call":
+                item[2].set_exception(RuntimeError("the engine loop has stopped"))
+
+    def _fail_all(self, status: int, message: str) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+        for stream in self.streams.values():
+            stream.put(Failed(status, message))
+        self.streams.clear()
+        if self.metrics:
+            self.metrics.update_engine(self.engine)

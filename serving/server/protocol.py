@@ -1,0 +1,158 @@
+"""The OpenAI API's request bodies as pydantic models, and how one becomes the engine's SamplingParams.
+
+Every field a body may carry is declared; any other is refused by name (`extra="forbid"`), so a client never
+believes a sampling option took effect when it did not. Beside OpenAI's fields they take vLLM's extra sampling
+fields (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos). `user` is accepted and ignored: it only
+labels the caller. Ranges are checked once, by SamplingParams.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from serving.request import SamplingParams
+
+
+class APIError(Exception):
+    """An error the client caused or must hear about, sent as OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}
+        return {"error": {"message": self.message, "type": kind.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class ContentPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(StrictModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def to_engine(self) -> dict:
+        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return {"role": self.role, "content": content}
+
+
+class SamplingFields(StrictModel):
+    """The fields chat and completions share."""
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0  # OpenAI's default: absent means sampling, not greedy
+    top_p: float = 1.0
+    top_k: int = 0  # vLLM's extra field; -1 also disables it
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored
+
+    def check(self) -> None:
+        if self.n != 1:
+            raise APIError(400, f"n={self.n} is not supported: this server returns one choice per request (n=1)", "n")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                top_k=0 if self.top_k == -1 else self.top_k, min_p=self.min_p, seed=self.seed,
+                repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias, logprobs=logprobs,
+                stop=self.stop or None, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+        except ValueError as error:
+            message = str(error).removeprefix("SamplingParams.")
+            raise APIError(400, message, message.split("=", 1)[0]) from None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are given
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        if not self.messages:
+            raise APIError(400, "messages is empty: give at least one message", "messages")
+        if self.top_logprobs:
+            raise APIError(400, f"top_logprobs={self.top_logprobs} is not supported: only the sampled token's "
+                                "logprob is returned (logprobs: true, top_logprobs: 0)", "top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int]
+    logprobs: int | None = None  # OpenAI's completions: how many top alternatives; 0 is the sampled token only
+    echo: bool = False
+
+    def check(self) -> None:
+        super().check()
+        if self.logprobs:
+            raise APIError(400, f"logprobs={self.logprobs} is not supported: only the sampled token's logprob is "
+                                "returned (logprobs: 0)", "logprobs")
+        if self.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        if not self.prompt:
+            raise APIError(400, "prompt is empty: give a string or at least one token id", "prompt")
+
+    @property
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
+
+
+def parse(model: type[SamplingFields], data) -> SamplingFields:
+    """A request body (decoded JSON) as `model`, or an APIError naming the first bad field."""
+    from pydantic import ValidationError
+
+    if not isinstance(data, dict):
+        raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        param = str(first["loc"][0]) if first["loc"] else None
+        if first["type"] == "extra_forbidden":
+            message = f"unknown field {where!r}; this endpoint takes {', '.join(sorted(model.model_fields))}"
+        elif first["type"] == "missing":
+            message = f"{where} is required"
+        else:
+            message = f"{where}: {first['msg']} (got {first.get('input')!r})"
+        raise APIError(400, message, param) from None
+    body.check()
+    return body
