@@ -119,7 +119,7 @@ def _layout(config: dict, kind: str, source: str | None, src: Path) -> Layout:
     architecture = (config.get("architectures") or [None])[0]
     named = KIND_OF.get(architecture)
     if named is not None and named != kind:
-        raise ValueError(f"{src}/config.json names {architecture}, a {named} head: import it with --format {named}")
+        raise ValueError(f"{src}/config.json names {architecture} (kind {named}): import it with --format {named}")
     if source is None:
         eagle3_ids = "eagle_aux_hidden_state_layer_ids"
         if "medusa_num_heads" in config:

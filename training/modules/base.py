@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch.optim.lr_scheduler import LambdaLR
 
+import heads
 from heads import load_target_parts
 from heads.attention import DenseCausalAttention
 from heads.token_map import lm_head_rows, load_token_map
@@ -51,7 +52,7 @@ class DraftModule(LightningModule):
     def __init__(self, target: str = targets.DEFAULT_TARGET, num_draft_tokens: int = 4, learning_rate: float = 1e-3,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 100,
                  schedule: str = "cosine", min_lr_ratio: float = 0.1, target_dtype: str = "float32",
-                 token_map: str | None = None, prompt_loss: bool = False):
+                 token_map: str | None = None, prompt_loss: bool = False, init_from: str | None = None):
         """Settings every head kind shares.
 
         Args:
@@ -69,6 +70,8 @@ class DraftModule(LightningModule):
                 keeps it and drafts among it when served. null: the whole vocabulary.
             prompt_loss: Also train at prompt tokens, each labelled by the target's greedy token after the tokens
                 before it (loss_labels): more positions from the same store, worth it for EAGLE and MTP heads.
+            init_from: A head folder (runs/<kind>/heads/best, or `draftheads import`'s) whose weights the fit starts
+                from; it must be of this kind, for this target, with these settings' shapes (and token map).
         """
         super().__init__()
         if schedule not in SCHEDULES:
@@ -97,6 +100,7 @@ class DraftModule(LightningModule):
         self.chain = ChainAccuracy(num_draft_tokens)
         self.calibration = Calibration(num_draft_tokens)
         self.val_accuracy: list[float] = []
+        self.has_init_weights = False  # init_from is copied in once, at the first setup
 
     # ---- what each kind defines -----------------------------------------------------------------------
 
@@ -155,6 +159,8 @@ class DraftModule(LightningModule):
         store = getattr(datamodule, "store", None)
         if store is not None:
             self.use_store(store)
+        if self.hparams.init_from and not self.has_init_weights:
+            self.start_from(self.hparams.init_from)
         if getattr(datamodule, "mode", "offline") == "online" and self.target_model is None:
             from serving.model import Model
 
@@ -162,6 +168,27 @@ class DraftModule(LightningModule):
             device = self.trainer.strategy.root_device
             model = Model.from_folder(self.target_folder, DTYPES[self.hparams.target_dtype], device)
             object.__setattr__(self, "target_model", model)
+
+    def start_from(self, folder) -> None:
+        """Copy the head saved in `folder` into this module's head, refusing one of another kind, target or shape.
+        A resumed run then loads its checkpoint over it (Lightning restores checkpoints after setup)."""
+        where = f"init_from {folder}"
+        try:
+            saved = heads.load(folder, self.target_fingerprint)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+        if saved.config.kind != self.kind:
+            raise ValueError(f"{where} holds a head of kind {saved.config.kind}, but this config trains kind {self.kind} "
+                             f"({type(self).__name__}): start from a head of kind {self.kind}")
+        differences = config_differences(self.head.config.to_dict(), saved.config.to_dict(), "folder")
+        if differences:
+            raise ValueError(f"{where} holds a {self.kind} head whose settings differ from this config's: "
+                             f"{'; '.join(differences)}. Set the model's settings to the folder's to start from it")
+        if saved.token_map is not None and not torch.equal(saved.token_map, self.head.token_map.cpu()):
+            raise ValueError(f"{where} drafts over another token map than {self.hparams.token_map}: train with the "
+                             "token map file it was trained with")
+        self.head.load_state_dict(saved.state_dict())
+        self.has_init_weights = True
 
     def _apply(self, fn, *args, **kwargs):
         super()._apply(fn, *args, **kwargs)
@@ -286,12 +313,9 @@ class DraftModule(LightningModule):
             raise ValueError(f"{where} holds head kind {saved['kind']}, but this config trains kind "
                              f"{self.kind} ({type(self).__name__}): resume with the config the checkpoint was trained with, "
                              "or pass a checkpoint of this kind")
-        ours = json.loads(json.dumps(self.head.config.to_dict()))
         # a field added since the checkpoint was written reads as its default there
         defaults = {f.name: f.default for f in fields(self.head.config) if f.default is not MISSING}
-        theirs = json.loads(json.dumps({**defaults, **saved["config"]}))
-        differences = [f"{key}: checkpoint {theirs.get(key)!r}, config {ours.get(key)!r}"
-                       for key in sorted(ours.keys() | theirs.keys()) if key not in FITTED and ours.get(key) != theirs.get(key)]
+        differences = config_differences(self.head.config.to_dict(), {**defaults, **saved["config"]}, "checkpoint")
         if differences:
             raise ValueError(f"{where} holds a head of kind {self.kind} that differs from this config's: "
                              f"{'; '.join(differences)}. Resume with the settings (and target) it was trained with")
@@ -299,6 +323,14 @@ class DraftModule(LightningModule):
         if saved_map is not None and not torch.equal(saved_map.cpu(), self.head.token_map.cpu()):
             raise ValueError(f"{where} was trained over another token map than {self.hparams.token_map}: resume with "
                              "the token map file it was trained with")
+
+
+def config_differences(ours: dict, theirs: dict, label: str) -> list[str]:
+    """'key: <label> theirs, config ours' for each head config field, but those a fit writes, where `theirs` differs
+    from `ours`, compared as JSON stores them."""
+    ours, theirs = json.loads(json.dumps(ours)), json.loads(json.dumps(theirs))
+    return [f"{key}: {label} {theirs.get(key)!r}, config {ours.get(key)!r}" for key in sorted(ours.keys() | theirs.keys())
+            if key not in FITTED and ours.get(key) != theirs.get(key)]
 
 
 def kl_divergence(target_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:

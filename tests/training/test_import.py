@@ -1,0 +1,313 @@
+"""`draftheads import` and `fit --model.init_args.init_from`: every export reads back into the same head (tensors,
+config, and drafts in the engine); checkpoints laid out as the EAGLE repository, SpecForge and the Medusa repository
+publish them (built here from their tensor names, at tiny sizes) import with each tensor where it belongs; a wrong
+tensor is named with both shapes; a fit starts from a head folder's weights and refuses one of another kind, shape
+or target."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_fit import fit_args, session_store
+
+import heads
+from heads.token_map import lm_head_rows
+from serving import targets
+from serving.engine import Engine
+from serving.request import SamplingParams
+from training.cli import main as cli_main
+from training.export import export
+from training.fit import build_cli
+
+H, I, Q, KV, VOCAB = 64, 128, 64, 32, 256  # the conftest targets: hidden, MLP, 4 x 16 query and 2 x 16 KV widths
+CASES = {  # case: (kind, layout)
+    "eagle-vllm": ("eagle", "vllm"), "eagle-sglang": ("eagle", "sglang"), "eagle3-vllm": ("eagle3", "vllm"),
+    "eagle3-sglang": ("eagle3", "sglang"), "medusa-token-map": ("medusa", "vllm"), "medusa-own": ("medusa", "vllm"),
+}
+
+
+def target_parts(folder):
+    return heads.load_target_parts(folder, fingerprint=targets.fingerprint(folder))
+
+
+@torch.no_grad()
+def perturbed(head, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    for param in head.parameters():
+        param.add_(torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5)
+    return head
+
+
+def new_head(case: str, folder):
+    """A perturbed head for each exported layout: EAGLE-1 with and without fc's bias, EAGLE-3 over a third of the
+    vocabulary (aux layers >= 1, as SGLang needs), Medusa sharing the target's LM head over a token map, or with its
+    own LM heads."""
+    parts = target_parts(folder)
+    if case == "eagle-vllm":
+        return perturbed(heads.Eagle.from_target(parts, fc_bias=False), 1)
+    if case == "eagle-sglang":
+        return perturbed(heads.Eagle.from_target(parts), 2)
+    if case.startswith("eagle3"):
+        ids = torch.arange(1, VOCAB, 3)
+        return perturbed(heads.Eagle3.from_target(parts, draft_token_ids=ids, aux_layers=(1, 2, 3)), 3)
+    if case == "medusa-token-map":
+        token_map = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(4))[:40]
+        parts.lm_head = lm_head_rows(parts.lm_head, token_map)
+        return perturbed(heads.Medusa.from_target(parts, token_map, num_heads=3, num_layers=2), 5)
+    return perturbed(heads.Medusa.from_target(parts, num_heads=2, own_lm_head=True), 6)
+
+
+def import_args(src, kind, target, out, *extra) -> list[str]:
+    return ["import", str(src), "--format", kind, "--target", str(target), "--out", str(out), *extra]
+
+
+def assert_same_head(imported, original) -> None:
+    own, back = original.state_dict(), imported.state_dict()
+    assert own.keys() == back.keys()
+    for name in own:
+        assert own[name].dtype == back[name].dtype and torch.equal(own[name], back[name]), name
+    assert {**imported.config.to_dict(), "metadata": {}} == {**original.config.to_dict(), "metadata": {}}
+
+
+# ---- round trips ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_an_export_imports_back_into_the_same_head(case, tiny_llama, tmp_path, capsys):
+    kind, layout = CASES[case]
+    head = new_head(case, tiny_llama)
+    exported = export(head, layout, tmp_path / "exported")
+    assert cli_main(import_args(exported, kind, tiny_llama, tmp_path / "back", "--from", layout)) == 0
+    assert f"wrote the {layout} {kind} head" in capsys.readouterr().out
+    imported = heads.load(tmp_path / "back", targets.fingerprint(tiny_llama))
+    assert_same_head(imported, head)
+    assert imported.config.metadata == {"imported": {"from": str(exported), "layout": layout}}
+
+
+def record_drafts(engine) -> list:
+    """Wraps the engine's drafter so that every proposed tree is recorded with the request's tokens then."""
+    records, propose = [], engine.speculator.drafter.propose
+
+    def spy(engine_, requests, budgets, step):
+        trees = propose(engine_, requests, budgets, step)
+        records.extend((tuple(r.token_ids), trees[r.request_id].tokens, trees[r.request_id].parents)
+                       for r in requests if r.request_id in trees)
+        return trees
+
+    engine.speculator.drafter.propose = spy
+    return records
+
+
+@pytest.mark.parametrize("case, spec", [("eagle-sglang", {"topk": 2, "num_draft_tokens": 6}), ("eagle3-vllm", {}),
+                                        ("medusa-token-map", {})])
+def test_a_reimported_head_drafts_as_the_original_in_the_engine(case, spec, tiny_llama, tmp_path):
+    kind, layout = CASES[case]
+    head = new_head(case, tiny_llama)
+    original, exported = heads.save(head, tmp_path / "original"), export(head, layout, tmp_path / "exported")
+    assert cli_main(import_args(exported, kind, tiny_llama, tmp_path / "back", "--from", layout)) == 0
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 13)]
+    runs = []
+    for folder in (original, tmp_path / "back"):
+        engine = Engine(str(tiny_llama), block_size=4, num_blocks=64, max_model_len=64, speculative_config={
+            "method": kind, "model": str(folder), "num_speculative_tokens": 3, **spec})
+        drafts = record_drafts(engine)
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+        stats = engine.speculator.stats
+        runs.append((drafts, [o.token_ids for o in outputs], (stats.tau, stats.proposed, stats.accepted)))
+    assert len(runs[0][0]) >= 8 and any(len(set(parents)) < len(parents) for _, _, parents in runs[0][0]) == bool(spec)
+    assert runs[1] == runs[0]
+
+
+# ---- published layouts ----------------------------------------------------------------------------------------
+
+
+def llama_layer(prefix: str, generator, attention_input: int = H) -> dict[str, torch.Tensor]:
+    """A Llama decoder layer's tensors under `prefix`, without input_layernorm (EAGLE's first layer has none)."""
+    shapes = {"self_attn.q_proj.weight": (Q, attention_input), "self_attn.k_proj.weight": (KV, attention_input),
+              "self_attn.v_proj.weight": (KV, attention_input), "self_attn.o_proj.weight": (H, Q),
+              "post_attention_layernorm.weight": (H,), "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H),
+              "mlp.down_proj.weight": (H, I)}
+    return {prefix + name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+
+
+def llama_config(**fields) -> dict:
+    return {"hidden_size": H, "intermediate_size": I, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 1, "vocab_size": VOCAB, "rms_norm_eps": 1e-6, **fields}
+
+
+def write_checkpoint(folder, config: dict, tensors: dict, file: str = "model.safetensors"):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    if file.endswith(".safetensors"):
+        save_file(tensors, str(folder / file))
+    else:
+        torch.save(tensors, folder / file)
+    return folder
+
+
+def eagle_repo_checkpoint(folder, change=None):
+    """EAGLE-1 as SafeAILab/EAGLE saves its Model (eagle/model/cnets1.py): embed_tokens, layers.0 without
+    input_layernorm, fc with a bias (config "bias"), in pytorch_model.bin under a LlamaForCausalLM config."""
+    g = torch.Generator().manual_seed(7)
+    tensors = {"embed_tokens.weight": torch.randn(VOCAB, H, generator=g), **llama_layer("layers.0.", g),
+               "fc.weight": torch.randn(H, 2 * H, generator=g), "fc.bias": torch.randn(H, generator=g)}
+    config = llama_config(architectures=["LlamaForCausalLM"], bias=True)
+    if change is not None:
+        change(config, tensors)
+    return write_checkpoint(folder, config, tensors, "pytorch_model.bin"), tensors
+
+
+def test_an_eagle_repository_checkpoint_imports_each_tensor_where_it_belongs(tiny_llama, tmp_path):
+    src, t = eagle_repo_checkpoint(tmp_path / "eagle")
+    assert cli_main(import_args(src, "eagle", tiny_llama, tmp_path / "head")) == 0  # the layout read from config.json
+    head = heads.load(tmp_path / "head", target=target_parts(tiny_llama))
+    assert head.config.metadata["imported"]["layout"] == "eagle-repo" and head.config.fc_bias
+    layer = head.layer
+    assert torch.equal(head.fc.weight, t["fc.weight"]) and torch.equal(head.fc.bias, t["fc.bias"])
+    assert torch.equal(layer.qkv.weight, torch.cat([t[f"layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]))
+    assert torch.equal(layer.gate_up.weight, torch.cat([t["layers.0.mlp.gate_proj.weight"], t["layers.0.mlp.up_proj.weight"]]))
+    assert torch.equal(layer.o.weight, t["layers.0.self_attn.o_proj.weight"])
+    assert torch.equal(layer.down.weight, t["layers.0.mlp.down_proj.weight"])
+    assert torch.equal(layer.post_norm.weight, t["layers.0.post_attention_layernorm.weight"])
+
+
+def test_an_eagle3_checkpoint_as_specforge_writes_it_imports(tiny_llama, tmp_path):
+    """SpecForge's and the EAGLE repository's LlamaForCausalLMEagle3: midlayer.* (q/k/v over 2h), fc over the three aux
+    layers, norm, lm_head over the draft vocabulary, d2t (target id - draft id) and t2d (bool) buffers."""
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randperm(VOCAB, generator=g)[:32].sort().values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[ids] = True
+    tensors = {"embed_tokens.weight": torch.randn(VOCAB, H, generator=g), "fc.weight": torch.randn(H, 3 * H, generator=g),
+               **llama_layer("midlayer.", g, attention_input=2 * H), "midlayer.input_layernorm.weight": torch.randn(H, generator=g),
+               "midlayer.hidden_norm.weight": torch.randn(H, generator=g), "norm.weight": torch.randn(H, generator=g),
+               "lm_head.weight": torch.randn(32, H, generator=g), "d2t": ids - torch.arange(32), "t2d": t2d}
+    src = write_checkpoint(tmp_path / "e3", llama_config(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=32),
+                           tensors)
+    assert cli_main(import_args(src, "eagle3", tiny_llama, tmp_path / "head")) == 0
+    head = heads.load(tmp_path / "head", target=target_parts(tiny_llama))
+    assert head.config.aux_layers == (2, 2, 1)  # no ids named: (2, L // 2, L - 3) of the 4-layer target
+    assert torch.equal(head.draft_token_ids, ids) and torch.equal(head.t2d, t2d)
+    assert torch.equal(head.input_norm.weight, tensors["midlayer.input_layernorm.weight"])
+    assert torch.equal(head.hidden_norm.weight, tensors["midlayer.hidden_norm.weight"])
+    assert torch.equal(head.layer.qkv.weight, torch.cat([tensors[f"midlayer.self_attn.{p}_proj.weight"] for p in "qkv"]))
+    for name in ("fc.weight", "norm.weight", "lm_head.weight"):
+        assert torch.equal(head.state_dict()[name], tensors[name]), name
+
+
+@pytest.mark.parametrize("file, prefix", [("medusa_lm_head.safetensors", ""), ("model.safetensors", "medusa_head.")])
+def test_a_medusa_repository_checkpoint_imports_with_its_own_lm_heads(file, prefix, tiny_llama, tmp_path):
+    """FasterDecoding/Medusa's MedusaModel.medusa_head: head i is a Sequential of num_layers ResBlocks ({i}.{j}.linear)
+    and an LM head ({i}.{num_layers}), saved on its own (medusa_lm_head.*) or inside the model (medusa_head.*)."""
+    g = torch.Generator().manual_seed(9)
+    tensors = {}
+    for i in range(3):
+        for j in range(2):
+            tensors[f"{prefix}{i}.{j}.linear.weight"] = torch.randn(H, H, generator=g)
+            tensors[f"{prefix}{i}.{j}.linear.bias"] = torch.randn(H, generator=g)
+        tensors[f"{prefix}{i}.2.weight"] = torch.randn(VOCAB, H, generator=g)
+    config = {"medusa_num_heads": 3, "medusa_num_layers": 2, "base_model_name_or_path": "lmsys/vicuna-7b-v1.3"}
+    src = write_checkpoint(tmp_path / "medusa", config, tensors, file)
+    assert cli_main(import_args(src, "medusa", tiny_llama, tmp_path / "head")) == 0
+    head = heads.load(tmp_path / "head", target=target_parts(tiny_llama))
+    assert (head.config.num_heads, head.config.num_layers, head.config.own_lm_head) == (3, 2, True)
+    for i in range(3):
+        for j in range(2):
+            assert torch.equal(head.heads[i][j].linear.weight, tensors[f"{prefix}{i}.{j}.linear.weight"])
+            assert torch.equal(head.heads[i][j].linear.bias, tensors[f"{prefix}{i}.{j}.linear.bias"])
+        assert torch.equal(head.lm_heads[i].weight, tensors[f"{prefix}{i}.2.weight"])
+
+
+def wrong(name, shape):
+    def change(config, tensors):
+        tensors[name] = torch.zeros(shape)
+    return change
+
+
+@pytest.mark.parametrize("change, message", [
+    (wrong("layers.0.self_attn.k_proj.weight", (Q, H)),
+     r"tensor layers.0.self_attn.k_proj.weight has shape \(64, 64\), expected \(32, 64\)"),
+    (wrong("embed_tokens.weight", (VOCAB + 1, H)),
+     r"tensor embed_tokens.weight \(the target's\) has shape \(257, 64\), expected \(256, 64\)"),
+    (lambda config, tensors: tensors.pop("fc.bias"), r"has no tensor fc.bias, which this head needs"),
+    (wrong("layers.0.input_layernorm.weight", (H,)), r"has tensor\(s\) \['layers.0.input_layernorm.weight'\] that this "
+                                                     "eagle head has no place for"),
+    (lambda config, tensors: config.update(hidden_size=128), r"made for another target: hidden_size: checkpoint 128, "
+                                                             "target 64"),
+    (lambda config, tensors: config.update(num_hidden_layers=2), r"num_hidden_layers is 2, but this project's EAGLE heads"),
+    (lambda config, tensors: config.update(architectures=["LlamaForCausalLMEagle3"]),
+     r"names LlamaForCausalLMEagle3 \(kind eagle3\): import it with --format eagle3"),
+])
+def test_a_checkpoint_that_does_not_fit_is_a_clear_error_naming_what(change, message, tiny_llama, tmp_path, capsys):
+    src, _ = eagle_repo_checkpoint(tmp_path / "eagle", change)
+    assert cli_main(import_args(src, "eagle", tiny_llama, tmp_path / "head", "--from", "eagle-repo")) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("draftheads import: error: ") and "Traceback" not in error
+    assert re.search(message, error), error
+    assert not (tmp_path / "head").exists()
+
+
+def test_eagle3_aux_layer_ids_need_the_engine_they_were_written_for(tiny_llama, tmp_path, capsys):
+    exported = export(new_head("eagle3-sglang", tiny_llama), "sglang", tmp_path / "exported")
+    assert cli_main(import_args(exported, "eagle3", tiny_llama, tmp_path / "head")) == 2
+    assert "SGLang numbers one lower than vLLM" in capsys.readouterr().err
+    assert cli_main(import_args(exported, "eagle3", tiny_llama, tmp_path / "head", "--from", "vllm")) == 0
+    assert heads.load(tmp_path / "head").config.aux_layers == (0, 1, 2)  # read as vLLM's: each one lower
+    stored = load_file(str(exported / "model.safetensors"))
+    assert "midlayer.hidden_norm.weight" in stored and "layers.0.hidden_norm.weight" not in stored
+
+
+# ---- fits that start from a head folder --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def debug_store(tmp_path_factory):
+    return session_store(tmp_path_factory, "debug")
+
+
+@pytest.fixture
+def in_tmp_path(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+
+
+def fit(kind, store, *extra):
+    cli = build_cli(fit_args(kind, "debug", store, "--trainer.max_steps=1", "--data.batch_size=4",
+                             "--model.init_args.warmup_steps=0", *extra), run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    return cli
+
+
+def test_a_fit_starts_from_an_imported_head(debug_store, tmp_path, in_tmp_path):
+    debug = targets.resolve("debug")
+    head = perturbed(heads.Eagle.from_target(target_parts(debug)), 10)
+    exported = export(head, "sglang", tmp_path / "exported")
+    assert cli_main(import_args(exported, "eagle", "debug", tmp_path / "imported")) == 0
+    frozen = fit("eagle", debug_store, "--model.init_args.learning_rate=0",
+                 f"--model.init_args.init_from={tmp_path / 'imported'}")
+    assert frozen.trainer.global_step == 1
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(frozen.model.head.state_dict()[name], tensor), name
+    fresh = fit("eagle", debug_store, "--model.init_args.learning_rate=0")
+    assert not torch.equal(fresh.model.head.fc.weight, head.fc.weight)
+    trained = fit("eagle", debug_store, f"--model.init_args.init_from={tmp_path / 'imported'}")
+    moved = trained.model.head.fc.weight - head.fc.weight
+    assert 0 < float(moved.detach().abs().max()) < 0.1  # one step away from the folder's weights
+
+
+def test_a_fit_refuses_a_head_folder_of_another_kind_shape_or_target(debug_store, tiny_llama, tmp_path, in_tmp_path):
+    debug = target_parts(targets.resolve("debug"))
+    folders = {"medusa": heads.save(heads.Medusa.from_target(debug, num_heads=4), tmp_path / "medusa"),
+               "wide": heads.save(heads.Eagle.from_target(debug, intermediate_size=96), tmp_path / "wide"),
+               "other": heads.save(heads.Eagle.from_target(target_parts(tiny_llama)), tmp_path / "other")}
+    refusals = {"medusa": "holds a head of kind medusa, but this config trains kind eagle (EagleModule)",
+                "wide": "whose settings differ from this config's: intermediate_size: folder 96, config 256",
+                "other": "made for another target"}
+    for name, message in refusals.items():
+        cli = build_cli(fit_args("eagle", "debug", debug_store, "--trainer.max_steps=1",
+                                 f"--model.init_args.init_from={folders[name]}"), run=False)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cli.trainer.fit(cli.model, cli.datamodule)
+        assert cli.trainer.global_step == 0
