@@ -1,14 +1,15 @@
 """`draftheads import`: a published or exported draft head (EAGLE-1, EAGLE-3, Medusa) as a head folder for a target,
 read through the same name maps `draftheads export` writes with (training/formats.py):
 
-    draftheads import yuhuili/EAGLE3-LLaMA3.1-Instruct-8B --format eagle3 --target meta-llama/Llama-3.1-8B-Instruct --out heads/e3
+    draftheads import ~/hf/EAGLE3-LLaMA3.1-Instruct-8B --format eagle3 --target ~/hf/Llama-3.1-8B-Instruct --out heads/e3
     draftheads import exported/eagle --format eagle --from sglang --target debug --out heads/eagle
 
-SRC is a folder with config.json and the weights (*.safetensors, else pytorch_model.bin, or Medusa's
-medusa_lm_head.safetensors / .pt, which hold MedusaModel.medusa_head's tensors). --from is read from config.json
-when not given: its architecture (EagleLlamaForCausalLM: vllm, LlamaForCausalLMEagle: sglang, LlamaForCausalLM:
-eagle-repo, LlamaForCausalLMEagle3: vllm, MedusaModel: vllm) or Medusa's medusa_num_heads (medusa-repo). An EAGLE-3
-file that names its aux layers needs --from, since SGLang numbers them one lower than vLLM and the EAGLE repository.
+SRC is a local folder (a downloaded hub repository) with config.json and the weights (*.safetensors, else
+pytorch_model.bin, or Medusa's medusa_lm_head.safetensors / .pt, which hold MedusaModel.medusa_head's tensors).
+--from is read from config.json when not given: its architecture (EagleLlamaForCausalLM: vllm,
+LlamaForCausalLMEagle: sglang, LlamaForCausalLM: eagle-repo, LlamaForCausalLMEagle3: vllm, MedusaModel: vllm) or
+Medusa's medusa_num_heads (medusa-repo). An EAGLE-3 file that names its aux layers needs --from, since SGLang
+numbers them one lower than vLLM and the EAGLE repository.
 
 Every tensor is checked against the shape the target's sizes and the checkpoint's config.json imply, and a wrong
 one is named with both shapes. The head's attention geometry, norm epsilon and rope are the target's (config.json
