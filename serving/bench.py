@@ -1,5 +1,6 @@
 """`draftheads bench`: plain decoding and each speculative config side by side on the same prompts,
-in one run, with transformers' `generate` as an optional baseline.
+in one run, with transformers' `generate` as an optional baseline; in each setting of temperature and concurrency
+asked for (`serving.sweep`), with one report over them all (`serving.report`).
 
 Every row reports tokens/s and, for speculative rows, tau, the acceptance rate, rows verified per step, per-depth acceptance,
 speedup over plain decoding in the same run, and whether greedy outputs are identical to plain decoding.
@@ -28,8 +29,9 @@ HELP = {
     "prompts": "prompt source: mt-bench (one question per category in turn), humaneval, sharegpt-heldout, or a JSONL file",
     "num_prompts": "first N prompts of the source (first turns)",
     "max_new_tokens": "tokens generated per prompt",
-    "concurrency": "requests in flight at once",
-    "temperature": "0 is greedy; > 0 samples (exact rejection sampling)",
+    "concurrency": "requests in flight at once; several (--concurrency 1 4 16) run a setting each",
+    "temperature": "0 is greedy; > 0 samples (exact rejection sampling); several (--temperature 0 0.7) run every "
+                   "concurrency at each",
     "seed": "per-request seeds are seed + index",
     "speculative_config": 'a speculative config, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; repeat for more rows',
     "baseline": "hf also times transformers' generate on the same prompts",
@@ -37,7 +39,11 @@ HELP = {
              "not batch-invariant, so near-ties can flip between a decode and a verify step)",
     "block_size": "K/V block size in tokens",
     "device": "where the target runs: auto (the first CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N",
-    "json": "also write the results as JSON to this path",
+    "json": "also write the results as JSON to this path (a list of them for several settings)",
+    "out": "write bench.json, bench.md, acceptance.png, summary.json (every setting and method: tau, speedup over "
+           "plain in that setting, rows/step, identical, tokens/s), summary.md and speedup_vs_concurrency.png to DIR and "
+           "log them to an offline wandb run there (WANDB_MODE=online syncs); each setting's result is kept in "
+           "DIR/settings/ as it ends, and a rerun with the same options reuses it (delete the file to measure again)",
 }
 BASELINES, DTYPES = (None, "hf"), ("float32", "bfloat16")
 
@@ -48,8 +54,8 @@ class BenchConfig:
     prompts: str = "mt-bench"
     num_prompts: int = 8
     max_new_tokens: int = 128
-    concurrency: int = 1
-    temperature: float = 0.0
+    concurrency: int | list[int] = 1  # one or several; a list after __post_init__
+    temperature: float | list[float] = 0.0  # likewise: every temperature runs every concurrency
     seed: int = 0
     speculative_config: list = field(default_factory=list)  # SpeculativeConfig, or its JSON text or mapping
     baseline: str | None = None
@@ -57,10 +63,16 @@ class BenchConfig:
     block_size: int = 16
     device: str = "auto"
     json: str | None = None
+    out: str | None = None
 
     def __post_init__(self):
-        for name in ("num_prompts", "max_new_tokens", "concurrency", "block_size"):
-            value = getattr(self, name)
+        self.concurrency = self.concurrency if isinstance(self.concurrency, list) else [self.concurrency]
+        self.temperature = self.temperature if isinstance(self.temperature, list) else [self.temperature]
+        for name, values in (("concurrency", self.concurrency), ("temperature", self.temperature)):
+            if not values:
+                raise ValueError(f"{name}=[] is invalid: give one value or several")
+        for name, value in [("num_prompts", self.num_prompts), ("max_new_tokens", self.max_new_tokens),
+                            *(("concurrency", c) for c in self.concurrency), ("block_size", self.block_size)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 1")
         if self.baseline not in BASELINES:
@@ -72,7 +84,8 @@ class BenchConfig:
                              "configs, each a mapping or its JSON text")
         self.speculative_config = [c if isinstance(c, SpeculativeConfig) else SpeculativeConfig.from_json(c)
                                    for c in self.speculative_config]
-        SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed)
+        for temperature in self.temperature:
+            SamplingParams(max_tokens=self.max_new_tokens, temperature=temperature, seed=self.seed)
         from serving.engine import resolve_device
 
         resolve_device(self.device)  # a bad device fails before the prompts load
@@ -83,24 +96,32 @@ def add_arguments(parser) -> None:
              "block_size": int}
     add_options(parser, BenchConfig, HELP, types, {
         "config": {"metavar": "FILE"}, "speculative_config": {"action": "append", "metavar": "JSON"},
-        "baseline": {"choices": ["hf"]}, "dtype": {"choices": DTYPES}, "json": {"metavar": "PATH"}})
+        "concurrency": {"nargs": "+", "metavar": "N"}, "temperature": {"nargs": "+", "metavar": "T"},
+        "baseline": {"choices": ["hf"]}, "dtype": {"choices": DTYPES}, "json": {"metavar": "PATH"},
+        "out": {"metavar": "DIR"}})
 
 
 def run(args) -> None:
     from serving.engine import Engine
     from serving.prompts import first_turn, load_prompts
+    from serving.report import summary_markdown, write_report
+    from serving.sweep import Setting, run_settings
 
     config = BenchConfig(**merge_options(vars(args), [f.name for f in fields(BenchConfig)]))
     dataset = load_prompts(config.prompts, config.num_prompts)
     messages = [first_turn(m) for m in dataset["messages"]]
-    engine = Engine(config.target, dtype=config.dtype, block_size=config.block_size, max_num_seqs=config.concurrency,
-                    device=config.device)
-    result = run_bench(engine, messages, list(dataset["category"]), config.speculative_config, config.max_new_tokens,
-                       config.concurrency, config.temperature, config.seed, baseline=config.baseline, progress=True)
-    print(to_markdown(result))
+    engine = Engine(config.target, dtype=config.dtype, block_size=config.block_size,
+                    max_num_seqs=max(config.concurrency), device=config.device)
+    settings = [Setting(config.prompts, float(t), c, config.baseline) for t in config.temperature for c in config.concurrency]
+    results = run_settings(engine, {config.prompts: (messages, list(dataset["category"]))}, settings,
+                           config.speculative_config, config.max_new_tokens, config.seed, out=config.out)
+    if config.out:
+        write_report(results, config.out, "bench")
+    elif len(results) > 1:
+        print("\n" + summary_markdown(results))
     if config.json:
         with open(config.json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(results[0] if len(results) == 1 else results, f, indent=2)
         print(f"wrote {config.json}")
 
 
@@ -137,7 +158,7 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
     bar.close()
     engine.use_speculator(None)
     rows, plain_outputs = [], outputs[0]
-    for config, elapsed, method_outputs in zip(methods, seconds, outputs):
+    for config, speculator, elapsed, method_outputs in zip(methods, speculators, seconds, outputs):
         num_tokens = sum(len(o.token_ids) for o in method_outputs)
         row = {"method": config.label() if config else "plain",
                "num_speculative_tokens": config.num_speculative_tokens if config else 0,
@@ -160,8 +181,10 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
                        speedup=row["tokens_per_s"] / plain_rate,
                        identical_to_plain=all(a.token_ids == b.token_ids for a, b in zip(method_outputs, plain_outputs)),
                        per_category={c: {"tau": s.tau, "acceptance_rate": s.acceptance_rate} for c, s in sorted(per_category.items())})
-            if temperature > 0:
-                row["identical_to_plain"] = None  # sampled outputs agree in law, not token by token
+        if temperature > 0:
+            row["identical_to_plain"] = None  # sampled outputs agree in law, not token by token
+        if speculator is not None and speculator.policy:
+            row["adaptive"] = speculator.policy.summary()
         rows.append(row)
     result = {"target": str(engine.folder), "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
               "concurrency": concurrency, "temperature": temperature, "dtype": str(engine.dtype).replace("torch.", ""),

@@ -1,25 +1,121 @@
-"""Bench results as a picture: per-position conditional acceptance per drafter, and tau per prompt category."""
+"""Bench results as files: each setting's tables (bench.json, bench.md), one summary over every setting and method
+(summary.json, summary.md), and pictures (acceptance.png, speedup_vs_concurrency.png), logged to a wandb run."""
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
+FILES = ("bench.json", "bench.md", "acceptance.png", "summary.json", "summary.md", "speedup_vs_concurrency.png")
 
-def plot_acceptance(results: list[dict], path: str | Path) -> Path:
-    """results: bench results (`serving.bench.run_bench`), one per prompt set; rows of the same method merge by label."""
+
+def write_report(results: list[dict], out: str | Path, run_name: str) -> list[Path]:
+    """results: one per setting (`serving.sweep.run_settings`). Writes FILES in `out`, logs them to the wandb run
+    `run_name` (offline unless WANDB_MODE says otherwise) and prints the summary."""
+    from serving.bench import to_markdown
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(results, indent=2))
+    (out / "bench.md").write_text("\n\n".join(f"### {r['name']}\n\n{to_markdown(r)}\n\n{per_category_markdown(r)}"
+                                              for r in results) + "\n")
+    plot_acceptance(results, out / "acceptance.png")
+    rows = summary_rows(results)
+    (out / "summary.json").write_text(json.dumps({"rows": rows}, indent=2))
+    markdown = summary_markdown(results)
+    (out / "summary.md").write_text(markdown + "\n")
+    plot_speedup(rows, out / "speedup_vs_concurrency.png")
+    log_to_wandb(results, rows, out, run_name)
+    print(f"\n{markdown}\n\nwrote {', '.join(str(out / name) for name in FILES)}")
+    return [out / name for name in FILES]
+
+
+def summary_rows(results: list[dict]) -> list[dict]:
+    """One row per setting and method; speedup is over plain decoding in the same setting (run_bench's)."""
+    return [{"prompts": result["prompts"], "num_prompts": result["num_prompts"], "temperature": result["temperature"],
+             "concurrency": result["concurrency"], "method": row["method"], "tau": row["tau"], "speedup": row["speedup"],
+             "rows_per_step": row["rows_per_step"], "identical_to_plain": row["identical_to_plain"],
+             "tokens_per_s": row["tokens_per_s"]}
+            for result in results for row in result["rows"]]
+
+
+def summary_markdown(results: list[dict]) -> str:
+    lines = [f"target {r['target']} | {r['max_new_tokens']} new tokens | {r['dtype']} on {r['device']}, {r['threads']} "
+             "threads | speedup: over plain decoding in the same setting | identical: greedy outputs equal plain "
+             "decoding's" for r in results[:1]]
+    lines += ["", "| prompts | temperature | concurrency | method | tau | speedup | rows/step | identical | tokens/s |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for row in summary_rows(results):
+        identical = {True: "yes", False: "NO", None: "n/a"}[row["identical_to_plain"]]
+        lines.append(f"| {row['prompts']} ({row['num_prompts']}) | {row['temperature']:g} | {row['concurrency']} | "
+                     f"{row['method']} | {row['tau']:.2f} | {row['speedup']:.2f}x | {row['rows_per_step']:.2f} | "
+                     f"{identical} | {row['tokens_per_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def per_category_markdown(result: dict) -> str:
+    rows = [r for r in result["rows"] if r.get("per_category")]
+    if not rows:
+        return ""
+    categories = sorted({c for r in rows for c in r["per_category"]})
+    lines = ["| tau per category | " + " | ".join(categories) + " |", "|---" * (len(categories) + 1) + "|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | " + " | ".join(f"{r['per_category'].get(c, {}).get('tau', 0):.2f}" for c in categories) + " |")
+    return "\n".join(lines)
+
+
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_speedup(rows: list[dict], path: str | Path) -> Path:
+    """Per method, speedup over plain decoding against concurrency: one panel per prompt set (rows) and
+    temperature (columns)."""
+    plt = pyplot()
+    prompt_sets = list(dict.fromkeys(row["prompts"] for row in rows))
+    temperatures = sorted({row["temperature"] for row in rows})
+    methods = list(dict.fromkeys(row["method"] for row in rows if row["method"] != "plain"))
+    concurrencies = sorted({row["concurrency"] for row in rows})
+    fig, axes = plt.subplots(len(prompt_sets), len(temperatures), squeeze=False, sharey=True, layout="constrained",
+                             figsize=(1.5 + 5.5 * len(temperatures), 1 + 3.8 * len(prompt_sets)))
+    colors = plt.get_cmap("tab20")
+    for ax_row, prompts in zip(axes, prompt_sets):
+        for ax, temperature in zip(ax_row, temperatures):
+            for n, method in enumerate(methods):
+                points = sorted((row["concurrency"], row["speedup"]) for row in rows
+                                if (row["prompts"], row["temperature"], row["method"]) == (prompts, temperature, method))
+                ax.plot(*zip(*points), marker="o", color=colors(n % 20), label=method)
+            ax.axhline(1.0, color="gray", lw=0.8)  # plain decoding
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+            ax.set(xlabel="concurrency", ylabel="speedup over plain",
+                   title=f"{prompts}, " + ("greedy" if temperature == 0 else f"temperature {temperature:g}"))
+            ax.grid(alpha=0.3)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="outside right upper", fontsize=8)
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance(results: list[dict], path: str | Path) -> Path:
+    """Per-position conditional acceptance per drafter and setting, and tau per prompt category (rows of the same
+    method merge by label)."""
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     categories, taus = [], {}
     for result in results:
         for row in result["rows"]:
             if not row["per_position"]:
                 continue
-            label = f"{row['method']} ({result.get('name', result['num_prompts'])})"
             reached = [p for p in row["per_position"] if p["reached"]]  # unreached positions have no rate
-            left.plot([p["position"] for p in reached], [p["conditional"] for p in reached], marker="o", label=label)
+            left.plot([p["position"] for p in reached], [p["conditional"] for p in reached], marker="o",
+                      label=f"{row['method']} ({result['name']})")
             for category, stats in row.get("per_category", {}).items():
                 if category not in categories:
                     categories.append(category)
@@ -41,3 +137,23 @@ def plot_acceptance(results: list[dict], path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def log_to_wandb(results: list[dict], rows: list[dict], out: Path, run_name: str) -> None:
+    import wandb
+
+    os.environ.setdefault("WANDB_MODE", "offline")
+    run = wandb.init(project="draftheads", name=run_name, dir=str(out), reinit=True)
+    columns = ["prompts", "method", "k", "tau", "acceptance_rate", "rows_per_step", "tokens_per_s", "speedup",
+               "speed_vs_generate", "identical_to_plain"]
+    table = wandb.Table(columns=columns)
+    for result in results:
+        for r in result["rows"]:
+            table.add_data(result["name"], r["method"], r["num_speculative_tokens"], r["tau"], r["acceptance_rate"],
+                           r["rows_per_step"], r["tokens_per_s"], r["speedup"], r.get("speed_vs_hf"), r["identical_to_plain"])
+    summary = wandb.Table(columns=list(rows[0]), data=[list(row.values()) for row in rows])
+    run.log({"bench": table, "summary": summary, "acceptance": wandb.Image(str(out / "acceptance.png")),
+             "speedup_vs_concurrency": wandb.Image(str(out / "speedup_vs_concurrency.png"))})
+    for name in ("summary.json", "summary.md"):
+        run.save(str(out / name), base_path=str(out), policy="now")
+    run.finish()

@@ -12,11 +12,14 @@
    EAGLE-2's dynamic tree (`TREE`), and as a chain with a confidence threshold after prompt lookup first
    (`prompt_lookup_first`), and
    transformers' `generate` on the same prompts (each row's "vs generate");
-5. results/bench.json, results/bench.md and results/acceptance.png, also logged to an (offline) wandb run.
+5. results/bench.json, results/bench.md, results/acceptance.png and the summary over every setting and method
+   (results/summary.json, summary.md, speedup_vs_concurrency.png), also logged to an (offline) wandb run; with
+   --full, in results/full/.
 
 Every stage reuses what an earlier run produced with the same settings: generation resumes, a head whose
-stamp matches is not trained again. `python -m training.demo --help` lists the sizes; `--target debug`
-with tiny sizes smoke-tests the whole pipeline.
+stamp matches is not trained again, and a bench setting whose result is in results/settings/ (results/full/settings/)
+under the same options is not run again, so a killed `make bench-full` picks up at the first setting without one.
+`python -m training.demo --help` lists the sizes; `--target debug` with tiny sizes smoke-tests the whole pipeline.
 """
 from __future__ import annotations
 
@@ -77,7 +80,10 @@ def parse_args(argv=None):
     p.add_argument("--bench-new-tokens", type=int, default=96)
     p.add_argument("--kinds", default=",".join(KINDS), help="head kinds to train and bench")
     p.add_argument("--data", default="data", help="where the store goes")
-    p.add_argument("--results", default="results", help="where bench.json, bench.md and acceptance.png go")
+    p.add_argument("--results", default="results",
+                   help="where the report goes (bench.json, bench.md, acceptance.png, summary.json, summary.md, "
+                        "speedup_vs_concurrency.png; with --full in DIR/full), and each setting's result as it ends (in "
+                        "settings/ there: a rerun with the same options reuses it, delete it to measure again)")
     p.add_argument("--concurrency", type=int, default=64,
                    help="conversations answered at once while generating (the answers are the same at any concurrency, "
                         "stored in another order; 64 wrote them 3-8%% faster than 32)")
@@ -86,7 +92,7 @@ def parse_args(argv=None):
                         "the CPU), cpu, cuda or cuda:N; fits pick their accelerator themselves")
     p.add_argument("--full", action="store_true",
                    help="bench-full: every MT-bench question and HumanEval problem, greedy and temperature 0.7, "
-                        "concurrency 1, 4 and 16 (hours on a CPU)")
+                        "concurrency 1, 4 and 16 (hours on a CPU; a rerun picks up at the first setting without a result)")
     args = p.parse_args(argv)
     if args.bench_mt_bench is None:
         args.bench_mt_bench = 80 if args.full else 8
@@ -186,10 +192,10 @@ def bench_prompts(args):
 
 
 def bench(args, heads: dict) -> dict:
-    from serving.bench import run_bench, to_markdown
     from serving.engine import Engine
-    from serving.report import plot_acceptance
+    from serving.report import write_report
     from serving.spec.config import SpeculativeConfig
+    from serving.sweep import Setting, run_settings
 
     k = NUM_SPECULATIVE_TOKENS
     configs = [SpeculativeConfig(method="ngram", num_speculative_tokens=k)]
@@ -200,56 +206,14 @@ def bench(args, heads: dict) -> dict:
                                   confidence_threshold=CONFIDENCE_THRESHOLD, prompt_lookup_first=True)
                 for kind, folder in heads.items()]
     engine = Engine(args.target, max_num_seqs=16, device=args.device)
-    settings = [(0.0, 1)] + ([(0.0, 4), (0.0, 16), (0.7, 1), (0.7, 4), (0.7, 16)] if args.full else [])
-    results = []
-    for name, (prompts, categories) in bench_prompts(args).items():
-        for temperature, concurrency in settings:
-            with_generate = (temperature, concurrency) == (0.0, 1)  # the goal's setting
-            t = stage(f"bench {name}: {len(prompts)} prompts x {args.bench_new_tokens} tokens, temperature {temperature}, "
-                      f"concurrency {concurrency}, plain + {len(configs)} drafters"
-                      + (" + transformers' generate" if with_generate else ""))
-            result = run_bench(engine, prompts, categories, configs, args.bench_new_tokens, concurrency, temperature,
-                               baseline="hf" if with_generate else None, progress=True)
-            result["name"] = name if not args.full else f"{name} T={temperature} c={concurrency}"
-            results.append(result)
-            print(to_markdown(result))
-            print(f"took {time.perf_counter() - t:.0f} s")
+    pairs = [(0.0, 1)] + ([(0.0, 4), (0.0, 16), (0.7, 1), (0.7, 4), (0.7, 16)] if args.full else [])
+    prompt_sets = bench_prompts(args)
+    # transformers' generate is timed alongside in the goal's setting only
+    settings = [Setting(name, temperature, concurrency, "hf" if (temperature, concurrency) == (0.0, 1) else None)
+                for name in prompt_sets for temperature, concurrency in pairs]
     out = Path(args.results) / ("full" if args.full else "")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(results, indent=2))
-    markdown = "\n\n".join(f"### {r['name']}\n\n{to_markdown(r)}\n\n{per_category_markdown(r)}" for r in results)
-    (out / "bench.md").write_text(markdown + "\n")
-    plot_acceptance(results, out / "acceptance.png")
-    log_to_wandb(results, out)
-    print(f"\n{markdown}\n\nwrote {out / 'bench.json'}, {out / 'bench.md'} and {out / 'acceptance.png'}")
-    return {"results": results, "files": [str(out / n) for n in ("bench.json", "bench.md", "acceptance.png")]}
-
-
-def per_category_markdown(result: dict) -> str:
-    rows = [r for r in result["rows"] if r.get("per_category")]
-    if not rows:
-        return ""
-    categories = sorted({c for r in rows for c in r["per_category"]})
-    lines = ["| tau per category | " + " | ".join(categories) + " |", "|---" * (len(categories) + 1) + "|"]
-    for r in rows:
-        lines.append(f"| {r['method']} | " + " | ".join(f"{r['per_category'].get(c, {}).get('tau', 0):.2f}" for c in categories) + " |")
-    return "\n".join(lines)
-
-
-def log_to_wandb(results: list[dict], out: Path) -> None:
-    import wandb
-
-    os.environ.setdefault("WANDB_MODE", "offline")
-    run = wandb.init(project="draftheads", name="demo-bench", dir=str(out), reinit=True)
-    columns = ["prompts", "method", "k", "tau", "acceptance_rate", "rows_per_step", "tokens_per_s", "speedup",
-               "speed_vs_generate", "identical_to_plain"]
-    table = wandb.Table(columns=columns)
-    for result in results:
-        for r in result["rows"]:
-            table.add_data(result["name"], r["method"], r["num_speculative_tokens"], r["tau"], r["acceptance_rate"],
-                           r["rows_per_step"], r["tokens_per_s"], r["speedup"], r.get("speed_vs_hf"), r["identical_to_plain"])
-    run.log({"bench": table, "acceptance": wandb.Image(str(out / "acceptance.png"))})
-    run.finish()
+    results = run_settings(engine, prompt_sets, settings, configs, args.bench_new_tokens, out=out)
+    return {"results": results, "files": [str(path) for path in write_report(results, out, "demo-bench")]}
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
     demo.main(["--target", "debug", "--num-prompts", "6", "--max-new-tokens", "12", "--epochs", "1",
                "--bench-mt-bench", "2", "--bench-humaneval", "1", "--bench-new-tokens", "10", "--concurrency", "3"])
     results = json.loads((tmp_path / "results" / "bench.json").read_text())
-    assert [r["name"] for r in results] == ["mt-bench", "humaneval"]
+    assert [r["name"] for r in results] == ["mt-bench T=0 c=1", "humaneval T=0 c=1"]
     for result in results:
         methods = [row["method"] for row in result["rows"]]
         trees = [f"{kind} top{demo.TREE['topk']} n{demo.TREE['num_draft_tokens']}" for kind in demo.KINDS]
@@ -44,6 +44,11 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
     markdown = (tmp_path / "results" / "bench.md").read_text()
     assert "| eagle3 |" in markdown and "tau per category" in markdown and "| vs generate |" in markdown
     assert (tmp_path / "results" / "acceptance.png").stat().st_size > 10_000
+    summary = json.loads((tmp_path / "results" / "summary.json").read_text())["rows"]
+    assert [(r["prompts"], r["method"]) for r in summary] == [(r["prompts"], row["method"]) for r in results for row in r["rows"]]
+    assert "| humaneval (1) | 0 | 1 | eagle3 |" in (tmp_path / "results" / "summary.md").read_text()
+    assert (tmp_path / "results" / "speedup_vs_concurrency.png").stat().st_size > 10_000
+    assert len(list((tmp_path / "results" / "settings").glob("*.json"))) == 2
     for kind in demo.KINDS:
         assert (tmp_path / "runs" / kind / "heads" / "best" / "model.safetensors").exists()
         fit_config = yaml.safe_load((tmp_path / "runs" / kind / "config.yaml").read_text())

@@ -1,5 +1,6 @@
 """`draftheads bench` from the command line: a run writes its table and JSON with every method's outputs identical
-to plain decoding; options that cannot run are refused before the target loads, naming the option."""
+to plain decoding; options that cannot run are refused before the target loads, naming the option; a run over
+several settings writes one summary, and a rerun reuses each setting's result made with the same options."""
 from __future__ import annotations
 
 import json
@@ -88,6 +89,9 @@ def test_speculative_configs_on_the_command_line_replace_the_files_list(tmp_path
 @pytest.mark.parametrize("text, message", [
     ("num_prompt: 4\n", "unknown keys num_prompt; known: target, prompts, num_prompts"),
     ("concurrency: 0\n", "concurrency=0 is invalid: it must be an integer >= 1"),
+    ("concurrency: [1, 0]\n", "concurrency=0 is invalid: it must be an integer >= 1"),
+    ("concurrency: []\n", "concurrency=[] is invalid: give one value or several"),
+    ("temperature: [0, -1]\n", "SamplingParams.temperature=-1 is invalid"),
     ("temperature: -1\n", "SamplingParams.temperature=-1 is invalid"),
     ("speculative_config: {method: ngram}\n", "speculative_config={'method': 'ngram'} is invalid: give a list"),
     ("speculative_config:\n  - {method: eagle}\n", "method 'eagle' needs \"model\": a head folder"),
@@ -100,3 +104,113 @@ def test_a_bad_bench_config_is_refused_by_key(tmp_path, capsys, text, message):
     config.write_text(text)
     assert cli(["bench", "--config", str(config), "--target", "debug"]) == 2
     assert message in capsys.readouterr().err
+
+
+def bench_args(out: Path, *more: str) -> list[str]:
+    return ["bench", "--target", "debug", "--num-prompts", "2", "--max-new-tokens", "4", "--out", str(out),
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', *more]
+
+
+def test_a_bench_over_several_settings_writes_one_summary_row_per_setting_and_method(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert cli(bench_args(tmp_path, "--concurrency", "1", "2", "--temperature", "0", "0.7")) == 0
+    rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    settings = [(t, c) for t in (0.0, 0.7) for c in (1, 2)]
+    assert [(r["temperature"], r["concurrency"], r["method"]) for r in rows] == [
+        (t, c, method) for t, c in settings for method in ("plain", "ngram")]
+    for row in rows:
+        [plain] = [r for r in rows if r["method"] == "plain" and (r["temperature"], r["concurrency"]) ==
+                   (row["temperature"], row["concurrency"])]
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / plain["tokens_per_s"])
+        assert row["identical_to_plain"] is (True if row["temperature"] == 0 else None)  # greedy only
+        assert row["prompts"] == "mt-bench" and row["num_prompts"] == 2 and row["tau"] >= 1 and row["rows_per_step"] >= 1
+    table = [line for line in (tmp_path / "summary.md").read_text().splitlines() if line.startswith("| mt-bench (2) |")]
+    assert len(table) == 8 and table[3].startswith("| mt-bench (2) | 0 | 2 | ngram |") and " | yes | " in table[3]
+    assert table[7].startswith("| mt-bench (2) | 0.7 | 2 | ngram |") and " | n/a | " in table[7]
+    assert (tmp_path / "speedup_vs_concurrency.png").stat().st_size > 10_000
+    assert len(json.loads((tmp_path / "bench.json").read_text())) == 4
+    assert sorted(p.name.rsplit("-", 1)[0] for p in (tmp_path / "settings").glob("*.json")) == [
+        "mt-bench-T0-c1", "mt-bench-T0-c2", "mt-bench-T0.7-c1", "mt-bench-T0.7-c2"]
+    [run] = (tmp_path / "wandb").glob("offline-run-*")  # the report is logged to an offline wandb run
+    assert (run / "files" / "summary.json").exists() and (run / "files" / "summary.md").exists()
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_killed_bench_reruns_only_the_settings_without_a_result(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    from serving import sweep
+
+    calls, run_bench = [], sweep.run_bench
+
+    def counted(*args, **kwargs):
+        calls.append(args[5])  # the concurrency
+        if kill_at == len(calls):
+            raise Killed
+        return run_bench(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "run_bench", counted)
+    kill_at = 2
+    with pytest.raises(Killed):
+        cli(bench_args(tmp_path, "--concurrency", "1", "2"))
+    [kept] = (tmp_path / "settings").glob("*.json")
+    assert kept.name.startswith("mt-bench-T0-c1-") and not (tmp_path / "summary.json").exists()
+    capsys.readouterr()
+    calls.clear()
+    kill_at = None
+    assert cli(bench_args(tmp_path, "--concurrency", "1", "2")) == 0
+    assert calls == [2]  # the finished setting is reused, not measured again
+    assert f"reusing 1 settings from {tmp_path / 'settings'}: mt-bench T=0 c=1" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    assert [(r["concurrency"], r["method"]) for r in rows] == [(1, "plain"), (1, "ngram"), (2, "plain"), (2, "ngram")]
+    kept_rows = json.loads(kept.read_text())["result"]["rows"]
+    assert [r["tokens_per_s"] for r in rows[:2]] == [r["tokens_per_s"] for r in kept_rows]
+
+
+def test_a_result_made_with_other_options_is_not_reused(tmp_path, capsys):
+    from serving.engine import Engine
+    from serving.prompts import first_turn, load_prompts
+    from serving.spec.config import SpeculativeConfig
+    from serving.sweep import Setting, run_settings
+
+    engine = Engine("debug")
+    prompts = [first_turn(m) for m in load_prompts("mt-bench", 2)["messages"]]
+    ngram = lambda k: [SpeculativeConfig(method="ngram", num_speculative_tokens=k)]
+    run = lambda prompts, configs, max_new_tokens: run_settings(
+        engine, {"mt-bench": (prompts, ["writing"] * len(prompts))}, [Setting("mt-bench", 0.0, 1)], configs,
+        max_new_tokens, out=tmp_path)
+    run(prompts, ngram(3), 4)
+    [first] = (tmp_path / "settings").glob("*.json")
+    for other, why in [((prompts, ngram(3), 3), "max_new_tokens 4 (now 3)"),
+                       ((prompts[:1], ngram(3), 4), "num_prompts 2 (now 1), prompts_digest"),
+                       ((prompts[::-1], ngram(3), 4), "prompts_digest"),
+                       ((prompts, ngram(2), 4), "methods changed")]:
+        capsys.readouterr()
+        [result] = run(*other)
+        out = capsys.readouterr().out
+        assert f"not reusing {first}: made with other options: {why}" in out and "reusing 1" not in out
+        assert result["max_new_tokens"] == other[2] and result["num_prompts"] == len(other[0])  # measured again
+    assert len(list((tmp_path / "settings").glob("*.json"))) == 5  # all kept: each set of options reuses its own
+    capsys.readouterr()
+    run(prompts, ngram(3), 4)
+    out = capsys.readouterr().out
+    assert f"reusing 1 settings from {tmp_path / 'settings'}" in out and "not reusing" not in out
+
+
+def test_a_heads_contents_are_part_of_the_options(tmp_path):
+    from types import SimpleNamespace
+
+    from serving.spec.config import SpeculativeConfig
+    from serving.sweep import Setting, setting_options
+
+    (tmp_path / "head").mkdir()
+    (tmp_path / "head" / "model.safetensors").write_bytes(b"weights")
+    engine = SimpleNamespace(folder="debug", dtype="float32", device="cpu", block_size=16)
+    options = lambda: setting_options(engine, [[{"role": "user", "content": "hi"}]], Setting("mt-bench", 0.0, 1),
+                                      [SpeculativeConfig(method="eagle", model=str(tmp_path / "head"))], 8, 0)
+    before = options()
+    assert before == options()
+    (tmp_path / "head" / "model.safetensors").write_bytes(b"retrained")
+    assert before["files"] != options()["files"] and before["methods"] == options()["methods"]
