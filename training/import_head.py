@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -158,7 +159,7 @@ def _read_tensors(src: Path) -> dict[str, torch.Tensor]:
         try:
             read = load_file(str(file)) if file.suffix == ".safetensors" else torch.load(
                 file, map_location="cpu", weights_only=True)
-        except (SafetensorError, OSError, RuntimeError) as error:
+        except (SafetensorError, OSError, RuntimeError, pickle.UnpicklingError) as error:
             raise ValueError(f"{file} is unreadable ({error})") from None
         prefix = "medusa_head." if file.stem == MEDUSA_FILE else ""
         tensors.update({prefix + name: tensor for name, tensor in read.items()})
