@@ -6,6 +6,8 @@ Between steps the loop empties the inbox, so a request joins the running batch a
 (continuous batching); with nothing in flight it sleeps on the inbox. After each step every in-flight request's
 stream gets the tokens emitted to it since the last step, and a finished request its RequestOutput. A step that
 raises fails every request in flight (they are aborted, their clients get a 500) and the loop goes on serving.
+Draining (on SIGTERM) refuses new requests and gives those in flight until a deadline, then fails them with a 503,
+so every response still ends properly.
 """
 from __future__ import annotations
 
@@ -73,6 +75,7 @@ class EngineLoop:
         self.streams: dict[str, Stream] = {}
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.closed = False  # set once the loop has ended; the lock orders it against submissions
+        self.drain_deadline: float | None = None  # engine thread only
         self._lock = threading.Lock()
 
     # ---- from the handlers' threads -------------------------------------------------------------------
@@ -103,6 +106,11 @@ class EngineLoop:
                 self.inbox.put(("call", function, future))
         return future
 
+    def drain(self, timeout: float) -> None:
+        """From now on new requests are refused; those in flight fail after `timeout` seconds. Safe to call from a
+        signal handler (SimpleQueue.put is reentrant)."""
+        self.inbox.put(("drain", time.perf_counter() + timeout))
+
     def stop(self, timeout: float = 30.0) -> None:
         """Aborts whatever is still in flight and ends the thread."""
         if self.thread.is_alive():
@@ -116,6 +124,8 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while self._take_inbox(wait=not self.engine.has_unfinished()):
+                if self.drain_deadline is not None and time.perf_counter() >= self.drain_deadline and self.streams:
+                    self._fail_all(503, "the server shut down before this request finished")
                 if not self.engine.has_unfinished():
                     continue
                 try:
@@ -143,6 +153,8 @@ class EngineLoop:
                 return False
             if kind == "add":
                 self._add(*item[1:])
+            elif kind == "drain":
+                self.drain_deadline = min(item[1], self.drain_deadline or item[1])
             elif kind == "abort":
                 self.streams.pop(item[1], None)
                 self.engine.abort(item[1])
@@ -157,6 +169,9 @@ class EngineLoop:
         return True
 
     def _add(self, stream: Stream, prompt, params: SamplingParams) -> None:
+        if self.drain_deadline is not None:
+            stream.put(Failed(503, "the server is shutting down"))
+            return
         try:
             self.engine.add_request(prompt, params, stream.request_id)
         except ValueError as error:

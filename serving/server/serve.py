@@ -11,6 +11,8 @@ import socket
 import sys
 from dataclasses import dataclass, fields
 
+import uvicorn
+
 from serving.config_file import add_options, merge_options
 from serving.engine import DTYPES, resolve_device
 from serving.spec.config import SpeculativeConfig
@@ -91,8 +93,6 @@ def add_arguments(parser) -> None:
 def run(args) -> None:
     import logging
 
-    import uvicorn
-
     from serving.engine import Engine
     from serving.server.app import build_app
 
@@ -106,8 +106,11 @@ def run(args) -> None:
     app = build_app(engine, model_name)
     listener = listen(config.host, config.port)
     host, port = listener.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, access_log=config.access_log,
-                                           timeout_graceful_shutdown=config.shutdown_timeout))
+    # uvicorn's own deadline is only a backstop: the engine loop ends every request by shutdown_timeout itself, so
+    # no handler is cancelled mid-response.
+    uvicorn_config = uvicorn.Config(app, log_level=config.log_level, access_log=config.access_log,
+                                    timeout_graceful_shutdown=config.shutdown_timeout + 10)
+    server = DrainingServer(uvicorn_config, app.state.engine_loop, config.shutdown_timeout)
     # uvicorn re-raises the signal that stopped it once it is done; these handlers make that a clean exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
@@ -116,6 +119,18 @@ def run(args) -> None:
           f"{engine.block_size}, max_model_len {engine.max_model_len}) on http://{host}:{port}", file=sys.stderr,
           flush=True)
     server.run(sockets=[listener])
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose exit signal also starts the engine loop's drain."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop, drain_timeout: float):
+        super().__init__(config)
+        self.engine_loop, self.drain_timeout = engine_loop, drain_timeout
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine_loop.drain(self.drain_timeout)
+        super().handle_exit(sig, frame)
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -1,0 +1,333 @@
+"""`draftheads serve` under load and faults, every byte on 127.0.0.1, each server started and stopped here.
+
+The target is the debug target's recipe (a tiny random Llama with the default target's tokenizer and chat template)
+with a wider weight init: the debug target answers every prompt with the same repeated word, so crossed streams
+would go unseen, while this one answers each prompt differently and drafts are sometimes accepted. The drafter is
+an untrained EAGLE-1 head drafting after prompt lookup, so aborts also reset a head's per-request state. One
+server runs in this process (uvicorn in a thread) for the load and error tests; the SIGTERM test runs the real
+`draftheads serve` command in a subprocess.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+import heads
+from serving import targets
+from serving.engine import Engine
+from serving.request import SamplingParams
+from serving.server.app import build_app
+from serving.server.detokenizer import Detokenizer
+from serving.server.serve import listen
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 256
+NUM_BLOCKS = 256  # 4,096 tokens: room for 16 requests at full length
+PROMPTS = [[{"role": "user", "content": f"Question {i}: tell me about topic number {7 * i}."}] for i in range(16)]
+MAX_TOKENS = [24 + 8 * (i % 4) for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return targets.build_tiny_model(tmp_path_factory.mktemp("tiny_chat"), "llama", seed=3,
+                                    tokenizer_from=targets.resolve(targets.DEFAULT_TARGET), tie_word_embeddings=True,
+                                    max_position_embeddings=4096, initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def speculative_config(target, tmp_path_factory):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        head = heads.Eagle.from_target(heads.load_target_parts(target, fingerprint=targets.fingerprint(target)))
+    folder = heads.save(head, tmp_path_factory.mktemp("head") / "eagle")
+    return {"method": "eagle", "model": str(folder), "num_speculative_tokens": 3, "prompt_lookup_first": True}
+
+
+@pytest.fixture(scope="module")
+def offline(target):
+    """Greedy outputs of the engine on its own, without speculation (float32: speculation does not change them)."""
+    engine = Engine(str(target), max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS)
+    cache = {}
+
+    def run(prompt, max_tokens, **params):
+        key = (repr(prompt), max_tokens, repr(sorted(params.items())))
+        if key not in cache:
+            [cache[key]] = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, **params))
+        return cache[key]
+    return run
+
+
+@contextlib.contextmanager
+def running(app):
+    """`app` on uvicorn in a thread, on a free port; yields its base URL."""
+    listener = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="module")
+def server(target, speculative_config):
+    engine = Engine(str(target), max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS, max_num_seqs=16,
+                    speculative_config=speculative_config)
+    app = build_app(engine, MODEL)
+    with running(app) as url:
+        yield url, app.state.engine_loop
+
+
+def engine_state(loop):
+    """(free blocks, requests in the engine, any block still referenced), read in the engine thread."""
+    return loop.call(lambda engine: (engine.block_manager.num_free_blocks, len(engine.requests),
+                                     any(engine.block_manager.ref_counts))).result(10)
+
+
+def counters(url) -> dict:
+    """Every counter sample of /metrics: (name, position label) -> value."""
+    values = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                key = (sample.name, sample.labels.get("position") or sample.labels.get("finished_reason"))
+                values[key] = sample.value
+    return values
+
+
+def difference(after: dict, before: dict, name: str, label=None) -> float:
+    return after.get((name, label), 0) - before.get((name, label), 0)
+
+
+async def stream_chat(client, i, close_after=None):
+    """One streaming chat request; the text, finish reason and usage, or None for a client that leaves after
+    `close_after` content chunks."""
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=PROMPTS[i], max_tokens=MAX_TOKENS[i] if close_after is None else 200, temperature=0,
+        stream=True, stream_options={"include_usage": True})
+    text, finish_reason, usage, num_chunks = "", None, None, 0
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish_reason = choice.finish_reason or finish_reason
+            num_chunks += bool(choice.delta.content)
+        if close_after is not None and num_chunks >= close_after:
+            await stream.close()
+            return None
+    return text, finish_reason, usage
+
+
+async def many_clients(url, leavers=()):
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60) as client:
+        return await asyncio.gather(*(stream_chat(client, i, 2 if i in leavers else None) for i in range(16)))
+
+
+def assert_same_as_offline(offline, results, leavers=()):
+    for i, result in enumerate(results):
+        if i in leavers:
+            assert result is None
+            continue
+        text, finish_reason, usage = result
+        expected = offline(PROMPTS[i], MAX_TOKENS[i], temperature=0)
+        assert text == expected.text, f"request {i}"
+        assert (finish_reason, usage.completion_tokens) == (expected.finish_reason, len(expected.token_ids))
+        assert usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_concurrent_streams_equal_offline_and_sum_to_metrics(server, offline):
+    url, _ = server
+    before = counters(url)
+    results = asyncio.run(many_clients(url))
+    after = counters(url)
+    assert_same_as_offline(offline, results)
+
+    spec = [usage.model_extra["speculative"] for _, _, usage in results]
+    total = lambda key: sum(s[key] for s in spec)
+    assert total("spec_decode_num_drafts") > 0 and total("spec_decode_num_accepted_tokens") > 0
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert difference(after, before, f"vllm:spec_decode_{name}_total") == total(f"spec_decode_{name}"), name
+    for position in range(1, 4):
+        assert (difference(after, before, "vllm:spec_decode_num_accepted_tokens_per_pos_total", str(position))
+                == sum(s["spec_decode_num_accepted_tokens_per_pos"][position - 1] for s in spec))
+    assert difference(after, before, "vllm:generation_tokens_total") == sum(u.completion_tokens for _, _, u in results)
+    assert difference(after, before, "vllm:prompt_tokens_total") == sum(u.prompt_tokens for _, _, u in results)
+    finished = sum(difference(after, before, "vllm:request_success_total", reason) for reason in ("stop", "length"))
+    assert finished == 16
+
+
+def test_clients_that_leave_free_their_blocks(server, offline):
+    url, loop = server
+    num_free_before, num_requests, _ = engine_state(loop)
+    assert num_requests == 0
+    before = counters(url)
+    leavers = {0, 5, 10, 15}
+    results = asyncio.run(many_clients(url, leavers))
+    assert_same_as_offline(offline, results, leavers)
+    deadline = time.monotonic() + 10
+    while engine_state(loop) != (num_free_before, 0, False):
+        assert time.monotonic() < deadline, f"blocks not back: {engine_state(loop)} != ({num_free_before}, 0, False)"
+        time.sleep(0.05)
+    after = counters(url)
+    finished = sum(difference(after, before, "vllm:request_success_total", reason) for reason in ("stop", "length"))
+    assert finished == 12, "the clients that left were not aborted"
+
+
+def chat(**fields):
+    return {"model": MODEL, "messages": PROMPTS[0], "max_tokens": 8, **fields}
+
+
+BAD_REQUESTS = [  # (path, body (raw bytes are sent as they are), status, words in the message, param)
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [', 400, "not valid JSON", None),
+    ("/v1/chat/completions", b'[1, 2]', 400, "must be a JSON object", None),
+    ("/v1/chat/completions", {"model": MODEL, "max_tokens": 8}, 400, "messages is required", "messages"),
+    ("/v1/chat/completions", chat(messages=[]), 400, "messages is empty", "messages"),
+    ("/v1/chat/completions", chat(messages=[{"role": "robot", "content": "hi"}]), 400, "messages.0.role", "messages"),
+    ("/v1/completions", {"model": MODEL, "max_tokens": 8}, 400, "prompt is required", "prompt"),
+    ("/v1/chat/completions", chat(model="gpt-4o"), 404, "'gpt-4o' does not exist", "model"),
+    ("/v1/chat/completions", chat(max_tokens=0), 400, "max_tokens=0 is invalid", "max_tokens"),
+    ("/v1/chat/completions", chat(temperature=-0.5), 400, "temperature=-0.5 is invalid", "temperature"),
+    ("/v1/chat/completions", chat(top_p=0), 400, "top_p=0.0 is invalid", "top_p"),
+    ("/v1/chat/completions", chat(top_p=1.5), 400, "top_p=1.5 is invalid", "top_p"),
+    ("/v1/chat/completions", chat(best_of=2), 400, "unknown field 'best_of'", "best_of"),
+    ("/v1/chat/completions", chat(n=2), 400, "n=2 is not supported", "n"),
+    ("/v1/chat/completions", chat(top_logprobs=3), 400, "top_logprobs=3 is not supported", "top_logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": [100] * 300}, 400,
+     "the prompt has 300 tokens but max_model_len is 256", "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [100] * 100, "max_tokens": 200}, 400,
+     "max_tokens=200 after a prompt of 100 tokens needs 300 tokens of context", "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": [5, 10 ** 6], "max_tokens": 4}, 400,
+     "prompt token ids must lie in [0, 49152)", None),  # refused by the engine itself, in its thread
+    ("/v1/embeddings", {"model": MODEL}, 404, "Not Found", None),
+]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, offline):
+    url, loop = server
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for path, body, status, words, param in BAD_REQUESTS:
+            response = (http.post(path, content=body) if isinstance(body, bytes) else http.post(path, json=body))
+            error = response.json()["error"]
+            assert (response.status_code, error["param"]) == (status, param), (body, error)
+            assert words in error["message"], (body, error)
+            assert set(error) == {"message", "type", "param", "code"}
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="n=3 is not supported"):
+        client.chat.completions.create(model=MODEL, messages=PROMPTS[0], n=3)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="davinci", prompt="hi")
+    answer = client.chat.completions.create(model=MODEL, messages=PROMPTS[3], max_tokens=MAX_TOKENS[3], temperature=0)
+    assert answer.choices[0].message.content == offline(PROMPTS[3], MAX_TOKENS[3], temperature=0).text
+    assert engine_state(loop)[1:] == (0, False)
+
+
+def test_stop_strings_logprobs_and_token_prompts_match_the_engine(server, offline):
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    full = offline(PROMPTS[6], 48, temperature=0)
+    stop = full.text[len(full.text) // 2:][:3]
+    expected = offline(PROMPTS[6], 48, temperature=0, stop=[stop])
+    assert expected.finish_reason == "stop" and len(expected.text) < len(full.text)
+    whole = client.chat.completions.create(model=MODEL, messages=PROMPTS[6], max_tokens=48, temperature=0, stop=stop)
+    streamed = client.chat.completions.create(model=MODEL, messages=PROMPTS[6], max_tokens=48, temperature=0,
+                                              stop=stop, stream=True)
+    deltas = [c.choices[0].delta.content or "" for c in streamed if c.choices]
+    assert whole.choices[0].message.content == "".join(deltas) == expected.text
+    assert whole.choices[0].finish_reason == "stop"
+
+    with_logprobs = client.chat.completions.create(model=MODEL, messages=PROMPTS[7], max_tokens=16, temperature=0,
+                                                   logprobs=True)
+    content = with_logprobs.choices[0].logprobs.content
+    assert len(content) == with_logprobs.usage.completion_tokens == 16 and all(t.logprob <= 0 for t in content)
+    assert with_logprobs.usage.model_extra["speculative"]["spec_decode_num_drafts"] == 0  # served plain
+
+    ids = [17, 923, 4411, 88, 2045, 301]
+    text = client.completions.create(model=MODEL, prompt=ids, max_tokens=20, temperature=0).choices[0].text
+    assert text == offline(ids, 20, temperature=0).text
+    seeded = [client.completions.create(model=MODEL, prompt="Once upon", max_tokens=12, temperature=0.8, seed=5)
+              .choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_detokenizer_deltas_add_up_to_the_final_text():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(targets.resolve(targets.DEFAULT_TARGET))
+    ids = tokenizer.encode("Grüße aus Köln 🎉 und dann STOP, danach nichts mehr", add_special_tokens=False)
+    detokenizer = Detokenizer(tokenizer, ["STOP"])
+    deltas = [detokenizer.add([token]) for token in ids]
+    assert not any("\ufffd" in delta or "ST" in delta for delta in deltas)
+    final = tokenizer.decode(ids).split("STOP")[0]
+    assert "".join(deltas) + detokenizer.finish(final) == final == "Grüße aus Köln 🎉 und dann "
+
+
+def test_sigterm_mid_run_exits_zero_without_traceback(target):
+    """The real command: requests too long to finish in the shutdown timeout are in flight when SIGTERM comes."""
+    timeout = 2.0
+    command = [sys.executable, "-m", "training", "serve", "--target", str(target), "--port", "0", "--max-model-len",
+               "4096", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--shutdown-timeout",
+               str(timeout), "--served-model-name", MODEL]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = []
+    try:
+        url = None
+        deadline = time.monotonic() + 60
+        while url is None:
+            assert time.monotonic() < deadline and process.poll() is None, "".join(lines)
+            line = process.stderr.readline()
+            lines.append(line)
+            if "on http://" in line:
+                url = line.rsplit(" ", 1)[1].strip()
+        reader = threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True)
+        reader.start()
+        received = [[] for _ in range(3)]
+
+        def client(i):
+            body = {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", f"{url}/v1/completions", json=body,
+                                                                     timeout=60) as response:
+                received[i].extend(line for line in response.iter_lines() if line)
+
+        clients = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+        for thread in clients:
+            thread.start()
+        while not all(len(r) > 5 for r in received):
+            assert time.monotonic() < deadline, "no tokens came"
+            time.sleep(0.05)
+        start = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout + 20)
+        elapsed = time.monotonic() - start
+        for thread in clients:
+            thread.join(10)
+        reader.join(5)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    log = "".join(lines)
+    assert returncode == 0, log
+    assert elapsed < timeout + 10, f"exit took {elapsed:.1f} s"
+    assert "Traceback" not in log and "Exception in ASGI" not in log, log
+    for stream in received:  # each response ended properly: the shutdown error event, then [DONE]
+        assert stream[-1] == "data: [DONE]" and "shut down" in stream[-2], stream[-2:]
