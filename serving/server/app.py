@@ -196,8 +196,9 @@ class OpenAIServer:
                         yield _sse(reply.chunk(text=text, logprobs=logprobs))
                 elif isinstance(event, Finished):
                     done = True
-                    text = detokenizer.finish(event.output.text) if detokenizer else ""
-                    yield _sse(reply.chunk(text=text, finish_reason=event.output.finish_reason))
+                    text = detokenizer.add(event.token_ids) + detokenizer.finish(event.output.text) if detokenizer else ""
+                    logprobs = reply.logprobs(self.tokenizer, event.token_ids, event.logprobs)
+                    yield _sse(reply.chunk(text=text, finish_reason=event.output.finish_reason, logprobs=logprobs))
                     if include_usage:
                         yield _sse(reply.usage_chunk(usage.of(event.output)))
                 elif isinstance(event, Failed):

@@ -4,7 +4,8 @@ never touched from two threads.
 
 Between steps the loop empties the inbox, so a request joins the running batch at the next step after it arrives
 (continuous batching); with nothing in flight it sleeps on the inbox. After each step every in-flight request's
-stream gets the tokens emitted to it since the last step, and a finished request its RequestOutput. A step that
+stream gets the tokens emitted to it since the last step; a finished request's last ones come with its
+RequestOutput. A step that
 raises fails every request in flight (they are aborted, their clients get a 500) and the loop goes on serving.
 Draining (on SIGTERM) refuses new requests and gives those in flight until a deadline, then fails them with a 503,
 so every response still ends properly.
@@ -38,6 +39,8 @@ class Tokens:
 @dataclass
 class Finished:
     output: RequestOutput
+    token_ids: list[int]  # emitted in the last step, not sent before
+    logprobs: list[float] | None
 
 
 @dataclass
@@ -199,11 +202,12 @@ class EngineLoop:
             if new:
                 num_emitted += len(new)
                 stream.num_sent += len(new)
-                stream.put(Tokens(new, logprobs))
                 self._observe_tokens(stream, now)
+                if output is None:
+                    stream.put(Tokens(new, logprobs))
             if output is not None:
                 del self.streams[request_id]
-                stream.put(Finished(output))
+                stream.put(Finished(output, new, logprobs))
                 if self.metrics:
                     self.metrics.of(self.metrics.e2e_request_latency).observe(now - stream.arrival_time)
                     self.metrics.of(self.metrics.request_success, finished_reason=output.finish_reason).inc()

@@ -37,6 +37,11 @@ class ServerMetrics:
         self.num_accepted_tokens_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                                    "Draft tokens accepted at each depth (1-based)",
                                                    [*label, "position"], registry=r)
+        # Not vLLM's: with these, tau (emitted tokens per verify step) reads as the offline bench computes it.
+        self.num_verify_steps = Counter("draftheads:spec_decode_num_verify_steps", "Verify steps, drafts or not",
+                                        label, registry=r)
+        self.num_emitted_tokens = Counter("draftheads:spec_decode_num_emitted_tokens", "Tokens emitted by verify steps",
+                                          label, registry=r)
         self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds", "From arrival to the first token",
                                              label, buckets=LATENCY_BUCKETS, registry=r)
         self.inter_token_latency = Histogram("vllm:inter_token_latency_seconds",
@@ -45,7 +50,7 @@ class ServerMetrics:
         self.e2e_request_latency = Histogram("vllm:e2e_request_latency_seconds", "From arrival to the last token",
                                              label, buckets=REQUEST_BUCKETS, registry=r)
         self.model_name = model_name
-        self._spec_seen = None  # the speculator's counts at the last update: (drafts, draft tokens, accepted per depth)
+        self._spec_seen = None  # the speculator's counts at the last update
 
     def of(self, metric, **labels):
         return metric.labels(model_name=self.model_name, **labels)
@@ -60,14 +65,17 @@ class ServerMetrics:
         if engine.speculator is None:
             return
         stats = engine.speculator.stats
-        seen = self._spec_seen or (0, 0, [])
-        self.of(self.num_drafts).inc(stats.num_drafts - seen[0])
-        self.of(self.num_draft_tokens).inc(stats.num_draft_tokens - seen[1])
-        self.of(self.num_accepted_tokens).inc(sum(stats.accepted) - sum(seen[2]))
+        seen = self._spec_seen or (0, 0, 0, 0, [])
+        self.of(self.num_verify_steps).inc(stats.num_steps - seen[0])
+        self.of(self.num_emitted_tokens).inc(stats.num_emitted - seen[1])
+        self.of(self.num_drafts).inc(stats.num_drafts - seen[2])
+        self.of(self.num_draft_tokens).inc(stats.num_draft_tokens - seen[3])
+        self.of(self.num_accepted_tokens).inc(sum(stats.accepted) - sum(seen[4]))
         for position, accepted in enumerate(stats.accepted, start=1):
-            before = seen[2][position - 1] if position <= len(seen[2]) else 0
+            before = seen[4][position - 1] if position <= len(seen[4]) else 0
             self.of(self.num_accepted_tokens_per_pos, position=str(position)).inc(accepted - before)
-        self._spec_seen = (stats.num_drafts, stats.num_draft_tokens, list(stats.accepted))
+        self._spec_seen = (stats.num_steps, stats.num_emitted, stats.num_drafts, stats.num_draft_tokens,
+                           list(stats.accepted))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

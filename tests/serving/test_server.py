@@ -27,8 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import heads
 from serving import targets
+from serving.bench_serve import BenchServeConfig, arrival_times, make_report, measure, write_report
 from serving.engine import Engine
 from serving.request import SamplingParams
+from serving.spec.metrics import AcceptanceStats
 from serving.server.app import build_app
 from serving.server.detokenizer import Detokenizer
 from serving.server.serve import listen
@@ -167,6 +169,8 @@ def test_concurrent_streams_equal_offline_and_sum_to_metrics(server, offline):
     assert total("spec_decode_num_drafts") > 0 and total("spec_decode_num_accepted_tokens") > 0
     for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         assert difference(after, before, f"vllm:spec_decode_{name}_total") == total(f"spec_decode_{name}"), name
+    assert difference(after, before, "draftheads:spec_decode_num_verify_steps_total") == total("num_verify_steps")
+    assert difference(after, before, "draftheads:spec_decode_num_emitted_tokens_total") == total("num_emitted_tokens")
     for position in range(1, 4):
         assert (difference(after, before, "vllm:spec_decode_num_accepted_tokens_per_pos_total", str(position))
                 == sum(s["spec_decode_num_accepted_tokens_per_pos"][position - 1] for s in spec))
@@ -279,6 +283,47 @@ def test_detokenizer_deltas_add_up_to_the_final_text():
     assert not any("\ufffd" in delta or "ST" in delta for delta in deltas)
     final = tokenizer.decode(ids).split("STOP")[0]
     assert "".join(deltas) + detokenizer.finish(final) == final == "Grüße aus Köln 🎉 und dann "
+
+
+def test_arrivals_are_poisson_and_seeded():
+    times = arrival_times(4000, 8.0, seed=1)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert abs(sum(gaps) / len(gaps) - 1 / 8) < 0.01 and min(gaps) >= 0
+    assert arrival_times(5, 8.0, seed=1) == arrival_times(5, 8.0, seed=1) != arrival_times(5, 8.0, seed=2)
+    assert arrival_times(3, float("inf"), seed=0) == [0.0] * 3
+
+
+def test_bench_serve_reads_the_offline_acceptance_through_metrics(server, target, speculative_config, tmp_path):
+    """Greedy, with a roomy token budget, drafts do not depend on the batch: the acceptance bench-serve reads from
+    the /metrics counters equals the offline engine's on the same prompts, count for count."""
+    url, _ = server
+    prompts = PROMPTS[:6]
+    config = BenchServeConfig(endpoint=url, num_prompts=6, max_new_tokens=24, request_rate=40.0, max_concurrency=4,
+                              seed=3)
+    schedule = arrival_times(6, config.request_rate, config.seed)
+    runs = [measure(url, prompts, schedule, config, "tiny"), measure(url, prompts, schedule, config, "again")]
+    engine = Engine(str(target), max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS, speculative_config=speculative_config)
+    stats = AcceptanceStats()
+    for output in engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0)):
+        stats.merge(AcceptanceStats.from_dict(output.metrics["spec"]))
+    for run in runs:
+        assert (run["model"], run["num_completed"], run["num_failed"]) == (MODEL, 6, 0)
+        accepted = run["acceptance"]
+        assert (accepted["num_drafts"], accepted["num_draft_tokens"], accepted["num_accepted_tokens"]) == (
+            stats.num_drafts, stats.num_draft_tokens, sum(stats.accepted))
+        assert accepted["num_accepted_per_position"] == stats.accepted
+        assert accepted["tau"] == pytest.approx(stats.tau)
+        for name in ("ttft", "tpot", "itl", "e2e"):
+            latency = run["latency_ms"][name]
+            assert 0 <= latency["median"] <= latency["p99"], name
+        assert run["output_throughput"] > 0
+    report = make_report(runs, config)
+    assert report["ratios"]["output_throughput"] == pytest.approx(
+        runs[0]["output_throughput"] / runs[1]["output_throughput"])
+    paths = write_report(report, tmp_path / "out")
+    assert [p.name for p in paths] == ["bench_serve.json", "bench_serve.md", "latency.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
+    assert "| tiny | 6/6 |" in paths[1].read_text()
 
 
 def test_sigterm_mid_run_exits_zero_without_traceback(target):
