@@ -118,6 +118,16 @@ class Engine:
         self.block_manager.num_lookahead = self.speculator.drafter.num_lookahead if self.speculator else 0
         if not self.capture_hidden:
             self.aux_layers = self.speculator.drafter.aux_layers if self.speculator else ()
+        if speculator is not None and speculator.policy and not speculator.is_calibrated:
+            speculator.calibrate(self)
+
+    @functools.cached_property
+    def step_cost(self):
+        """What a target forward costs here by rows and sequences (serving.spec.cost), from the cache or measured
+        now, once: the adaptive policy's price list."""
+        from serving.spec.cost import load_or_measure
+
+        return load_or_measure(self)
 
     @functools.cached_property
     def fingerprint(self) -> dict:
@@ -198,12 +208,14 @@ class Engine:
                 raise RuntimeError("the K/V pool is too small to schedule any request: raise num_blocks")
             return []
         batch = Batch.build(scheduled.scheduled, self.block_size, self.device)
+        start = time.perf_counter()
         out = self.model(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.meta), batch.logits_rows,
                          return_hidden=self.capture_hidden or bool(self.speculator and self.speculator.drafter.needs_hidden),
                          aux_layers=self.aux_layers)
         self.num_steps += 1
         finished, accepted_paths = [], {}
         best = argmax(out.logits) if out.logits is not None else []  # one call for the whole batch
+        forward_s = time.perf_counter() - start  # argmax's list waited for the device
         for i, (request, num) in enumerate(scheduled.scheduled):
             if self.capture_hidden:
                 rows = slice(batch.token_start[i], batch.token_start[i] + num)
@@ -224,7 +236,7 @@ class Engine:
                 if self.speculator:
                     self.speculator.reset(request)
         if self.speculator:
-            self.speculator.propose(self, StepOutputs(batch, out, accepted_paths))
+            self.speculator.propose(self, StepOutputs(batch, out, accepted_paths, forward_s))
         return finished
 
     def _emit(self, request: Request, logits: torch.Tensor, best: list[int], accepted_paths: dict) -> None:

@@ -30,6 +30,14 @@ def one_thread():
     torch.set_num_threads(num_threads)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_cache_dir(tmp_path_factory):
+    """Step-cost tables measured by tests stay out of the user's cache (serving/spec/cost.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DRAFTHEADS_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 @pytest.fixture
 def device_unnamed_is_meta():
     """A context manager: inside it a tensor made without naming its device lands on the meta device, which holds

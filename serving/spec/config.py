@@ -56,12 +56,19 @@ class SpeculativeConfig:
     # sequences a step is no longer bound by reading the weights once, and every verified draft costs compute.
     # Drafters with a pool of their own still catch up every step.
     disable_by_batch_size: int | None = None
+    # any method: choose each step, per request, a tree depth from 0 to num_speculative_tokens (trees scaled to it) that
+    # maximises the batch's expected tokens per second, from a step-cost model measured on this device and each
+    # request's own acceptance (serving/spec/adaptive.py). Off by default: a fixed setting is what vLLM and SGLang run
+    # and what published numbers use; disable_by_batch_size and confidence_threshold still apply on top.
+    adaptive: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is unknown; choose one of {', '.join(METHODS)}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be an integer >= 1")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive={self.adaptive!r} must be true or false")
         if not isinstance(self.prompt_lookup_first, bool):
             raise ValueError(f"prompt_lookup_first={self.prompt_lookup_first!r} must be true or false")
         if self.prompt_lookup_first and self.method not in HEADS:
@@ -153,7 +160,7 @@ class SpeculativeConfig:
 
     def label(self) -> str:
         """The method, prompt lookup first with its shortest suffix, the tree (topk and size, or Medusa's choices), the confidence
-        threshold and the batch size that turns drafting off when set, and float32 draft weights: a bench row's
+        threshold and the batch size that turns drafting off when set, the adaptive policy, and float32 draft weights: a bench row's
         name."""
         label = self.method + (f"+lookup{self.prompt_lookup_min}" if self.prompt_lookup_first else "")
         if self.medusa_choices is not None:
@@ -162,6 +169,7 @@ class SpeculativeConfig:
             label += f" top{self.topk} n{self.num_draft_tokens}"
         label += f" p>={self.confidence_threshold:g}" if self.confidence_threshold else ""
         label += f" batch<={self.disable_by_batch_size}" if self.disable_by_batch_size else ""
+        label += " adaptive" if self.adaptive else ""
         return label + (f" ({self.draft_weights} weights)" if self.draft_weights == "float32" else "")
 
 

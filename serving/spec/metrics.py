@@ -34,8 +34,7 @@ class AcceptanceStats:
         self.num_emitted += num_emitted
         self.num_drafts += len(tree) > 0
         self.num_draft_tokens += len(tree)
-        last = path[-1] if path else -1
-        num_tried = len(path) + 1 if tree.children[last + 1] else len(path)
+        num_tried = depths_tried(tree, path)
         for i in range(depth):
             self.proposed[i] += 1
             self.reached[i] += i < num_tried
@@ -102,3 +101,10 @@ class AcceptanceStats:
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted),
             "per_position": self.per_position(),
         }
+
+
+def depths_tried(tree, path: list[int]) -> int:
+    """How many depths of `tree` a step tried: those of the accepted path, and the one below it if its last node (or
+    the newest token) had children."""
+    last = path[-1] if path else -1
+    return len(path) + 1 if tree.children[last + 1] else len(path)

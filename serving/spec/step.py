@@ -7,20 +7,24 @@ at depth d belongs in the slot of position (newest) + d, so each accepted node o
 there (none for a chain, whose node i is at depth i + 1). Trees are capped so that they fit in the token budget, the
 free blocks, max_tokens and the context: speculation never causes a preemption. Requests whose sampling depends on
 more than the target's distribution (penalties, biases, logprobs) get no drafts and decode one token per step beside
-the others.
+the others. With `adaptive`, serving/spec/adaptive.py chooses each request's tree within those caps.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import time
+
 import torch
 
 from serving.drafters import make_drafter
 from serving.drafters.base import DraftBudget
-from serving.request import Request
+from serving.request import Request, SamplingParams
 from serving.sampler import target_probs
+from serving.spec.adaptive import PRIOR_MIN_REACHED, AdaptivePolicy
 from serving.spec.config import SpeculativeConfig
-from serving.spec.metrics import AcceptanceStats
+from serving.spec.cost import DraftCost
+from serving.spec.metrics import AcceptanceStats, depths_tried
 from serving.spec.tree import DraftTree
 from serving.spec.verify import verify_greedy, verify_sampled
 
@@ -31,6 +35,7 @@ class StepOutputs:
     batch: object  # serving.batch.Batch
     out: object  # serving.model.ModelOutput
     accepted_paths: dict[str, list[int]]  # request id -> the tree nodes accepted this step, depth 1 first
+    forward_s: float = 0.0  # seconds the target's forward (and its argmax) took
 
     def __post_init__(self):
         self.index = {r.request_id: i for i, r in enumerate(self.batch.requests)}  # request id -> its place in the batch
@@ -52,6 +57,28 @@ class Speculator:
         self.config = config
         self.drafter = make_drafter(engine, config)
         self.stats = AcceptanceStats(config.num_speculative_tokens)
+        self.policy = AdaptivePolicy(config, engine.step_cost, DraftCost()) if config.adaptive else None
+        self.is_calibrated = False
+
+    def calibrate(self, engine) -> None:
+        """Times the drafter for the adaptive policy's cost model: short generations over random prompts, drafted to
+        depth 1 and to the full depth for one request and to the full depth for several. Once, on an idle engine with
+        this speculator in use; what it generated is then forgotten."""
+        policy, k = self.policy, self.config.num_speculative_tokens
+        generator = torch.Generator().manual_seed(0)
+        max_tokens = 6
+        prompt_len = max(1, min(32, engine.max_model_len - max_tokens - k - 2))
+        for num_requests, depth in ((1, 1), (1, k), (min(4, engine.scheduler.max_num_seqs), k)):
+            policy.forced_depth = depth
+            prompts = [torch.randint(engine.model.config.vocab_size, (prompt_len,), generator=generator).tolist()
+                       for _ in range(num_requests)]
+            engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        policy.forced_depth = None
+        policy.chosen.clear()
+        policy.timings.clear()
+        self.stats = AcceptanceStats(k)
+        engine.block_manager.reset_prefix_cache()
+        self.is_calibrated = True
 
     @staticmethod
     def can_speculate(request: Request) -> bool:
@@ -79,29 +106,44 @@ class Speculator:
             request.spec_stats = AcceptanceStats(self.config.num_speculative_tokens)
         request.spec_stats.record(tree, path, num_emitted)
         self.stats.record(tree, path, num_emitted)
+        if self.policy:
+            self.policy.record(request, depths_tried(tree, path), len(path), tree.depth)
 
     def propose(self, engine, step: StepOutputs) -> None:
         """Draft trees for every running request that has just emitted a token and can be speculated for, unless more
-        than disable_by_batch_size requests are running."""
+        than disable_by_batch_size requests are running; each as large as the config and the step's room allow, or as
+        the adaptive policy chooses within that."""
         scheduler, config = engine.scheduler, self.config
         limit = config.disable_by_batch_size
         self.drafter.observe(engine, step)  # drafters with a pool of their own catch up every step
+        if self.policy:
+            self.policy.record_step(len(step.batch.input_ids), len(step.batch.requests), step.forward_s)
         if limit is not None and len(scheduler.running) > limit:
             return
         ready = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1 and self.can_speculate(r)]
-        budgets, requests = {}, []
         grants = scheduler.draft_budgets(ready, config.max_draft_nodes) if ready else {}
+        limits = {}
         for request in ready:
             depth = min(config.num_speculative_tokens, request.params.max_tokens - request.num_output_tokens - 1)
-            num_nodes = grants[request.request_id]
+            if grants[request.request_id] > 0 and depth > 0:
+                limits[request.request_id] = DraftBudget(grants[request.request_id], depth)
+        if self.policy and limits:
+            limits = self.policy.choose(engine, ready, limits, self._prior())
+        budgets, requests = {}, []
+        for request in ready:
+            budget = limits.get(request.request_id)
             # Reserve the blocks. When the pool is overcommitted (someone will be preempted next step) the request
             # gets no drafts.
-            if num_nodes > 0 and depth > 0 and engine.block_manager.allocate_slots(request, 1 + num_nodes):
-                budgets[request.request_id] = DraftBudget(num_nodes, depth)
+            if budget and engine.block_manager.allocate_slots(request, 1 + budget.num_nodes):
+                budgets[request.request_id] = budget
                 requests.append(request)
         if not requests:
             return
+        start = time.perf_counter()
         trees = self.drafter.propose(engine, requests, budgets, step)
+        if self.policy:
+            self.policy.draft_cost.add(max(b.depth for b in budgets.values()), sum(b.num_nodes for b in budgets.values()),
+                                       time.perf_counter() - start)
         for request in requests:
             budget = budgets[request.request_id]
             tree = trees.get(request.request_id, DraftTree()).prefix(budget.num_nodes, budget.depth)
@@ -109,5 +151,11 @@ class Speculator:
             if len(tree) < budget.num_nodes:
                 engine.block_manager.trim(request, request.num_tokens + len(tree))
 
+    def _prior(self) -> list[float]:
+        """The drafter's conditional acceptance per depth over every request so far; 1 where it has tried too few."""
+        return [p["conditional"] if p["reached"] >= PRIOR_MIN_REACHED else 1.0 for p in self.stats.per_position()]
+
     def reset(self, request: Request) -> None:
         self.drafter.reset(request)
+        if self.policy:
+            self.policy.forget(request)

@@ -1,0 +1,148 @@
+"""The adaptive policy (`"adaptive": true`): each step, how deep a tree each request gets, 0 included, chosen for the
+whole batch to maximise the tokens the next step is expected to emit per second it is expected to take.
+
+A request drafted to depth j is expected to emit 1 + S_1 + ... + S_j tokens, where S_d = c_1 * ... * c_d is its
+survival to depth d and c_i its conditional acceptance at depth i (DESIGN.md, "Measuring acceptance"), estimated from
+its own verify steps with older steps weighing less (`Estimate`), around a prior: the drafter's conditional
+acceptance over every request so far, or 1 (try first) before it has seen `PRIOR_MIN_REACHED` tries at that depth.
+A depth not tried in a step slowly forgets, back to the prior, so a request whose drafts stopped paying is tried
+again after a while when drafting is cheap enough that the prior repays it.
+
+The next step's time is the target's forward over every running request's rows plus one drafting call
+(`serving.spec.cost`). Each further depth of each request is one candidate, worth its survival per added row;
+candidates are taken best first (never depth j + 1 before depth j), and the prefix with the most tokens per second
+wins, the empty prefix (no drafts) among them. A tree setting drafts `nodes(j)` nodes at depth j: the config's
+num_draft_tokens - 1 scaled by j / num_speculative_tokens (for medusa_choices: its choices up to depth j); its
+per-depth acceptance is the full tree's (measured at the depths a step reached), an approximation for cut trees.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from serving.drafters.base import DraftBudget
+from serving.spec.cost import DraftCost, StepCost
+
+DECAY = 0.6  # weight of the steps before, per step that tried a depth: about the last 2.5 steps count
+IDLE_DECAY = 0.9  # per step that did not
+PRIOR_WEIGHT = 0.5  # the prior counts as this many tries
+PRIOR_MIN_REACHED = 16
+MIN_GAIN = 1e-6  # a prefix must beat a shorter one by this fraction, not tie it
+
+
+@dataclass
+class Estimate:
+    """One request's decayed counts of accepted and tried drafts per depth."""
+    hits: list[float] = field(default_factory=list)
+    tries: list[float] = field(default_factory=list)
+
+    def update(self, num_tried: int, num_accepted: int, depth: int) -> None:
+        """One verify step whose tree reached `depth`, tried depths 1..num_tried and accepted 1..num_accepted."""
+        num = max(depth, len(self.hits))
+        self.hits += [0.0] * (num - len(self.hits))
+        self.tries += [0.0] * (num - len(self.tries))
+        for i in range(num):
+            if i < num_tried:
+                self.hits[i] = DECAY * self.hits[i] + (i < num_accepted)
+                self.tries[i] = DECAY * self.tries[i] + 1
+            else:
+                self.hits[i] *= IDLE_DECAY
+                self.tries[i] *= IDLE_DECAY
+
+    def conditional(self, i: int, prior: float) -> float:
+        """Estimated acceptance at depth i + 1 given depth i was accepted."""
+        hits, tries = (self.hits[i], self.tries[i]) if i < len(self.hits) else (0.0, 0.0)
+        return (hits + PRIOR_WEIGHT * prior) / (tries + PRIOR_WEIGHT)
+
+
+class AdaptivePolicy:
+    def __init__(self, config, step_cost: StepCost, draft_cost: DraftCost):
+        self.config, self.step_cost, self.draft_cost = config, step_cost, draft_cost
+        self.max_depth = config.num_speculative_tokens
+        self.estimates: dict[str, Estimate] = {}
+        self.forced_depth: int | None = None  # calibration drafts every request to this depth
+        self.chosen: dict[int, Counter] = defaultdict(Counter)  # running requests -> chosen depth -> times
+        self.timings: list[tuple[int, int, float, float]] = []  # (rows, sequences, predicted s, measured s) per step
+
+    def nodes(self, depth: int) -> int:
+        """Draft nodes of a tree cut at `depth`."""
+        config = self.config
+        if config.medusa_choices is not None:
+            return sum(len(path) <= depth for path in config.medusa_choices)
+        return max(depth, math.ceil(config.max_draft_nodes * depth / self.max_depth))
+
+    def choose(self, engine, ready: list, limits: dict[str, DraftBudget], prior: list[float]) -> dict[str, DraftBudget]:
+        """limits: what each ready request may carry at most (blocks, tokens, context, max_tokens); prior: the
+        drafter's conditional acceptance per depth. Returns the budgets of the requests that draft."""
+        scheduler = engine.scheduler
+        if self.forced_depth is not None:
+            return {rid: DraftBudget(min(limit.num_nodes, self.nodes(self.forced_depth)), min(limit.depth, self.forced_depth))
+                    for rid, limit in limits.items()}
+        num_rows, num_emitting, spare = 0, 0, scheduler.max_num_batched_tokens
+        for request in scheduler.running:
+            num = min(request.num_tokens - request.num_computed_tokens, spare)
+            num_rows += num
+            spare -= num
+            num_emitting += request.num_computed_tokens + num == request.num_tokens
+        num_seqs = len(scheduler.running)
+        candidates = []  # (worth per row, depth, request id, survival, rows)
+        ready = [request for request in ready if request.request_id in limits]
+        for request in ready:
+            limit = limits[request.request_id]
+            estimate = self.estimates.setdefault(request.request_id, Estimate())
+            survival, worth = 1.0, math.inf
+            for depth in range(1, limit.depth + 1):
+                num_new = self.nodes(depth) - self.nodes(depth - 1)
+                if self.nodes(depth) > limit.num_nodes:
+                    break
+                survival *= estimate.conditional(depth - 1, prior[depth - 1] if depth <= len(prior) else 1.0)
+                worth = min(worth, survival / num_new)
+                candidates.append((worth, depth, request.request_id, survival, num_new))
+        candidates.sort(key=lambda c: (-c[0], c[1]))
+        base = max(num_emitting, 1) / self.step_cost.predict(num_rows, num_seqs)
+        best, best_rate, tokens, rows, deepest = 0, base, float(num_emitting), 0, 0
+        for n, (_, depth, _, survival, num_new) in enumerate(candidates, start=1):
+            tokens += survival
+            rows += num_new
+            deepest = max(deepest, depth)
+            rate = tokens / (self.step_cost.predict(num_rows + rows, num_seqs) + self.draft_cost.predict(deepest, rows))
+            if rate > best_rate * (1 + MIN_GAIN):
+                best, best_rate = n, rate
+        depths = {request.request_id: 0 for request in ready}
+        for _, depth, rid, _, _ in candidates[:best]:
+            depths[rid] = max(depths[rid], depth)
+        for depth in depths.values():
+            self.chosen[num_seqs][depth] += 1
+        return {rid: DraftBudget(min(limits[rid].num_nodes, self.nodes(depth)), depth)
+                for rid, depth in depths.items() if depth > 0}
+
+    def record(self, request, num_tried: int, num_accepted: int, depth: int) -> None:
+        self.estimates.setdefault(request.request_id, Estimate()).update(num_tried, num_accepted, depth)
+
+    def idle(self, request) -> None:
+        """A step in which the request emitted without drafts."""
+        self.estimates.setdefault(request.request_id, Estimate()).update(0, 0, 0)
+
+    def record_step(self, num_rows: int, num_seqs: int, seconds: float) -> None:
+        self.timings.append((num_rows, num_seqs, self.step_cost.predict(num_rows, num_seqs), seconds))
+
+    def forget(self, request) -> None:
+        self.estimates.pop(request.request_id, None)
+
+    def summary(self) -> dict:
+        """The chosen depths per number of running requests, and the cost model's predicted against measured step
+        time per bucket of rows."""
+        buckets = defaultdict(list)
+        for rows, _, predicted, measured in self.timings:
+            bucket = next(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1 << 30) if rows <= b)
+            buckets[bucket].append((predicted, measured))
+        timing = []
+        for bucket in sorted(buckets):
+            pairs = buckets[bucket]
+            predicted = sum(p for p, _ in pairs) / len(pairs)
+            measured = sum(m for _, m in pairs) / len(pairs)
+            timing.append({"rows_at_most": bucket, "steps": len(pairs), "predicted_ms": predicted * 1e3,
+                           "measured_ms": measured * 1e3, "error": predicted / measured - 1})
+        return {"chosen_depths": {n: dict(sorted(c.items())) for n, c in sorted(self.chosen.items())},
+                "step_time": timing, "draft_cost": [float(x) for x in self.draft_cost.coef]}

@@ -1,0 +1,290 @@
+"""The adaptive policy (serving/spec/adaptive.py) and the step-cost model it prices with (serving/spec/cost.py).
+
+1. On synthetic cost tables: where verified rows are nearly free the policy drafts the maximum, where each costs a
+   full step it drafts nothing, in between it drafts for the requests whose acceptance repays the rows and not for
+   the others.
+2. A stub drafter whose drafts switch from always right to always wrong and back: the chosen depth follows within a
+   few steps each way.
+3. Greedy outputs equal plain decoding's with the policy on, for every drafter, alone and four at a time with
+   preemption; the sampled law is the target's (the engine TV test of test_trees.py with the policy on).
+4. The cost model's cache: used when it matches, measured anew with a warning when corrupt or foreign.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from serving.drafters.base import DraftBudget, Drafter
+from serving.request import SamplingParams
+from serving.spec import cost
+from serving.spec.adaptive import AdaptivePolicy, Estimate
+from serving.spec.config import SpeculativeConfig
+from serving.spec.cost import DraftCost, StepCost
+from serving.spec.tree import DraftTree
+from test_spec import assert_pool_idle, make_engine, plain_outputs, random_prompts
+
+
+def linear_cost(per_row: float) -> StepCost:
+    """A step of 1 row takes 1 s; each further row adds `per_row` s."""
+    return StepCost(rows=[1, 1024], seconds=[1.0, 1.0 + 1023 * per_row], per_seq=0.0, context=0)
+
+
+def free_drafting() -> DraftCost:
+    draft = DraftCost()
+    draft.add(1, 1, 0.0), draft.add(2, 1, 0.0), draft.add(1, 2, 0.0)
+    return draft
+
+
+def decoding(request_id: str) -> SimpleNamespace:
+    """A running request that has just emitted a token: one row to compute next step."""
+    return SimpleNamespace(request_id=request_id, num_tokens=50, num_computed_tokens=49)
+
+
+def fake_engine(requests) -> SimpleNamespace:
+    return SimpleNamespace(scheduler=SimpleNamespace(running=requests, max_num_batched_tokens=512))
+
+
+def policy_for(per_row: float, k: int = 4, **config) -> AdaptivePolicy:
+    config = {"method": "ngram"} | config
+    return AdaptivePolicy(SpeculativeConfig(num_speculative_tokens=k, adaptive=True, **config),
+                          linear_cost(per_row), free_drafting())
+
+
+def choose(policy, acceptance: dict[str, float], k: int = 4) -> dict[str, int]:
+    """The depth chosen for each request, whose prior acceptance at every depth is `acceptance[id]` (the policy's
+    estimates are seeded with many tries at that rate)."""
+    requests = [decoding(rid) for rid in acceptance]
+    for rid, rate in acceptance.items():
+        policy.estimates[rid] = Estimate(hits=[100 * rate] * k, tries=[100.0] * k)
+    limits = {rid: DraftBudget(policy.config.max_draft_nodes, k) for rid in acceptance}
+    budgets = policy.choose(fake_engine(requests), requests, limits, prior=[0.5] * k)
+    return {rid: budgets[rid].depth if rid in budgets else 0 for rid in acceptance}
+
+
+# ---- 1. synthetic cost tables --------------------------------------------------------------------------
+
+
+def test_nearly_free_rows_draft_the_maximum():
+    assert choose(policy_for(1e-4), {"a": 0.3, "b": 0.6, "c": 0.9}) == {"a": 4, "b": 4, "c": 4}
+
+
+def test_rows_that_cost_a_full_step_draft_nothing():
+    assert choose(policy_for(1.0), {"a": 0.3, "b": 0.6, "c": 0.95}) == {"a": 0, "b": 0, "c": 0}
+
+
+def test_in_between_only_the_requests_that_repay_draft():
+    # Four requests decode in a step of 4 rows (1.3 s); a row more costs 0.1 s, 7.7% of the step, and gains each
+    # request's survival over a quarter of the step's tokens, so only high acceptance repays it.
+    depths = choose(policy_for(0.1), {"low1": 0.1, "low2": 0.15, "high1": 0.9, "high2": 0.95})
+    assert depths["low1"] == depths["low2"] == 0
+    assert depths["high1"] >= 2 and depths["high2"] >= depths["high1"]
+
+
+def test_trees_are_cut_by_depth_and_the_histogram_counts_choices():
+    policy = policy_for(1e-4, method="eagle", model="head", topk=4, num_draft_tokens=13)  # 12 nodes at depth 4: 3 per depth
+    assert [policy.nodes(d) for d in range(5)] == [0, 3, 6, 9, 12]
+    requests = [decoding("a"), decoding("b")]
+    limits = {"a": DraftBudget(5, 4), "b": DraftBudget(12, 2)}  # room for 5 nodes; 2 tokens left before max_tokens
+    budgets = policy.choose(fake_engine(requests), requests, limits, prior=[0.9] * 4)
+    assert budgets == {"a": DraftBudget(3, 1), "b": DraftBudget(6, 2)}
+    assert dict(policy.chosen[2]) == {1: 1, 2: 1}
+    medusa = AdaptivePolicy(SpeculativeConfig(method="medusa", model="x", num_speculative_tokens=3,
+                                              medusa_choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0]], adaptive=True),
+                            linear_cost(1e-4), free_drafting())
+    assert [medusa.nodes(d) for d in range(4)] == [0, 2, 4, 5]
+
+
+def test_a_drafting_call_must_be_repaid_too():
+    def with_draft_cost(seconds):
+        policy = policy_for(1e-4)
+        policy.draft_cost = DraftCost()
+        for depth, nodes in ((1, 1), (2, 2), (4, 4)):  # the same seconds whatever it drafts
+            policy.draft_cost.add(depth, nodes, seconds)
+        return policy
+
+    # depth 4 at acceptance 0.9 expects 1 + 3.1 tokens: a step of 1 s plus the call, against 1 token in 1 s
+    assert choose(with_draft_cost(2.0), {"a": 0.9}) == {"a": 4}
+    assert choose(with_draft_cost(3.5), {"a": 0.9}) == {"a": 0}
+
+
+# ---- 2. following a request's acceptance -----------------------------------------------------------------
+
+
+class SwitchingStub(Drafter):
+    """Drafts the true continuation (plain greedy decoding's) while output position is in `right`, else wrong
+    tokens; records the depth it was asked for at each output position."""
+
+    def __init__(self, truth: dict, right):
+        self.truth, self.right, self.asked = truth, right, {}
+
+    def propose(self, engine, requests, budgets, step):
+        trees = {}
+        for r in requests:
+            n = r.num_output_tokens
+            upcoming = self.truth.get(tuple(r.token_ids[:r.num_prompt_tokens]), [])[n:]
+            depth = budgets[r.request_id].depth
+            self.asked[n] = depth
+            tokens = [t if self.right(n) else (t + 1) % 256 for t in upcoming[:depth]]
+            trees[r.request_id] = DraftTree.chain(tokens)
+        return trees
+
+
+def test_the_chosen_depth_follows_acceptance_and_recovers(tiny_llama, monkeypatch):
+    prompt = random_prompts([12], seed=5)
+    truth = plain_outputs(tiny_llama, prompt, SamplingParams(max_tokens=120, ignore_eos=True))[0]
+    # a row costs 30% of a step: depth 1 repays acceptance above 0.3
+    monkeypatch.setattr(cost, "load_or_measure", lambda engine, remeasure=False: linear_cost(0.3))
+    engine = make_engine(tiny_llama, {"method": "ngram", "num_speculative_tokens": 4, "adaptive": True},
+                         num_blocks=64, max_model_len=256)
+    stub = SwitchingStub({tuple(prompt[0]): truth}, lambda n: n < 40 or n >= 80)
+    engine.speculator.drafter = stub
+    engine.speculator.policy.draft_cost = free_drafting()
+    out = engine.generate(prompt, SamplingParams(max_tokens=120, ignore_eos=True))[0]
+    assert out.token_ids == truth
+    asked = dict(sorted(stub.asked.items()))
+    drafted_at = [n for n, depth in asked.items()]
+    # while right: drafts the maximum (each step jumps 5 tokens)
+    assert [asked[n] for n in drafted_at if 5 <= n < 40] and all(asked[n] == 4 for n in drafted_at if 5 <= n < 40)
+    # once wrong: within 5 steps no more drafts, and later only occasional probes, never two steps in a row
+    wrong_phase = [n for n in range(40, 80)]
+    probes = [n for n in wrong_phase if n in asked]
+    assert len(probes) <= 12, f"kept drafting while every draft was rejected: {probes}"
+    late = [n for n in probes if n >= 45]
+    assert len(late) <= 8 and all(b - a > 1 for a, b in zip(late, late[1:])), f"probes not sparse after the switch: {late}"
+    # right again: back to the maximum within a few steps
+    back = [n for n in drafted_at if n >= 80 and asked[n] == 4]
+    assert back and back[0] <= 95, f"never went back to drafting 4 after acceptance returned: {asked}"
+    summary = engine.speculator.policy.summary()
+    assert set(summary["chosen_depths"][1]) >= {0, 4}
+
+
+# ---- 3. exactness with the policy on ----------------------------------------------------------------------
+
+DRAFTERS = ["ngram", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp", "eagle-tree"]
+
+
+def drafter_spec(name, folder, heads_root) -> dict:
+    if name in ("ngram",):
+        return {"method": "ngram"}
+    if name == "draft_model":
+        return {"method": "draft_model", "model": str(folder)}
+    if name == "early_exit":
+        return {"method": "early_exit", "num_layers": 2}
+    from test_head_drafters import random_head_dir
+
+    kind = name.removesuffix("-tree")
+    spec = {"method": kind, "model": random_head_dir(kind, folder, heads_root)}
+    return spec | ({"topk": 3, "num_draft_tokens": 8} if name.endswith("-tree") else {})
+
+
+@pytest.fixture(scope="module")
+def heads_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("adaptive_heads")
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_adaptive_greedy_outputs_equal_plain_decoding(name, concurrency, tiny_llama, heads_root, monkeypatch):
+    # rows cost 5% of a step: cheap enough that requests draft, dear enough that some do not
+    monkeypatch.setattr(cost, "load_or_measure", lambda engine, remeasure=False: linear_cost(0.05))
+    prompts = random_prompts([3, 9, 17, 30, 41], seed=concurrency)
+    prompts[1] = prompts[1] * 4  # repeated text, which prompt lookup finds
+    spec = drafter_spec(name, tiny_llama, heads_root) | {"num_speculative_tokens": 3, "adaptive": True}
+    # four at a time share 120 tokens of K/V and 32 tokens a step: chunked prefill and preemption
+    pool = dict(num_blocks=256) if concurrency == 1 else dict(num_blocks=30, max_num_batched_tokens=32)
+    engine = make_engine(tiny_llama, spec, block_size=4, max_model_len=96, max_num_seqs=concurrency, **pool)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outputs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, prompts, params)
+    assert_pool_idle(engine)
+    chosen = engine.speculator.policy.summary()["chosen_depths"]
+    assert sum(n for depths in chosen.values() for d, n in depths.items() if d > 0), "the policy never drafted"
+    if concurrency == 4:
+        assert sum(o.metrics["num_preemptions"] for o in outputs) > 0, "no preemption: the pool is too roomy"
+
+
+def test_adaptive_keeps_the_sampled_law(v8_tree_target, monkeypatch):
+    import test_trees
+
+    monkeypatch.setattr(cost, "load_or_measure", lambda engine, remeasure=False: linear_cost(1e-4))
+    real = test_trees.make_engine
+
+    def adaptive_engine(folder, spec, **kwargs):
+        engine = real(folder, spec | {"adaptive": True}, **kwargs)
+        engine.speculator.policy.draft_cost = free_drafting()
+        engine.speculator.policy.nodes = lambda depth: 5 if depth == 2 else depth  # the stub's tree: 5 nodes, depth 2
+        return engine
+
+    monkeypatch.setattr(test_trees, "make_engine", adaptive_engine)
+    test_trees.test_sampled_tree_speculation_in_the_engine_keeps_the_target_law(v8_tree_target, False, 1.0, 0)
+
+
+@pytest.fixture(scope="module")
+def v8_tree_target(tmp_path_factory):
+    from serving.targets import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("v8_adaptive"), "llama", vocab_size=8, initializer_range=0.3)
+
+
+# ---- 4. the cost model and its cache ---------------------------------------------------------------------
+
+
+def test_step_cost_is_measured_once_then_read_from_the_cache(tiny_llama, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("DRAFTHEADS_CACHE_DIR", str(tmp_path))
+    engine = make_engine(tiny_llama, max_num_seqs=4)
+    measured = cost.load_or_measure(engine)
+    assert measured.rows[0] == 1 and len(measured.rows) >= 8 and all(s > 0 for s in measured.seconds)
+    assert measured.key["target"] == engine.fingerprint["id"] and measured.key["dtype"] == "float32"
+    (path,) = tmp_path.glob("step_cost-*.json")
+    calls = []
+    monkeypatch.setattr(cost, "measure", lambda engine: calls.append(1) or StepCost([1, 2], [1.0, 2.0], 0.0, 4))
+    assert cost.load_or_measure(engine).seconds == measured.seconds and not calls  # the cache, as measured
+
+    for spoiled in ("{not json", json.dumps({**json.loads(path.read_text()), "key": {"machine": "elsewhere"}}),
+                    json.dumps({**json.loads(path.read_text()), "seconds": [1.0]})):
+        path.write_text(spoiled)
+        with caplog.at_level(logging.WARNING, logger="serving.spec.cost"):
+            caplog.clear()
+            again = cost.load_or_measure(engine)
+        assert calls and again.seconds == [1.0, 2.0], "a spoiled cache was trusted"
+        assert "measuring again" in caplog.text
+        calls.clear()
+        path.write_text(json.dumps({**json.loads(path.read_text()), "key": measured.key} | {"seconds": measured.seconds,
+                                                                                            "rows": measured.rows}))
+    assert cost.load_or_measure(engine, remeasure=True).seconds == [1.0, 2.0] and calls
+
+
+def test_step_cost_predicts_between_and_past_the_measured_rows():
+    model = StepCost(rows=[1, 2, 4, 8], seconds=[1.0, 1.0, 1.4, 2.2], per_seq=0.05, context=16)
+    assert model.predict(1) == 1.0
+    assert model.predict(3) == pytest.approx(1.2)
+    assert model.predict(16) == pytest.approx(3.8)  # the last slope, 0.2 per row, carried on
+    assert model.predict(4, num_seqs=3) == pytest.approx(1.5)
+    assert "| 8 | 2200.00 | 2.20x |" in model.table()
+
+
+def test_draft_cost_fits_its_calls():
+    draft = DraftCost()
+    for depth in (1, 2, 4):
+        for nodes in (1, 4, 9):
+            draft.add(depth, nodes, 0.002 + 0.003 * depth + 0.0005 * nodes)
+    assert draft.predict(3, 6) == pytest.approx(0.002 + 0.009 + 0.003)
+    assert draft.predict(0, 0) == 0.0
+
+
+def test_adaptive_engine_calibrates_and_reports(tiny_llama):
+    engine = make_engine(tiny_llama, {"method": "ngram", "num_speculative_tokens": 3, "adaptive": True})
+    policy = engine.speculator.policy
+    assert engine.speculator.is_calibrated and policy.draft_cost.num_calls >= 3
+    assert engine.speculator.stats.num_steps == 0 and not policy.timings, "calibration's steps were kept"
+    engine.generate(random_prompts([20, 8], seed=1), SamplingParams(max_tokens=12, ignore_eos=True))
+    summary = policy.summary()
+    assert summary["step_time"] and all(b["measured_ms"] > 0 for b in summary["step_time"])
+    assert sum(sum(depths.values()) for depths in summary["chosen_depths"].values()) > 0, summary
+    with pytest.raises(ValueError, match="adaptive"):
+        SpeculativeConfig(method="ngram", adaptive="yes")
+    assert SpeculativeConfig(method="ngram", adaptive=True).label() == "ngram adaptive"
