@@ -12,12 +12,12 @@ from pathlib import Path
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_only
 
 import heads
 
 
 def _log_dir(trainer) -> Path:
+    """The run's folder. Under several processes trainer.log_dir broadcasts rank 0's: every rank must ask."""
     return Path(trainer.log_dir or trainer.default_root_dir)
 
 
@@ -61,9 +61,10 @@ class ExportHeads(Callback):
             "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }}
 
-    @rank_zero_only
     def _save(self, trainer, pl_module, name: str) -> None:
-        heads.save(pl_module.head, self.folder(trainer) / name, self.metadata(trainer, pl_module))
+        folder = self.folder(trainer)
+        if trainer.is_global_zero:
+            heads.save(pl_module.head, folder / name, self.metadata(trainer, pl_module))
 
     def on_validation_end(self, trainer, pl_module) -> None:
         score = trainer.callback_metrics.get(self.monitor)
@@ -109,10 +110,12 @@ class AccuracyChart(Callback):
     """At the end of fit, charts the last validation's conditional accuracy per draft position: a bar chart in
     Weights & Biases when it logs there, and accuracy_by_position.png in the log folder always."""
 
-    @rank_zero_only
     def on_fit_end(self, trainer, pl_module) -> None:
         accuracy = pl_module.val_accuracy
         if not accuracy:
+            return
+        folder = _log_dir(trainer)
+        if not trainer.is_global_zero:
             return
         import matplotlib
 
@@ -126,7 +129,6 @@ class AccuracyChart(Callback):
         axes.set(xlabel="draft position", ylabel="conditional accuracy", ylim=(0, 1), xticks=positions,
                  title=f"{pl_module.kind}: simulated tau {tau:.2f} at k={len(accuracy)}")
         figure.tight_layout()
-        folder = _log_dir(trainer)
         folder.mkdir(parents=True, exist_ok=True)
         figure.savefig(folder / "accuracy_by_position.png", dpi=100)
         plt.close(figure)

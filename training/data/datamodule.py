@@ -12,7 +12,8 @@ batched with others of similar length: each epoch shuffles the examples with a g
 sorts pools of `num_pool_batches` batches by length, cuts them into batches and shuffles the batches. The train
 loader saves its place in the epoch in checkpoints, so a run resumed mid-epoch sees the rest of that epoch's
 batches. Under several processes each rank takes every world_size-th batch (so set use_distributed_sampler:
-false in the Trainer). Validation reads the store's held-out split (Store.split: by a hash of each example id).
+false in the Trainer) and validates every world_size-th held-out example. Validation reads the store's held-out
+split (Store.split: by a hash of each example id).
 """
 from __future__ import annotations
 
@@ -86,21 +87,26 @@ class LengthBatches(Sampler[list[int]]):
         self._resume_at = (epoch, num_seen)
 
     def _batches(self) -> list[list[int]]:
+        if not self.shuffle:  # validation: this rank's share of the examples, by length, so every rank has some
+            share = sorted(range(self.rank, len(self.lengths), self.num_replicas), key=lambda i: self.lengths[i])
+            if not share:
+                raise ValueError(f"{len(self.lengths)} held-out examples cannot be shared by {self.num_replicas} "
+                                 "processes: raise data.heldout_fraction or generate more examples")
+            return [share[i:i + self.batch_size] for i in range(0, len(share), self.batch_size)]
         order = torch.arange(len(self.lengths))
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        if self.shuffle:
-            order = order[torch.randperm(len(order), generator=generator)]
-        pool_size = self.num_pool_batches * self.batch_size if self.shuffle else len(order)
+        order = order[torch.randperm(len(order), generator=generator)]
+        pool_size = self.num_pool_batches * self.batch_size
         batches = []
         for start in range(0, len(order), max(1, pool_size)):
             pool = sorted(order[start:start + pool_size].tolist(), key=lambda i: self.lengths[i])
             batches += [pool[i:i + self.batch_size] for i in range(0, len(pool), self.batch_size)]
-        if self.shuffle:
-            batches = [batches[i] for i in torch.randperm(len(batches), generator=generator)]
-            if len(batches) < self.num_replicas:
-                raise ValueError(f"{len(batches)} training batches cannot be shared by {self.num_replicas} processes: "
-                                 "lower data.batch_size or train on more examples")
-            batches = batches[:len(batches) - len(batches) % self.num_replicas]  # every rank steps as often
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=generator)]
+        if len(batches) < self.num_replicas:
+            raise ValueError(f"{len(batches)} training batches cannot be shared by {self.num_replicas} processes: "
+                             "lower data.batch_size or train on more examples")
+        batches = batches[:len(batches) - len(batches) % self.num_replicas]  # every rank steps as often
+        # Global step k trains batches[k * world_size:(k + 1) * world_size], one per rank.
         return batches[self.rank::self.num_replicas]
 
     def __iter__(self):
@@ -114,7 +120,8 @@ class LengthBatches(Sampler[list[int]]):
 
 class ResumableLoader(DataLoader):
     """A DataLoader over LengthBatches whose place in the epoch travels in Lightning's checkpoints (Lightning calls
-    state_dict and load_state_dict on loaders that have them)."""
+    state_dict and load_state_dict on loaders that have them; DraftDataModule carries it too). Iterating starts at
+    the first batch drawn, not at iter(), so a place loaded after Lightning's iter() still applies."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -162,6 +169,8 @@ class DraftDataModule(LightningDataModule):
         self.mode = mode
         self.store: Store | None = None
         self.train_set = self.val_set = None
+        self.train_loader: ResumableLoader | None = None
+        self.train_position: dict | None = None  # a checkpoint's place in the epoch, for the next train loader
 
     def setup(self, stage: str) -> None:
         if self.store is not None:
@@ -196,7 +205,21 @@ class DraftDataModule(LightningDataModule):
                       pin_memory=pin_memory, persistent_workers=p.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        self.train_loader = self._loader(self.train_set, shuffle=True)
+        if self.train_position is not None:
+            self.train_loader.load_state_dict(self.train_position)
+        return self.train_loader
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)
+
+    # Lightning hands a loader its saved state only if it builds the loader after restoring the checkpoint's loops,
+    # but under max_epochs configure_optimizers' trainer.estimated_stepping_batches builds it before: the resumed
+    # epoch then started over at its first batch. The data module, restored before either, carries the place.
+    def state_dict(self) -> dict:
+        return {} if self.train_loader is None else {"train_position": self.train_loader.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.train_position = state.get("train_position")
+        if self.train_loader is not None and self.train_position is not None:  # strategies that restore after setup
+            self.train_loader.load_state_dict(self.train_position)
