@@ -53,7 +53,8 @@ def config_with_batch_log(kind: str, path: Path, log: Path, kill_at_step: int | 
     if every_n_train_steps is not None:
         [steps] = [c["init_args"] for c in callbacks if "every_n_train_steps" in c.get("init_args", {})]
         steps["every_n_train_steps"] = every_n_train_steps
-    callbacks.append({"class_path": "batch_log.BatchLog", "init_args": {"folder": str(log), "kill_at_step": kill_at_step}})
+    callbacks.append({"class_path": "batch_log.BatchLog",
+                      "init_args": {"folder": str(log), "kill_at_step": kill_at_step}})
     path.write_text(yaml.safe_dump(config))
     return path
 

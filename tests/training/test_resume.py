@@ -56,12 +56,13 @@ def test_a_run_resumed_from_a_validation_checkpoint_mid_epoch_trains_the_rest_of
     # 11 training examples in batches of 1: validation (and last.ckpt) after batches 4 and 8 of each epoch.
     args = fit_args("eagle", "debug", debug_store, "--data.batch_size=1", "--trainer.max_epochs=2",
                     "--trainer.val_check_interval=4", "--model.init_args.warmup_steps=2")
-    whole = fit(args, Path("whole"))
     with pytest.raises(Interrupted):
         fit(args, Path("interrupted"), Interrupt(step=6))
     assert torch.load("runs/eagle/checkpoints/last.ckpt", weights_only=False)["global_step"] == 4
     resumed = fit(args, Path("resumed"), ckpt_path="runs/eagle/checkpoints/last.ckpt")
-    trained = [batch for batch in read(Path("interrupted/rank0.jsonl")) if batch["step"] < 4] + read(Path("resumed/rank0.jsonl"))
+    whole = fit(args, Path("whole"))
+    before = [batch for batch in read(Path("interrupted/rank0.jsonl")) if batch["step"] < 4]
+    trained = before + read(Path("resumed/rank0.jsonl"))
     assert trained == read(Path("whole/rank0.jsonl"))
     for name, tensor in whole.model.head.state_dict().items():
         torch.testing.assert_close(resumed.model.head.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
@@ -103,7 +104,7 @@ def test_a_fit_killed_after_a_step_checkpoint_resumes_from_last_as_if_never_kill
 
 def test_a_checkpoint_write_cut_short_leaves_the_previous_checkpoint_whole(debug_store, tmp_path, monkeypatch):
     cli = build_cli(fit_args("eagle", "debug", debug_store), run=False)
-    assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO), "the configs write checkpoints atomically"
+    assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO), "the configs write through it"
     io, path = AtomicCheckpointIO(), tmp_path / "last.ckpt"
     io.save_checkpoint({"global_step": 1}, path)
 
