@@ -85,13 +85,15 @@ class OpenAIServer:
         body = parse(ChatCompletionRequest, await _json(request))
         self._check_model(body.model)
         prompt_ids = self._encode([message.to_engine() for message in body.messages])
-        return await self._serve(request, body, prompt_ids, Reply(self.model_name, chat=True), body.logprobs)
+        reply = Reply(self.model_name, chat=True, with_token_ids=body.return_token_ids)
+        return await self._serve(request, body, prompt_ids, reply, body.logprobs)
 
     async def completions(self, request: Request):
         body = parse(CompletionRequest, await _json(request))
         self._check_model(body.model)
         prompt_ids = self._encode(body.prompt)
-        return await self._serve(request, body, prompt_ids, Reply(self.model_name, chat=False), body.logprobs == 0)
+        reply = Reply(self.model_name, chat=False, with_token_ids=body.return_token_ids)
+        return await self._serve(request, body, prompt_ids, reply, body.logprobs == 0)
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
@@ -175,7 +177,7 @@ class OpenAIServer:
                     done = True
                     output = event.output
                     logprobs = reply.logprobs(self.tokenizer, output.token_ids, output.logprobs)
-                    return reply.whole(output.text, output.finish_reason, logprobs, usage.of(output))
+                    return reply.whole(output, logprobs, usage.of(output))
         finally:
             if not done:
                 self.loop.abort(stream.request_id)
@@ -226,8 +228,8 @@ class Usage:
 class Reply:
     """The shape of one answer: a chat completion or a text completion, whole or as chunks."""
 
-    def __init__(self, model: str, chat: bool):
-        self.model, self.chat = model, chat
+    def __init__(self, model: str, chat: bool, with_token_ids: bool = False):
+        self.model, self.chat, self.with_token_ids = model, chat, with_token_ids
         self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -236,10 +238,14 @@ class Reply:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def whole(self, text: str, finish_reason: str, logprobs, usage: dict) -> dict:
-        choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
-        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
-        return {**self._envelope(self.object, [choice]), "usage": usage}
+    def whole(self, output, logprobs, usage: dict) -> dict:
+        choice = {"index": 0, "logprobs": logprobs, "finish_reason": output.finish_reason}
+        choice.update({"message": {"role": "assistant", "content": output.text}} if self.chat else {"text": output.text})
+        if not self.with_token_ids:
+            return {**self._envelope(self.object, [choice]), "usage": usage}
+        # vLLM's layout: the answer's ids (a stop token included) in the choice, the prompt's beside the choices
+        choice["token_ids"] = list(output.token_ids)
+        return {**self._envelope(self.object, [choice]), "prompt_token_ids": list(output.prompt_token_ids), "usage": usage}
 
     def chunk(self, text: str, finish_reason: str | None = None, logprobs=None, role: str | None = None) -> dict:
         choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -2,7 +2,7 @@
 
 Every field a body may carry is declared; any other is refused by name (`extra="forbid"`), so a client never
 believes a sampling option took effect when it did not. Beside OpenAI's fields they take vLLM's extra sampling
-fields (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos). `user` is accepted and ignored: it only
+fields (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos) and return_token_ids. `user` is accepted and ignored: it only
 labels the caller. Ranges are checked once, by SamplingParams.
 """
 from __future__ import annotations
@@ -70,12 +70,16 @@ class SamplingFields(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
+    return_token_ids: bool = False  # vLLM's extra field: the prompt's and the answer's token ids beside the text
 
     def check(self) -> None:
         if self.n != 1:
             raise APIError(400, f"n={self.n} is not supported: this server returns one choice per request (n=1)", "n")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+        if self.return_token_ids and self.stream:
+            raise APIError(400, "return_token_ids is only supported for whole answers (stream: false)",
+                           "return_token_ids")
 
     @property
     def include_usage(self) -> bool:
