@@ -20,6 +20,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from serving.request import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,8 @@ class EngineLoop:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, Stream] = {}
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        # OpenMP's thread count is per calling thread: the engine thread takes the one set where the engine was built.
+        self.num_threads = torch.get_num_threads()
         self.closed = False  # set once the loop has ended; the lock orders it against submissions
         self.drain_deadline: float | None = None  # engine thread only
         self._lock = threading.Lock()
@@ -125,6 +129,7 @@ class EngineLoop:
     # ---- the engine thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        torch.set_num_threads(self.num_threads)
         try:
             while self._take_inbox(wait=not self.engine.has_unfinished()):
                 if self.drain_deadline is not None and time.perf_counter() >= self.drain_deadline and self.streams:
@@ -132,12 +137,10 @@ class EngineLoop:
                 if not self.engine.has_unfinished():
                     continue
                 try:
-                    finished = self.engine.step()
+                    self._publish(self.engine.step())
                 except Exception:
                     log.exception("an engine step failed; failing every request in flight")
                     self._fail_all(500, "the engine failed while serving this request; see the server's log")
-                    continue
-                self._publish(finished)
         finally:
             self._fail_all(503, "the server is shutting down")
             self._refuse_inbox()
@@ -179,6 +182,10 @@ class EngineLoop:
             self.engine.add_request(prompt, params, stream.request_id)
         except ValueError as error:
             stream.put(Failed(400, str(error)))
+            return
+        except Exception as error:  # a bug, not bad input: the request fails, the loop goes on
+            log.exception("adding request %s failed", stream.request_id)
+            stream.put(Failed(500, f"the engine could not take this request: {type(error).__name__}: {error}"))
             return
         num_prompt_tokens = self.engine.requests[stream.request_id].num_prompt_tokens
         self.streams[stream.request_id] = stream

@@ -33,6 +33,7 @@ HELP = {
     "max_num_seqs": "most requests in the running batch; later ones wait",
     "max_num_batched_tokens": "tokens per engine step; longer prompts are prefilled in chunks",
     "max_model_len": "most tokens per request, prompt and completion (default: the target's maximum)",
+    "num_threads": "torch (and kernel) threads of the engine (default: torch's, one per core)",
     "shutdown_timeout": "seconds the requests in flight get to finish after SIGTERM before they are aborted",
     "log_level": "uvicorn's and the server's log level",
 }
@@ -53,13 +54,16 @@ class ServeConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
+    num_threads: int | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     access_log: bool = False
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_threads"):
             value = getattr(self, name)
+            if name == "num_threads" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 1")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -78,7 +82,8 @@ class ServeConfig:
 
 def add_arguments(parser) -> None:
     types = {"port": int, "block_size": int, "kv_cache_memory_gib": float, "max_num_seqs": int,
-             "max_num_batched_tokens": int, "max_model_len": int, "shutdown_timeout": float}
+             "max_num_batched_tokens": int, "max_model_len": int, "num_threads": int,
+             "shutdown_timeout": float}
     add_options(parser, ServeConfig, HELP, types, {
         "config": {"metavar": "FILE"}, "speculative_config": {"metavar": "JSON"}, "dtype": {"choices": list(DTYPES)},
         "log_level": {"choices": LOG_LEVELS}})
@@ -101,7 +106,7 @@ def run(args) -> None:
     engine = Engine(config.target, dtype=config.dtype, device=config.device, block_size=config.block_size,
                     kv_cache_memory_gib=config.kv_cache_memory_gib, max_num_seqs=config.max_num_seqs,
                     max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
-                    speculative_config=config.speculative_config)
+                    speculative_config=config.speculative_config, num_threads=config.num_threads)
     model_name = config.served_model_name or config.target
     app = build_app(engine, model_name)
     listener = listen(config.host, config.port)
