@@ -99,6 +99,11 @@ def add_arguments(parser) -> None:
         "concurrency": {"nargs": "+", "metavar": "N"}, "temperature": {"nargs": "+", "metavar": "T"},
         "baseline": {"choices": ["hf"]}, "dtype": {"choices": DTYPES}, "json": {"metavar": "PATH"},
         "out": {"metavar": "DIR"}})
+    parser.add_argument("--cost-model", action="store_true",
+                        help="print the target's step-cost table on this device (what the adaptive policy prices steps "
+                             "with: forward time by rows and sequences, from the cache or measured now) and exit")
+    parser.add_argument("--remeasure", action="store_true",
+                        help="with --cost-model: measure the table again instead of reading the cache")
 
 
 def run(args) -> None:
@@ -107,7 +112,15 @@ def run(args) -> None:
     from serving.report import summary_markdown, write_report
     from serving.sweep import Setting, run_settings
 
-    config = BenchConfig(**merge_options(vars(args), [f.name for f in fields(BenchConfig)]))
+    options = vars(args)
+    show_cost_model, remeasure = options.pop("cost_model", False), options.pop("remeasure", False)
+    config = BenchConfig(**merge_options(options, [f.name for f in fields(BenchConfig)]))
+    if show_cost_model:
+        from serving.spec.cost import load_or_measure
+
+        engine = Engine(config.target, dtype=config.dtype, block_size=config.block_size, device=config.device)
+        print(load_or_measure(engine, remeasure=remeasure).table())
+        return
     dataset = load_prompts(config.prompts, config.num_prompts)
     messages = [first_turn(m) for m in dataset["messages"]]
     engine = Engine(config.target, dtype=config.dtype, block_size=config.block_size,

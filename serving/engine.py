@@ -225,10 +225,14 @@ class Engine:
             if row >= 0 and not request.finish_reason:
                 rows = slice(row, row + 1 + len(request.spec_tree))
                 self._emit(request, out.logits[rows], best[rows], accepted_paths)
-            self.block_manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
             # A capturing request runs one more step over its last token, so every token has its hidden state.
             is_capture_pending = self.capture_hidden and request.num_computed_tokens < request.num_tokens
-            if request.finish_reason and not is_capture_pending:
+            is_finishing = request.finish_reason and not is_capture_pending
+            if is_finishing and self.speculator:
+                self.speculator.drafter.settle(self, request)
+            if is_finishing or not self.speculator:
+                self._cache_blocks(request)
+            if is_finishing:
                 self.scheduler.finish(request, request.finish_reason)
                 finished.append(self.output(request))
                 del self.requests[request.request_id]
@@ -237,7 +241,14 @@ class Engine:
                     self.speculator.reset(request)
         if self.speculator:
             self.speculator.propose(self, StepOutputs(batch, out, accepted_paths, forward_s))
+            for request, _ in scheduled.scheduled:  # after the drafter has seen the step: its pool decides too
+                if not request.is_finished:
+                    self._cache_blocks(request)
         return finished
+
+    def _cache_blocks(self, request: Request) -> None:
+        num = min(request.num_computed_tokens, request.num_tokens)
+        self.block_manager.cache_blocks(request, self.speculator.drafter.num_settled(request, num) if self.speculator else num)
 
     def _emit(self, request: Request, logits: torch.Tensor, best: list[int], accepted_paths: dict) -> None:
         """logits: [1 + draft nodes, vocab]; best: each row's argmax. Plain decoding samples one token; speculation

@@ -8,6 +8,8 @@ one is cut. What a drafter reads from the target's pass is declared here, never 
 - `num_lookahead`: tokens after a block that its own K/V there depends on, so that the prefix cache shares a block
   only where those tokens agree too (EAGLE and MTP: their entry at position p reads token p + 1).
 `observe(engine, step)` runs every step, before `propose`, for drafters that catch up over what the target kept;
+a drafter with a pool of its own may defer that work until a request drafts (`num_settled` then tells the prefix
+cache which of a request's tokens the pool holds, and `settle` completes a finishing request's pool);
 `reset(request)` forgets a request that finished or was preempted.
 """
 from __future__ import annotations
@@ -35,6 +37,15 @@ class Drafter(abc.ABC):
 
     def observe(self, engine, step) -> None:
         """Catch up over the tokens the target kept this step (drafters with a pool of their own)."""
+
+    def num_settled(self, request, num_computed: int) -> int:
+        """How many of the request's first `num_computed` tokens this drafter's pool holds: the prefix cache shares a
+        block only where both pools do (a drafter without a pool, or one that never defers: all of them)."""
+        return num_computed
+
+    def settle(self, engine, request) -> None:
+        """A request is finishing and still holds its blocks: complete what its pool lacks, so that the blocks it
+        leaves to the prefix cache are whole."""
 
     def reset(self, request) -> None:
         """Forget a request."""

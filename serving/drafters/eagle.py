@@ -2,13 +2,19 @@
 of their own over a K/V pool addressed by the target's block tables, drafting EAGLE-2's dynamic tree
 (drafters/tree_search.py; topk 1 is a chain).
 
-Every step the head catches up over the tokens the target computed and kept (the pair (h_p, x_{p+1}) at position p,
-reading the target's hidden rows of the verify pass, the accepted path's among them), which rewrites its pool from
-the kept tokens, so rollback and preemption need nothing. Its newest output gives the first depth of the tree; each
+The head catches up over the tokens the target computed and kept (the pair (h_p, x_{p+1}) at position p, reading the
+target's hidden rows of the verify pass, the accepted path's among them), which rewrites its pool from the kept
+tokens, so rollback needs nothing. It does so lazily: each step notes the kept pairs with their feature rows, and the
+head runs over a request's pending pairs, in one forward with the others drafted, only when the request drafts next
+(or finishes, so that the blocks it leaves to the prefix cache hold the head's K/V too; blocks with pending pairs
+are not shared before then). A request that does not draft, as the adaptive policy often chooses at larger batches,
+costs the head nothing. Its newest output gives the first depth of the tree; each
 further depth runs the head once over the nodes being expanded, every node at its position and attending to the
 context and its own path, whose K/V sit in a scratch region of the pool past the target's blocks.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +24,13 @@ from serving.drafters.head import Confidence, top_log_probs
 from serving.drafters.runner import flatten
 from serving.drafters.tree_search import grow
 from serving.spec.tree import path_to
+
+
+@dataclass
+class Pending:
+    start: int  # position of the first pair
+    tokens: list[int]  # x_{p+1} of each pair
+    features: list[torch.Tensor]  # [pairs, features] per step that kept some
 
 
 class EagleDrafter(Drafter):
@@ -37,7 +50,8 @@ class EagleDrafter(Drafter):
         num_scratch_blocks = -(-self.max_requests * self.num_scratch // engine.block_size)
         self.cache = KVCache(1, engine.cache.num_blocks + num_scratch_blocks, engine.block_size, layer.num_kv_heads,
                              layer.head_dim, engine.dtype, engine.device)
-        self.newest: dict[str, torch.Tensor] = {}
+        self.pending: dict[str, Pending] = {}  # request id -> kept pairs the head has not run over yet
+        self.newest: dict[str, torch.Tensor] = {}  # request id -> the head's output at its newest pair, until drafted
 
     def _features(self, step, rows: torch.Tensor) -> torch.Tensor:
         if self.kind == "eagle3":
@@ -60,28 +74,64 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def observe(self, engine, step):
-        """Catch up over every token the target computed and kept this step: the pair (h_p, x_{p+1}) at
-        position p. Keeps each request's newest output, which its first draft reads."""
-        chunks, rows, last = [], [], {}
+        """Notes every token the target computed and kept this step: the pair (h_p, x_{p+1}) at position p, with its
+        feature row. The head runs over them when the request drafts next, or finishes (`catch_up`)."""
+        rows, owners = [], []
         for request in step.batch.requests:
             if request.is_finished:
                 continue
             kept, start = step.kept_rows(request)
-            chunks.append((request.token_ids[start + 1:start + 1 + len(kept)], start, request.block_ids))
-            rows.extend(kept)
-            last[request.request_id] = len(rows) - 1
-        self.newest = {}
+            if kept:
+                rows.extend(kept)
+                owners.append((request, start, len(kept)))
+        if not rows:
+            return
+        features = self._features(step, torch.tensor(rows, device=self.device))  # [rows, features]
+        first = 0
+        for request, start, num in owners:
+            chunk = self.pending.setdefault(request.request_id, Pending(start, [], []))
+            assert chunk.start + len(chunk.tokens) == start, "kept tokens follow the pending ones"
+            chunk.tokens += request.token_ids[start + 1:start + 1 + num]
+            chunk.features.append(features[first:first + num])
+            first += num
+
+    @torch.inference_mode()
+    def catch_up(self, requests) -> None:
+        """Runs the head over the pending pairs of `requests` in one forward, writing their K/V into the pool; keeps
+        each one's newest output, which its first draft reads."""
+        chunks, features, last = [], [], {}
+        for request in requests:
+            chunk = self.pending.pop(request.request_id, None)
+            if chunk is None:
+                continue
+            chunks.append((chunk.tokens, chunk.start, request.block_ids))
+            features += chunk.features
+            last[request.request_id] = sum(len(c[0]) for c in chunks) - 1
         if not chunks:
             return
         ids, positions, meta, _ = flatten(chunks, self.block_size, self.device)
-        out = self._forward(ids, self._features(step, torch.tensor(rows, device=self.device)), positions, meta)
-        self.newest = {rid: out[row] for rid, row in last.items()}  # [hidden] each
+        out = self._forward(ids, torch.cat(features), positions, meta)
+        self.newest.update({rid: out[row] for rid, row in last.items()})  # [hidden] each
+
+    def num_settled(self, request, num_computed):
+        chunk = self.pending.get(request.request_id)
+        return min(num_computed, chunk.start) if chunk else num_computed
+
+    def settle(self, engine, request) -> None:
+        self.catch_up([request])
+
+    def reset(self, request) -> None:
+        self.pending.pop(request.request_id, None)
+        self.newest.pop(request.request_id, None)
 
     def propose(self, engine, requests, budgets, step):
+        self.catch_up(requests)
         requests = [r for r in requests if r.request_id in self.newest]
         trees = {}
         for first in range(0, len(requests), self.max_requests):  # more only if max_num_seqs grew since
             trees.update(self._draft(requests[first:first + self.max_requests], budgets))
+        for request in requests:
+            del self.newest[request.request_id]  # it is drafted from once
         return trees
 
     @torch.inference_mode()

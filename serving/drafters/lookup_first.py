@@ -4,8 +4,8 @@ the head drafts (its tree, when it drafts one) only for the requests where the l
 
 The two fail in different places. Lookup proposes long runs that are accepted whole when the answer copies
 earlier text (code, names, lists) and nothing elsewhere; a head trained on little data predicts one or two tokens
-of ordinary prose. Requests drafted by lookup also skip the head's draft forwards. The head still catches up over
-every kept token each step, so it can draft at the next step whichever drafted this one.
+of ordinary prose. Requests drafted by lookup also skip the head's draft forwards (and its catch-up, until the head
+drafts for them again).
 """
 from __future__ import annotations
 
@@ -29,6 +29,12 @@ class LookupFirst(Drafter):
         if rest:
             trees.update(self.head.propose(engine, rest, budgets, step))
         return trees
+
+    def num_settled(self, request, num_computed):
+        return self.head.num_settled(request, num_computed)
+
+    def settle(self, engine, request):
+        self.head.settle(engine, request)
 
     def reset(self, request):
         self.head.reset(request)

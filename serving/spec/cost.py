@@ -1,9 +1,10 @@
 """What a step costs on this device, measured, never entered by hand: the adaptive policy's price list.
 
 `StepCost`: seconds of one target forward as a function of the rows it computes and the sequences they belong to,
-`f(rows) + per_seq * (seqs - 1)`, with f piecewise linear through medians measured at engine start over the rows of
+`f(rows) + per_seq * (seqs - 1)`, with f piecewise linear through times measured at engine start over the rows of
 one sequence (a draft tree; the linear layers, which dominate, cost the same for any shape of the same rows) and
 per_seq fitted on one row for each of several sequences (the extra attention and bookkeeping a sequence brings).
+Each time is the fastest of a few interleaved repeats: another process on the same cores only ever slows a run.
 The context is fixed at measurement (`context`): on the CPU attention over a few hundred tokens is a small part of
 a step. Measuring takes a few seconds; the result is cached per machine, target, dtype, device and block size
 (`DRAFTHEADS_CACHE_DIR`, default ~/.cache/draftheads), and a cache file that does not parse or was measured for
@@ -20,7 +21,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,7 +41,7 @@ VERSION = 1
 @dataclass
 class StepCost:
     rows: list[int]  # measured rows of one step, ascending
-    seconds: list[float]  # median seconds of a forward over that many rows of one sequence
+    seconds: list[float]  # fastest seconds of a forward over that many rows of one sequence, of `repeats`
     per_seq: float  # seconds each further sequence adds
     context: int  # tokens each sequence had in the K/V cache while measured
     key: dict = field(default_factory=dict)  # what was measured: machine, target, dtype, device, block size
@@ -103,7 +103,7 @@ def cache_dir() -> Path:
 
 
 @torch.inference_mode()
-def measure(engine, repeats: int = 3) -> StepCost:
+def measure(engine, repeats: int = 5) -> StepCost:
     """Times the engine's model over the K/V pool's blocks while no request holds them (the engine is idle): one
     sequence with a tree of rows - 1 nodes for each of ROWS, and one row for each of SEQS sequences, interleaved so
     that drift hits every size alike."""
@@ -142,9 +142,9 @@ def measure(engine, repeats: int = 3) -> StepCost:
     for _ in range(repeats):
         for kind, n in times:
             times[kind, n].append(tree_step(n) if kind == "rows" else seqs_step(n))
-    seconds = [statistics.median(times["rows", n]) for n in rows]
+    seconds = [min(times["rows", n]) for n in rows]
     cost = StepCost(rows, seconds, 0.0, context)
-    extra = [(s - 1, statistics.median(times["seqs", s]) - cost.predict(s)) for s in seqs]
+    extra = [(s - 1, min(times["seqs", s]) - cost.predict(s)) for s in seqs]
     if extra:  # least squares through the origin
         cost.per_seq = max(0.0, sum(x * y for x, y in extra) / sum(x * x for x, _ in extra))
     return cost

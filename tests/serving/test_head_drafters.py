@@ -478,6 +478,49 @@ def test_paged_drafts_equal_dense_drafts_after_prefix_cache_hits(kind, tiny_llam
     assert not mismatches, f"{len(mismatches)} of {num_checked} proposals differ:\n" + "\n".join(mismatches[:10])
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
+def test_a_head_that_skips_steps_catches_up_when_it_next_drafts(kind, tiny_llama, heads_root):
+    """Requests draft only at their first output token and every 16th after (the others get no budget, as the
+    adaptive policy often chooses), so the head's catch-up over the pairs kept meanwhile waits until a request
+    drafts again and then runs in one forward: its drafts equal the dense head's. A block with pending pairs is not
+    shared: a request that arrives while A's pairs from position 19 on are pending reuses 16 tokens of A's, not
+    28, and drafts as the dense head does. A finishing request settles its pairs first, so the blocks it leaves to
+    the prefix cache give the next request the dense drafts as well."""
+    head_dir = random_head_dir(kind, tiny_llama, heads_root)
+    engine = make_engine(tiny_llama, spec_config(kind, head_dir), max_num_seqs=4)
+    assert engine.block_size == 4
+    grant = engine.scheduler.draft_budgets
+    engine.scheduler.draft_budgets = lambda requests, most: {
+        rid: n if r.num_output_tokens % 16 == 1 else 0 for r, (rid, n) in zip(requests, grant(requests, most).items())}
+    drafter = engine.speculator.drafter
+    proposals = record_proposals(engine)
+    a = engine.add_request(PROMPTS[3], greedy(24))  # 18 prompt tokens
+    while engine.requests[a].num_output_tokens < 14:
+        engine.step()
+    tails = random_prompts((5, 3), seed=44)
+    b = engine.add_request(engine.requests[a].token_ids[:30] + tails[0], greedy(8))
+    finished = []
+    while engine.has_unfinished():
+        finished += engine.step()
+    done_a = next(o for o in finished if o.request_id == a)
+    # A drafted last at output 17: its pairs from position 35 on were pending when it finished
+    c = engine.add_request((done_a.prompt_token_ids + done_a.token_ids)[:41] + tails[1], greedy(8))
+    while engine.has_unfinished():
+        finished += engine.step()
+    outputs = {o.request_id: o for o in finished}
+    cached = {rid: outputs[rid].metrics["num_cached_tokens"] for rid in (a, b, c)}
+    assert cached == {a: 0, b: 16, c: 40}, "b may share only A's blocks the head holds; c all of A's, settled"
+    prompts = [outputs[rid].prompt_token_ids for rid in (a, b, c)]
+    assert [outputs[rid].token_ids for rid in (a, b, c)] == [plain_outputs(tiny_llama, [p], n)[0]
+                                                             for p, n in zip(prompts, (24, 8, 8))]
+    assert not drafter.pending and not drafter.newest, "a finished request left state behind"
+    head = load_as_drafted(head_dir, tiny_llama)
+    finals = {rid: o.prompt_token_ids + o.token_ids for rid, o in outputs.items()}
+    num_checked, mismatches = check_against_dense(tiny_llama, head, proposals, finals)
+    assert {p.request_id for p in proposals} == {a, b, c} and num_checked >= 4
+    assert not mismatches, f"{len(mismatches)} of {num_checked} proposals differ:\n" + "\n".join(mismatches[:10])
+
+
 def test_paged_drafts_equal_dense_drafts_when_the_prefix_was_cached_before_the_head(tiny_llama, heads_root):
     """Blocks cached by plain decoding, then set_speculative_config switches an EAGLE head on: the head's pool
     holds nothing for them, so the switch forgets the prefix cache and the request drafts from K/V it wrote."""
