@@ -288,3 +288,13 @@ def test_adaptive_engine_calibrates_and_reports(tiny_llama):
     with pytest.raises(ValueError, match="adaptive"):
         SpeculativeConfig(method="ngram", adaptive="yes")
     assert SpeculativeConfig(method="ngram", adaptive=True).label() == "ngram adaptive"
+
+
+def test_bench_prints_the_cost_model(tiny_llama, tmp_path, monkeypatch, capsys):
+    from training.cli import main
+
+    monkeypatch.setenv("DRAFTHEADS_CACHE_DIR", str(tmp_path))
+    assert main(["bench", "--cost-model", "--target", str(tiny_llama), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "| rows | ms | vs 1 row |" in out and "\n| 128 | " in out and "measured 0.0 h ago" in out
+    assert len(list(tmp_path.glob("step_cost-*.json"))) == 1
