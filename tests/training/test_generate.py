@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from serving.targets import DEFAULT_TARGET, resolve
 from training.cli import main as cli
-from training.data.generate import GenerateConfig, generate, template_ids_after_answer, user_turns
+from training.data.chat import template_ids_after_answer, user_turns
+from training.data.generate import GenerateConfig, generate
 from training.data.store import Store, rows_file
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,11 +9,16 @@ retokenising generated text can change them. The engine captures hidden states f
 so the last request of a conversation carries them for all of it: "last", the final hidden state after the
 final norm, and "eagle3", the input of each aux layer (default 2, L//2, L-3). Finished conversations are
 committed a shard at a time; rerunning the same command skips them and redoes the rest.
+
+Answers may also come from elsewhere (training.data.answers): from any OpenAI-compatible server (`--endpoint URL`,
+first turns) or from the prompt source's own assistant turns (`--answers dataset`); the engine then captures their
+hidden states in one teacher-forced prefill pass (training.data.teacher_forced). meta.json's "answers" names the
+source. `--layers none` stores token ids only, for training online.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
+import sys
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -27,10 +32,13 @@ from serving.engine import DTYPES, Engine, resolve_device
 from serving.model import ModelConfig
 from serving.prompts import load_prompts
 from serving.request import SamplingParams
+from training.data.chat import request_seed, template_ids_after_answer, user_turns
+from training.data.endpoint import Endpoint, EndpointError
 from training.data.store import HIDDEN_DTYPE, LAYERS, StoreWriter, tensor_keys
+from training.data.teacher_forced import TeacherForcedGeneration
 
 TURNS = ("first", "all")
-ANSWER = "<draftheads answer>"  # stands for an answer inside a rendered chat template
+ANSWERS = ("target", "dataset")
 HELP = {
     "config": "YAML file whose keys are these options' names; options given on the command line override it",
     "target": "target: a built-in name, a local Hugging Face folder or a hub id",
@@ -40,7 +48,8 @@ HELP = {
     "temperature": "sampling temperature; 0 is greedy",
     "top_p": "nucleus sampling mass",
     "seed": "sampling seed; each request draws from a seed derived from it, the conversation id and the turn",
-    "layers": "hidden states to store, comma-separated: last (after the final norm), eagle3 (three aux layers)",
+    "layers": "hidden states to store, comma-separated: last (after the final norm), eagle3 (three aux layers); "
+              "none stores token ids only, for a head trained online (data.mode: online)",
     "aux_layers": "EAGLE-3 aux layer ids, comma-separated, low to high, each the input of that layer (default: 2,L//2,L-3)",
     "turns": "first: answer the first user turn; all: answer every user turn, conditioned on the earlier answers",
     "concurrency": "conversations answered at once (the engine's max_num_seqs)",
@@ -50,6 +59,19 @@ HELP = {
     "dtype": "the target's compute dtype (hidden states are stored in bfloat16)",
     "device": "where the target runs: auto (the first CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N",
     "out": "the store folder; rerunning into it resumes",
+    "answers": "target: the target answers each prompt, in this process (hidden states captured in the same pass) "
+               "or at --endpoint; dataset: the prompt source's own assistant turns (ShareGPT's), nothing generated. "
+               "Answers from an endpoint or the dataset get their hidden states from one teacher-forced prefill pass "
+               "of the engine over prompt + answer",
+    "endpoint": "base URL of an OpenAI-compatible server (vLLM, SGLang, draftheads serve) serving the target, e.g. "
+                "http://127.0.0.1:8000: it answers the first turns through /v1/chat/completions, as token ids where it "
+                "returns them (vLLM's return_token_ids), else as text tokenized here (an answer whose tokens do not "
+                "decode back to its text is dropped, and not asked again)",
+    "endpoint_model": "the model name the endpoint serves the target under (default: the first at /v1/models)",
+    "endpoint_concurrency": "requests the endpoint answers at once",
+    "endpoint_retries": "retries of a request after a refused connection, a timeout or HTTP 408/409/429/5xx, with "
+                        "backoff 1, 2, 4, ... s; then generate stops with the endpoint's error, keeping what it stored",
+    "endpoint_timeout": "seconds one request may take",
 }
 
 
@@ -72,19 +94,39 @@ class GenerateConfig:
     shard_size: int = 64
     dtype: str = "float32"
     device: str = "auto"
+    answers: str = "target"
+    endpoint: str | None = None
+    endpoint_model: str | None = None
+    endpoint_concurrency: int = 8
+    endpoint_retries: int = 5
+    endpoint_timeout: float = 600.0
 
     def __post_init__(self):
         resolve_device(self.device)  # a bad device fails before anything loads
-        self.layers = tuple(_listed(self.layers))
+        self.layers = () if _listed(self.layers) == ["none"] else tuple(_listed(self.layers))
         if self.aux_layers is not None:
             self.aux_layers = tuple(int(i) for i in _listed(self.aux_layers))
-        if not self.layers or set(self.layers) - set(LAYERS):
-            raise ValueError(f"layers={','.join(self.layers)!r} is invalid: choose some of {', '.join(LAYERS)}")
+        if set(self.layers) - set(LAYERS):
+            raise ValueError(f"layers={','.join(self.layers)!r} is invalid: choose some of {', '.join(LAYERS)}, or none")
         if self.aux_layers is not None and len(self.aux_layers) != 3:
             raise ValueError(f"aux_layers={self.aux_layers} is invalid: EAGLE-3 fuses exactly three layers (low, middle, high)")
         if self.turns not in TURNS:
             raise ValueError(f"turns={self.turns!r} is invalid: choose {' or '.join(TURNS)}")
-        for name in ("max_new_tokens", "concurrency", "max_model_len", "max_num_batched_tokens", "shard_size"):
+        if self.answers not in ANSWERS:
+            raise ValueError(f"answers={self.answers!r} is invalid: choose {' or '.join(ANSWERS)}")
+        if self.endpoint is not None and self.answers == "dataset":
+            raise ValueError("answers=dataset takes the prompt source's own answers, so no --endpoint is asked: drop one")
+        if self.endpoint is not None and self.turns != "first":
+            raise ValueError("an --endpoint answers first turns only: pass --turns first (or --answers dataset for "
+                             "every turn of the source's own conversations)")
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"endpoint={self.endpoint!r} is not a URL: give the server's base URL, e.g. "
+                             "http://127.0.0.1:8000")
+        if not self.endpoint_timeout > 0 or self.endpoint_retries < 0:
+            raise ValueError(f"endpoint_timeout={self.endpoint_timeout} must be > 0 and "
+                             f"endpoint_retries={self.endpoint_retries} >= 0")
+        for name in ("max_new_tokens", "concurrency", "max_model_len", "max_num_batched_tokens", "shard_size",
+                     "endpoint_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: it must be >= 1")
         if self.num_prompts is not None and self.num_prompts < 1:
@@ -99,6 +141,13 @@ class GenerateConfig:
             if values.get(name) is None:
                 raise ValueError(f"no {name} given: pass --{name} or set `{name}:` in the --config file")
         return cls(**values)
+
+    def engine(self, folder: Path, aux_layers: tuple[int, ...], capture_hidden: bool, max_model_len: int) -> Engine:
+        """The engine these settings describe, for the target in `folder`."""
+        return Engine(self.target, dtype=self.dtype, max_num_seqs=self.concurrency,
+                      max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=max_model_len,
+                      kv_cache_memory_gib=kv_cache_gib(folder, self), capture_hidden=capture_hidden,
+                      aux_layers=aux_layers, device=self.device)
 
 
 def _listed(value) -> list[str]:
@@ -116,44 +165,6 @@ def kv_cache_gib(folder: Path, config: GenerateConfig) -> float:
     bytes_per_token = KVCache.bytes_per_block(model.num_layers, 1, model.layer.num_kv_heads, model.layer.head_dim,
                                               DTYPES[config.dtype])
     return min(1.0, config.concurrency * config.max_model_len * bytes_per_token / 2**30)
-
-
-def user_turns(messages: list[dict], turns: str) -> list[list[dict]]:
-    """The messages that lead to each answer: one user turn with any non-assistant messages before it.
-    The dataset's own answers are dropped; with turns="first" only the first user turn is kept."""
-    found, current = [], []
-    for message in messages:
-        if message["role"] == "assistant":
-            continue
-        current.append(message)
-        if message["role"] == "user":
-            found.append(current)
-            current = []
-    if not found:
-        raise ValueError("the conversation has no user turn")
-    return found[:1] if turns == "first" else found
-
-
-def template_ids_after_answer(tokenizer, history: list[dict], following: list[dict], stop_token: int | None) -> list[int]:
-    """The chat template's token ids from the end of an answer to the start of the next one: the answer's
-    closing, the `following` messages (ending with a user turn) and the generation prompt.
-
-    history: the messages up to the answer. stop_token: the token the answer stopped on, when it did; the
-    target generated it in place of the template's closing text, so that text is not repeated."""
-    messages = history + [{"role": "assistant", "content": ANSWER}] + following
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    text = text[text.rindex(ANSWER) + len(ANSWER):]
-    if stop_token is not None:
-        stop = tokenizer.decode([stop_token])
-        if text.startswith(stop):
-            text = text[len(stop):]
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def request_seed(seed: int, conversation_id: str, turn: int) -> int:
-    """A request's own seed, so an answer is the same whichever order or run it is generated in."""
-    digest = hashlib.sha256(f"{seed}/{conversation_id}/{turn}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
 
 
 @dataclass
@@ -179,7 +190,23 @@ def generate(config: GenerateConfig, progress: bool = True) -> dict:
     if any(not 0 <= i < num_layers for i in aux_layers):
         raise ValueError(f"aux layers {aux_layers} do not all lie in [0, {num_layers}) for this {num_layers}-layer "
                          "target: pass --aux-layers LOW,MID,HIGH")
+    rows = load_rows(config)
+    if config.endpoint is None:
+        return write_store(config, folder, fingerprint, aux_layers, rows, None, progress)
+    endpoint = Endpoint(config.endpoint, config.endpoint_model, concurrency=config.endpoint_concurrency,
+                        timeout_s=config.endpoint_timeout, num_retries=config.endpoint_retries)
+    try:
+        return write_store(config, folder, fingerprint, aux_layers, rows, endpoint, progress)
+    finally:
+        endpoint.close()
+
+
+def write_store(config: GenerateConfig, folder: Path, fingerprint: dict, aux_layers: tuple[int, ...], rows,
+                endpoint: Endpoint | None, progress: bool) -> dict:
     prompt_file = Path(config.prompts)
+    answers = {"source": config.answers}
+    if endpoint is not None:
+        answers = {"source": "endpoint", "model": endpoint.model, "endpoint": endpoint.url}
     writer = StoreWriter(config.out, {
         "target": {"name": config.target, "fingerprint": fingerprint, "dtype": config.dtype},
         "layers": list(config.layers),
@@ -191,22 +218,30 @@ def generate(config: GenerateConfig, progress: bool = True) -> dict:
         "prompts": {"source": str(prompt_file.resolve()) if prompt_file.is_file() else config.prompts,
                     "turns": config.turns, "max_model_len": config.max_model_len},
         "num_prompts": config.num_prompts,
+        "answers": answers,
     }, config.shard_size)
     num_examples_before = writer.counts["num_examples"]
-    generation = Generation(config, folder, aux_layers, writer)
+    if config.answers == "target" and endpoint is None:
+        generation = Generation(config, folder, aux_layers, writer, rows)
+    else:
+        generation = TeacherForcedGeneration(config, folder, aux_layers, writer, rows, endpoint)
     is_complete = False
     try:
-        generation.run(progress)
-        is_complete = True
-    finally:
-        writer.close(is_complete)  # commits the finished conversations even when generation stops early
+        try:
+            generation.run(progress)
+            is_complete = True
+        finally:
+            writer.close(is_complete)  # commits the finished conversations even when generation stops early
+    except EndpointError as error:
+        raise EndpointError(f"{error}\n{writer.counts['num_examples']} examples are stored in {writer.path} and kept: "
+                            "rerun the same command to answer the rest", error.status, error.reply) from None
     counts = writer.counts
     if not counts["num_examples"] and generation.num_skipped:
         raise ValueError(f"every prompt ({generation.num_skipped}) is longer than max_model_len={config.max_model_len} "
                          f"tokens, so {writer.path} holds no example: rerun with a larger --max-model-len (the empty "
                          "store takes the new settings)")
     keys = tensor_keys(config.layers, aux_layers)
-    return {
+    summary = {
         "out": str(writer.path),
         **counts,
         "num_bytes": writer.num_bytes(),
@@ -217,20 +252,29 @@ def generate(config: GenerateConfig, progress: bool = True) -> dict:
         "elapsed_s": generation.elapsed_s,
         "answer_tokens_per_s": generation.num_answer_tokens / generation.elapsed_s if generation.elapsed_s else 0.0,
     }
+    if isinstance(generation, TeacherForcedGeneration):
+        summary["answer_ids"] = generation.answer_ids
+        summary["num_dropped"] = generation.outcomes["dropped"]
+        summary["num_unanswered"] = generation.outcomes["unanswered"]
+    return summary
+
+
+def load_rows(config: GenerateConfig):
+    rows = load_prompts(config.prompts, config.num_prompts)
+    ids = rows["id"]
+    if len(set(ids)) != len(ids):
+        duplicate = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"prompt source {config.prompts} has id {duplicate!r} more than once: ids name a store's "
+                         "examples (a resumed run skips those done), so give every conversation its own id")
+    return rows
 
 
 class Generation:
     """One run of the engine over the conversations a store does not hold yet."""
 
-    def __init__(self, config: GenerateConfig, folder: Path, aux_layers: tuple[int, ...], writer: StoreWriter):
-        self.config, self.folder, self.aux_layers, self.writer = config, folder, aux_layers, writer
+    def __init__(self, config: GenerateConfig, folder: Path, aux_layers: tuple[int, ...], writer: StoreWriter, rows):
+        self.config, self.folder, self.aux_layers, self.writer, self.rows = config, folder, aux_layers, writer, rows
         self.keys = tensor_keys(config.layers, aux_layers)
-        self.rows = load_prompts(config.prompts, config.num_prompts)
-        ids = self.rows["id"]
-        if len(set(ids)) != len(ids):
-            duplicate = next(i for i in ids if ids.count(i) > 1)
-            raise ValueError(f"prompt source {config.prompts} has id {duplicate!r} more than once: ids name a store's "
-                             "examples (a resumed run skips those done), so give every conversation its own id")
         self.todo = [row for row in self.rows if row["id"] not in writer.done_ids]
         self.active: dict[str, Conversation] = {}  # request id -> its conversation
         self.num_skipped = self.num_answer_tokens = 0
@@ -240,10 +284,8 @@ class Generation:
         if not self.todo:
             return
         config = self.config
-        self.engine = Engine(config.target, dtype=config.dtype, max_num_seqs=config.concurrency,
-                             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
-                             kv_cache_memory_gib=kv_cache_gib(self.folder, config), capture_hidden=True,
-                             aux_layers=self.aux_layers, device=config.device)
+        self.engine = config.engine(self.folder, self.aux_layers, capture_hidden=bool(self.keys),
+                                    max_model_len=config.max_model_len)
         self.tokenizer = self.engine.tokenizer
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError(f"target {config.target} has no tokenizer with a chat template: generate renders chat prompts")
@@ -308,15 +350,26 @@ class Generation:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     types = {"num_prompts": int, "max_new_tokens": int, "temperature": float, "top_p": float, "seed": int,
-             "concurrency": int, "max_model_len": int, "max_num_batched_tokens": int, "shard_size": int}
+             "concurrency": int, "max_model_len": int, "max_num_batched_tokens": int, "shard_size": int,
+             "endpoint_concurrency": int, "endpoint_retries": int, "endpoint_timeout": float}
     add_options(parser, GenerateConfig, HELP, types,
-                {"turns": {"choices": TURNS}, "dtype": {"choices": DTYPES}})
+                {"turns": {"choices": TURNS}, "dtype": {"choices": DTYPES}, "answers": {"choices": ANSWERS},
+                 "endpoint": {"metavar": "URL"}, "endpoint_model": {"metavar": "NAME"}})
 
 
-def run(args: argparse.Namespace) -> None:
-    summary = generate(GenerateConfig.from_options(vars(args)))
+def run(args: argparse.Namespace) -> int:
+    try:
+        summary = generate(GenerateConfig.from_options(vars(args)))
+    except EndpointError as error:
+        print(f"draftheads generate: error: {error}", file=sys.stderr)
+        return 2
     print(f"store {summary['out']}: {summary['num_examples']} examples, {summary['num_tokens']} tokens, "
           f"{summary['num_answer_tokens']} answer tokens, {summary['num_bytes'] / 2**20:.1f} MiB on disk, "
           f"{summary['bytes_per_token_per_layer']:.0f} bytes per token per layer")
     print(f"this run: {summary['num_new_examples']} examples, {summary['num_new_answer_tokens']} answer tokens in {summary['elapsed_s']:.1f} s "
           f"({summary['answer_tokens_per_s']:.1f} tok/s); {summary['num_skipped']} prompts longer than max_model_len skipped")
+    if "answer_ids" in summary:
+        ids = summary["answer_ids"]
+        print(f"answers in the store: {ids['num_token_ids']} as the endpoint's token ids, {ids['num_from_text']} as text "
+              f"tokenized here; {len(ids['dropped'])} dropped (their text does not tokenize back to itself); this run "
+              f"{summary['num_unanswered']} conversations with no answer in the dataset")

@@ -2,10 +2,12 @@
 
 A store is a folder:
 
-    meta.json                   format version, target fingerprint, layers, sampling, prompt source, counts
+    meta.json                   format version, target fingerprint, layers, sampling, prompt source, where the
+                                answers came from (the target in this process, an endpoint or the dataset), counts
     hidden-00000.safetensors    token-major hidden states of one shard of examples: "last" [num_tokens, hidden]
                                 (final hidden state after the final norm) and "aux.{i}" [num_tokens, hidden]
-                                (the input of layer i, i.e. Hugging Face hidden_states[i]) for each EAGLE-3 layer
+                                (the input of layer i, i.e. Hugging Face hidden_states[i]) for each EAGLE-3 layer;
+                                no tensors in a store of token ids only (layers none, for training online)
     rows-00000.arrow            that shard's rows: id, category, input_ids, loss_mask, length, shard, offset
     ...
 
@@ -46,7 +48,12 @@ ROWS = datasets.Features(
     }
 )
 # Settings that change what a store holds; a rerun into the same folder must repeat them.
-IDENTITY_KEYS = ("format_version", "target", "layers", "aux_layers", "hidden_size", "hidden_dtype", "sampling", "prompts")
+IDENTITY_KEYS = ("format_version", "target", "layers", "aux_layers", "hidden_size", "hidden_dtype", "sampling", "prompts",
+                 "answers")
+# Settings that may change between runs of one store: the same target under another name, or served at another address.
+UNCHECKED_SETTINGS = ("target.name:", "answers.endpoint:")
+# Stores written before their meta named the answers' source were answered by the target in-process.
+TARGET_ANSWERS = {"source": "target"}
 MAX_OPEN_SHARDS = 64
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -244,9 +251,13 @@ class StoreWriter:
         self.meta = {"format_version": FORMAT_VERSION, **meta}
         self.keys = tensor_keys(self.meta["layers"], self.meta["aux_layers"])
         self.shard_size = shard_size
+        # The meta.json of the store being resumed; {} for a new store, or one that holds no example yet (it has
+        # nothing to keep, so any settings go).
+        self.stored: dict = {}
         if (self.path / "meta.json").is_file():
-            if committed_shards(self.path):  # a store that holds no example yet has nothing to keep: any settings go
-                self._check_settings(read_meta(self.path))
+            if committed_shards(self.path):
+                self.stored = read_meta(self.path)
+                self._check_settings(self.stored)
         elif any(file.name != ".lock" for file in self.path.iterdir()):
             raise ValueError(f"{self.path} is not empty and holds no store (no meta.json): choose an empty or new --out folder")
         self._discard_uncommitted()
@@ -261,8 +272,9 @@ class StoreWriter:
         self._write_meta(complete=False)
 
     def _check_settings(self, stored: dict) -> None:
+        stored = {"answers": TARGET_ANSWERS, **stored}
         differences = _differences({k: stored.get(k) for k in IDENTITY_KEYS}, {k: self.meta.get(k) for k in IDENTITY_KEYS})
-        differences = [d for d in differences if not d.startswith("target.name:")]  # the same target under another name
+        differences = [d for d in differences if not d.startswith(UNCHECKED_SETTINGS)]
         if differences:
             raise ValueError(f"{self.path} holds a store written with other settings (store vs this run): "
                              f"{'; '.join(differences)}. Rerun with the store's settings (see {self.path / 'meta.json'}) "
@@ -326,6 +338,13 @@ class StoreWriter:
         self._count(rows["id"], lengths, [sum(mask) for mask in rows["loss_mask"]])
         self.pending = []
         self._write_meta(complete=False)
+
+    def note(self, key: str, value) -> None:
+        """Records `value` under `key` in meta.json, written with the next commit: facts about the examples so far,
+        which a rerun may change (so not among IDENTITY_KEYS)."""
+        if key in IDENTITY_KEYS or key in ("counts", "complete", "format_version"):
+            raise ValueError(f"{key!r} is a setting of the store, not a note")
+        self.meta[key] = value
 
     def close(self, complete: bool) -> None:
         """Commits what is pending and records whether every requested prompt is answered."""

@@ -1,0 +1,167 @@
+"""Answers the target did not generate in this process, laid out as a store's examples: token ids of the prompt
+(rendered by the target's chat template) and of the answer, and a loss mask of 1 on the answer's tokens.
+
+- `EndpointAnswers`: an OpenAI-compatible server's greedy or sampled answers to first turns, `concurrency` requests
+  at a time on a thread pool. The answer's ids are the server's where it returns them, else its text tokenized
+  with the target's tokenizer; an answer whose tokens do not decode back to its text is dropped, since no ids the
+  target could have generated are known for it.
+- `DatasetAnswers`: the prompt source's own assistant turns (ShareGPT's, as EAGLE-1 trained), each closed by the
+  target's stop token as if the target had stopped there, cut at max_new_tokens.
+
+Both yield (conversation id, outcome) pairs, an outcome being an example or why there is none: "too long" (the
+prompt does not fit in max_model_len), "dropped" (see above) or "unanswered" (the dataset has no answer to the first
+turn). Multi-turn conversations are laid out as generate.py lays out the target's own: ids concatenated turn by turn.
+"""
+from __future__ import annotations
+
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+from training.data.endpoint import Answer, Endpoint, EndpointError
+from training.data.chat import prompt_ids, request_seed, stop_token_of, template_ids_after_answer, text_ids, user_turns
+
+IDS_FROM = ("token_ids", "text")  # an answer's ids: as the endpoint returned them, or its text tokenized here
+
+
+class EndpointAnswers:
+    """First turns answered by an endpoint. After an EndpointError no new request is sent; the requests in flight
+    still come back, and `error` holds the first failure for the caller to raise once those are stored."""
+
+    def __init__(self, endpoint: Endpoint, rows, tokenizer, eos_token_ids, *, max_new_tokens: int, temperature: float,
+                 top_p: float, seed: int, max_len: int, concurrency: int):
+        self.endpoint, self.tokenizer, self.eos_token_ids = endpoint, tokenizer, set(eos_token_ids)
+        self.stop_token = stop_token_of(tokenizer, eos_token_ids)
+        self.sampling = {"temperature": temperature, "top_p": top_p}
+        self.max_new_tokens, self.seed, self.max_len, self.concurrency = max_new_tokens, seed, max_len, concurrency
+        self.rows = iter(rows)
+        self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="endpoint")
+        self.in_flight: dict[Future, tuple[dict, list[int], int]] = {}  # -> row, prompt ids, max_tokens asked
+        self.is_exhausted = False
+        self.error: EndpointError | None = None
+
+    def is_done(self) -> bool:
+        return not self.in_flight and (self.is_exhausted or self.error is not None)
+
+    def poll(self, block: bool) -> list[tuple[str, dict | str]]:
+        """The outcomes known now; with `block`, waits for at least one."""
+        outcomes = self._send_more()
+        if self.in_flight:
+            done, _ = wait(self.in_flight, timeout=None if block and not outcomes else 0, return_when=FIRST_COMPLETED)
+            for future in done:
+                row, ids, max_tokens = self.in_flight.pop(future)
+                try:
+                    outcomes.append((row["id"], self._example(row, ids, max_tokens, future.result())))
+                except EndpointError as error:
+                    self._stop(error)
+        return outcomes
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _send_more(self) -> list[tuple[str, str]]:
+        """Keeps twice `concurrency` requests queued or in flight, so no worker waits for the next one."""
+        too_long = []
+        while self.error is None and not self.is_exhausted and len(self.in_flight) < 2 * self.concurrency:
+            row = next(self.rows, None)
+            if row is None:
+                self.is_exhausted = True
+                break
+            messages = user_turns(row["messages"], "first")[0]
+            ids = prompt_ids(self.tokenizer, messages)
+            if len(ids) >= self.max_len:
+                too_long.append((row["id"], "too long"))
+                continue
+            max_tokens = min(self.max_new_tokens, self.max_len - len(ids))
+            future = self.pool.submit(self.endpoint.chat, messages, max_tokens, seed=request_seed(self.seed, row["id"], 0),
+                                      **self.sampling)
+            self.in_flight[future] = (row, ids, max_tokens)
+        return too_long
+
+    def _stop(self, error: EndpointError) -> None:
+        if self.error is None:
+            self.error = error
+        for future in list(self.in_flight):
+            if future.cancel():  # still queued: never sent
+                del self.in_flight[future]
+
+    def _example(self, row: dict, ids: list[int], max_tokens: int, answer: Answer) -> dict | str:
+        if answer.prompt_token_ids is not None and list(answer.prompt_token_ids) != ids:
+            raise EndpointError(f"{self.endpoint.url} rendered the prompt of conversation {row['id']!r} as other tokens "
+                                "than the target's chat template does: is it serving this target (--endpoint-model)?")
+        if answer.token_ids is not None:
+            answer_ids, ids_from = list(answer.token_ids), "token_ids"
+        else:
+            answer_ids, ids_from = text_ids(self.tokenizer, answer.text), "text"
+            if answer_ids is None:
+                return "dropped"
+        has_stop_token = bool(answer_ids) and answer_ids[-1] in self.eos_token_ids
+        if answer.finish_reason == "stop" and self.stop_token is not None and not has_stop_token:
+            answer_ids.append(self.stop_token)  # text (and some servers' ids) leave out the stop token generated
+        answer_ids = answer_ids[:max_tokens]
+        return {"id": row["id"], "category": row["category"], "input_ids": ids + answer_ids,
+                "loss_mask": [0] * len(ids) + [1] * len(answer_ids), "ids_from": ids_from}
+
+
+def answered_turns(messages: list[dict]) -> list[tuple[list[dict], str]]:
+    """(the messages leading to an answer, ending with a user turn; the dataset's answer) per answered turn, in
+    order, up to the first turn the dataset does not answer."""
+    found, current = [], []
+    for message in messages:
+        if message["role"] != "assistant":
+            current.append(message)
+        elif current and current[-1]["role"] == "user":
+            found.append((current, message["content"]))
+            current = []
+        else:
+            break
+    return found
+
+
+class DatasetAnswers:
+    """The source's own answers, `batch` conversations per poll. It never fails part way, so `error` stays None."""
+
+    error = None
+
+    def __init__(self, rows, tokenizer, eos_token_ids, *, turns: str, max_new_tokens: int, max_len: int, batch: int):
+        self.tokenizer, self.turns, self.max_new_tokens, self.max_len, self.batch = tokenizer, turns, max_new_tokens, max_len, batch
+        self.stop_token = stop_token_of(tokenizer, eos_token_ids)
+        self.rows = iter(rows)
+        self.is_exhausted = False
+
+    def is_done(self) -> bool:
+        return self.is_exhausted
+
+    def poll(self, block: bool) -> list[tuple[str, dict | str]]:
+        outcomes = []
+        for row in self.rows:
+            outcomes.append((row["id"], self._example(row)))
+            if len(outcomes) == self.batch:
+                return outcomes
+        self.is_exhausted = True
+        return outcomes
+
+    def close(self) -> None:
+        pass
+
+    def _example(self, row: dict) -> dict | str:
+        turns = answered_turns(row["messages"])[:1 if self.turns == "first" else None]
+        if not turns:
+            return "unanswered"
+        ids = prompt_ids(self.tokenizer, turns[0][0])
+        if len(ids) >= self.max_len:
+            return "too long"
+        mask, history = [0] * len(ids), []
+        for i, (messages, text) in enumerate(turns):
+            if i:
+                template = template_ids_after_answer(self.tokenizer, history[:-1], messages, stop_token)
+                if len(ids) + len(template) >= self.max_len:
+                    break
+                ids, mask = ids + template, mask + [0] * len(template)
+            answer = text_ids(self.tokenizer, text)
+            if answer is None:
+                return "dropped"
+            whole = answer + ([self.stop_token] if self.stop_token is not None else [])
+            answer = whole[:min(self.max_new_tokens, self.max_len - len(ids))]
+            stop_token = answer[-1] if len(answer) == len(whole) and self.stop_token is not None else None
+            ids, mask = ids + answer, mask + [1] * len(answer)
+            history += messages + [{"role": "assistant", "content": text}]
+        return {"id": row["id"], "category": row["category"], "input_ids": ids, "loss_mask": mask, "ids_from": "text"}
