@@ -126,7 +126,7 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return len(self.token_ids) + len(self.spec_tree)
+        return len(self.token_ids) + self.spec_tree.num_rows
 
     @property
     def output_token_ids(self) -> list[int]:

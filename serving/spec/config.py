@@ -5,7 +5,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp")
+METHODS = ("ngram", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp", "lookahead")
 NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp")
 HEADS = ("medusa", "eagle", "eagle3", "mtp")  # trained draft heads: they read the target's hidden states
 TAKES_TOKEN_MAP = ("medusa", "eagle", "mtp")
@@ -15,7 +15,8 @@ DRAFT_WEIGHTS = ("bfloat16", "float32")
 @dataclass
 class SpeculativeConfig:
     method: str
-    num_speculative_tokens: int = 4
+    # the deepest draft (default 4; lookahead: ngram - 1, its candidates' length, which it may cap)
+    num_speculative_tokens: int | None = None
     # ngram, and heads with prompt_lookup_first: the shortest suffix to look up (default 1 for ngram, 2 for heads)
     # and the longest
     prompt_lookup_min: int | None = None
@@ -52,6 +53,14 @@ class SpeculativeConfig:
     # [0, 1]] (node [0, 1]: head 1's second most likely token after head 0's most likely one); every path's
     # prefixes listed too.
     medusa_choices: list | None = None
+    # lookahead (Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding"): the
+    # Jacobi window's width W, the n-gram size N (the window keeps N - 1 levels; candidates are N - 1 tokens after the
+    # newest one) and the most candidates G verified per step. Defaults: the paper's setting for its smallest models
+    # (Llama-2-7B: W 15, N 5, G 15, also llama.cpp's example); each step computes (W - 1) + (N - 2) W window rows
+    # and up to G (N - 1) candidate nodes, so on a few CPU cores small W and G pay (benchmarks/RESULTS.md).
+    window: int | None = None
+    ngram: int | None = None
+    max_candidates: int | None = None
     # any method: no drafts in a step where more than this many requests are running (as vLLM's): past a few
     # sequences a step is no longer bound by reading the weights once, and every verified draft costs compute.
     # Drafters with a pool of their own still catch up every step.
@@ -65,8 +74,14 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is unknown; choose one of {', '.join(METHODS)}")
+        self._check_lookahead()
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = self.ngram - 1 if self.method == "lookahead" else 4
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be an integer >= 1")
+        if self.method == "lookahead" and self.num_speculative_tokens > self.ngram - 1:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} exceeds lookahead's candidates of "
+                             f"ngram - 1 = {self.ngram - 1} tokens (leave it unset, or raise ngram)")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive={self.adaptive!r} must be true or false")
         if not isinstance(self.prompt_lookup_first, bool):
@@ -106,13 +121,34 @@ class SpeculativeConfig:
         if self.draft_temperature is not None and self.draft_temperature < 0:
             raise ValueError(f"draft_temperature={self.draft_temperature} must be >= 0")
 
+    def _check_lookahead(self) -> None:
+        options = {"window": self.window, "ngram": self.ngram, "max_candidates": self.max_candidates}
+        if self.method != "lookahead":
+            given = [name for name, value in options.items() if value is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to lookahead, not {self.method!r}")
+            return
+        defaults = {"window": 15, "ngram": 5, "max_candidates": 15}
+        for name, value in options.items():
+            value = defaults[name] if value is None else value
+            least = 3 if name == "ngram" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"lookahead's {name}={value!r} must be an integer >= {least}"
+                                 + (" (the window keeps ngram - 1 >= 2 levels)" if name == "ngram" else ""))
+            setattr(self, name, value)
+
+    @property
+    def num_lookahead_rows(self) -> int:
+        """Lookahead's window rows per step (computed, never accepted): W - 1 at the first level, W at each further."""
+        return self.window - 1 + (self.ngram - 2) * self.window if self.method == "lookahead" else 0
+
     def _check_tree(self) -> None:
         k = self.num_speculative_tokens
         if not isinstance(self.topk, int) or isinstance(self.topk, bool) or self.topk < 1:
             raise ValueError(f"topk={self.topk!r} must be an integer >= 1 (1: a chain)")
         if (self.topk > 1 or self.medusa_choices is not None) and self.method not in HEADS:
             raise ValueError(f"draft trees (topk, medusa_choices) apply to {', '.join(HEADS)} heads, not {self.method!r}: "
-                             "it drafts a chain")
+                             + ("its tree is its candidates' trie" if self.method == "lookahead" else "it drafts a chain"))
         if self.medusa_choices is not None:
             if self.method != "medusa":
                 raise ValueError(f"medusa_choices applies to medusa heads, not {self.method!r}: use topk and "
@@ -120,27 +156,32 @@ class SpeculativeConfig:
             if self.topk > 1:
                 raise ValueError("give either medusa_choices (a static tree) or topk (a dynamic one), not both")
             self.medusa_choices = check_medusa_choices(self.medusa_choices, k)
+        if self.method == "lookahead":  # the candidates' trie, at most
+            most, shape = self.max_candidates * k, f"max_candidates={self.max_candidates} of {k} tokens"
+        elif self.medusa_choices is not None:
+            most, shape = len(self.medusa_choices), "its medusa_choices"
+        else:
+            most, shape = self.topk + (k - 1) * self.topk ** 2, f"topk={self.topk} over {k} depths"
         if self.num_draft_tokens is None:
             self.num_draft_tokens = (1 + len(self.medusa_choices) if self.medusa_choices is not None
-                                     else 1 + k * self.topk)
+                                     else 1 + most if self.method == "lookahead" else 1 + k * self.topk)
         n = self.num_draft_tokens
         if not isinstance(n, int) or isinstance(n, bool) or n < 2:
             raise ValueError(f"num_draft_tokens={n!r} must be an integer >= 2 (it counts the verified newest token, "
                              "as SGLang's)")
-        most = len(self.medusa_choices) if self.medusa_choices is not None else self.topk + (k - 1) * self.topk ** 2
         if self.medusa_choices is None and n < k + 1:
             raise ValueError(f"num_draft_tokens={n} cannot hold a path of num_speculative_tokens={k} drafts: it counts "
                              f"the verified newest token as SGLang's does, so set num_draft_tokens >= {k + 1} or draft "
                              f"fewer tokens")
         if n - 1 > most:
             raise ValueError(f"num_draft_tokens={n} asks for {n - 1} draft nodes but the tree has {most} candidates at most "
-                             f"({'its medusa_choices' if self.medusa_choices is not None else f'topk={self.topk} over {k} depths'}):"
+                             f"({shape}):"
                              f" set num_draft_tokens <= {most + 1}")
 
     @property
     def max_draft_nodes(self) -> int:
-        """The most draft nodes a step verifies for one request."""
-        return self.num_draft_tokens - 1
+        """The most rows a step computes for one request after its newest token: draft nodes, and lookahead's window."""
+        return self.num_draft_tokens - 1 + self.num_lookahead_rows
 
     @classmethod
     def from_json(cls, text: str | dict) -> "SpeculativeConfig":
@@ -163,6 +204,8 @@ class SpeculativeConfig:
         threshold and the batch size that turns drafting off when set, the adaptive policy, and float32 draft weights: a bench row's
         name."""
         label = self.method + (f"+lookup{self.prompt_lookup_min}" if self.prompt_lookup_first else "")
+        if self.method == "lookahead":
+            label += f" W{self.window} N{self.ngram} G{self.max_candidates}"
         if self.medusa_choices is not None:
             label += f" choices{len(self.medusa_choices)}"
         elif self.topk > 1:

@@ -6,7 +6,7 @@ tried), `accepted_i` (the accepted path reaches depth i). Conditional acceptance
 is accepted_i / steps that carried drafts (vLLM's per-position rate), the acceptance rate is sum(accepted) / draft
 nodes verified (every node of every tree counts), rows per step is 1 + draft nodes per verify step, and the mean
 acceptance length tau is emitted tokens / verify steps (1.0 for plain decoding). A chain of d drafts is the tree
-whose depths are 1..d.
+whose depths are 1..d. Lookahead rows (computed, never accepted) count in rows per step, not as drafts.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ class AcceptanceStats:
         self.num_emitted = 0
         self.num_drafts = 0  # steps that carried at least one draft (vLLM's spec_decode_num_drafts)
         self.num_draft_tokens = 0  # draft nodes verified (vLLM's spec_decode_num_draft_tokens)
+        self.num_lookahead_rows = 0  # rows computed beside the drafts and never accepted (lookahead decoding)
         self.proposed = [0] * num_positions
         self.reached = [0] * num_positions
         self.accepted = [0] * num_positions
@@ -34,6 +35,7 @@ class AcceptanceStats:
         self.num_emitted += num_emitted
         self.num_drafts += len(tree) > 0
         self.num_draft_tokens += len(tree)
+        self.num_lookahead_rows += tree.num_rows - len(tree)
         num_tried = depths_tried(tree, path)
         for i in range(depth):
             self.proposed[i] += 1
@@ -46,6 +48,7 @@ class AcceptanceStats:
         self.num_emitted += other.num_emitted
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
+        self.num_lookahead_rows += other.num_lookahead_rows
         for mine, theirs in ((self.proposed, other.proposed), (self.reached, other.reached), (self.accepted, other.accepted)):
             for i, n in enumerate(theirs):
                 mine[i] += n
@@ -60,8 +63,9 @@ class AcceptanceStats:
 
     @property
     def rows_per_step(self) -> float:
-        """Rows the target verified per step: the newest token and every draft node (1.0 for plain decoding)."""
-        return 1 + self.num_draft_tokens / self.num_steps if self.num_steps else 0.0
+        """Rows the target computed per step: the newest token, every draft node and lookahead row (1.0 for plain
+        decoding)."""
+        return 1 + (self.num_draft_tokens + self.num_lookahead_rows) / self.num_steps if self.num_steps else 0.0
 
     def per_position(self) -> list[dict]:
         return [
@@ -83,6 +87,7 @@ class AcceptanceStats:
         stats.num_steps, stats.num_emitted = summary["num_verify_steps"], summary["num_emitted_tokens"]
         stats.num_drafts = summary["spec_decode_num_drafts"]
         stats.num_draft_tokens = summary["spec_decode_num_draft_tokens"]
+        stats.num_lookahead_rows = summary["num_lookahead_rows"]
         for key in ("proposed", "reached", "accepted"):
             setattr(stats, key, [p[key] for p in summary["per_position"]])
         return stats
@@ -97,6 +102,7 @@ class AcceptanceStats:
             "num_emitted_tokens": self.num_emitted,
             "spec_decode_num_drafts": self.num_drafts,
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "num_lookahead_rows": self.num_lookahead_rows,
             "spec_decode_num_accepted_tokens": sum(self.accepted),
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted),
             "per_position": self.per_position(),

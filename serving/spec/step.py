@@ -87,13 +87,13 @@ class Speculator:
     def verify(self, engine, request: Request, logits: torch.Tensor, best: list[int]) -> tuple[DraftTree, list[int], list[int]]:
         """logits: [1 + nodes, vocab] at the newest token and at each node of the request's tree; best: their
         argmaxes. Rolls the request back to its accepted tokens and returns (the tree, the accepted path, the tokens
-        to emit). The accepted nodes' K/V move into the slots of their positions."""
+        to emit). The accepted nodes' K/V move into the slots of their positions; lookahead rows are never accepted."""
         tree, request.spec_tree = request.spec_tree, DraftTree()
         if request.params.is_greedy:
             path, emitted = verify_greedy(tree, best)
         else:
             path, emitted = verify_sampled(tree, target_probs(logits, request.params), engine.generators[request.request_id])
-        newest = request.num_computed_tokens - 1 - len(tree)
+        newest = request.num_computed_tokens - 1 - tree.num_rows
         for depth, node in enumerate(path, start=1):
             if node != depth - 1:
                 engine.cache.move(request.block_ids, newest + 1 + node, newest + depth)
@@ -148,8 +148,8 @@ class Speculator:
             budget = budgets[request.request_id]
             tree = trees.get(request.request_id, DraftTree()).prefix(budget.num_nodes, budget.depth)
             request.spec_tree = tree
-            if len(tree) < budget.num_nodes:
-                engine.block_manager.trim(request, request.num_tokens + len(tree))
+            if tree.num_rows < budget.num_nodes:
+                engine.block_manager.trim(request, request.num_tokens + tree.num_rows)
 
     def _prior(self) -> list[float]:
         """The drafter's conditional acceptance per depth over every request so far; 1 where it has tried too few."""

@@ -4,6 +4,10 @@ Node i holds `tokens[i]` and hangs off `parents[i]`: -1 for a child of the reque
 node, so the nodes are in topological order and any prefix of them is a tree too (budgets cut a tree that way). A
 chain is the tree whose node i hangs off node i - 1. `q[i]`, for drafters that sample, is the distribution node i
 was drawn from; without it every node is a deterministic draft (q one-hot).
+
+`lookahead`, for lookahead decoding, holds rows the step computes after the nodes whose logits the drafter reads and
+that are never accepted: `len(tree)` counts the nodes (what verification sees), `num_rows` every row the step computes
+after the newest token (what slots and budgets count).
 """
 from __future__ import annotations
 
@@ -14,10 +18,35 @@ import torch
 
 
 @dataclass(frozen=True)
+class LookaheadRows:
+    """Rows computed beside a tree's nodes, never accepted. Row r holds `tokens[r]` at position (newest token's) +
+    `offsets[r]` and attends to the whole context, then to rows `sees[r]` (in position order, r itself last); the
+    logits of the last `num_outputs` rows are read."""
+    tokens: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sees: tuple[tuple[int, ...], ...]
+    num_outputs: int
+
+    def __post_init__(self):
+        if not len(self.tokens) == len(self.offsets) == len(self.sees):
+            raise ValueError(f"lookahead rows need an offset and a list of rows seen per token: {len(self.tokens)} "
+                             f"tokens, {len(self.offsets)} offsets, {len(self.sees)} lists")
+        for r, seen in enumerate(self.sees):
+            if not seen or seen[-1] != r or any(a >= b or self.offsets[a] >= self.offsets[b] for a, b in zip(seen, seen[1:])):
+                raise ValueError(f"lookahead row {r} sees rows {list(seen)}: earlier rows in position order, itself last")
+        if not 0 <= self.num_outputs <= len(self.tokens):
+            raise ValueError(f"{self.num_outputs} outputs read from {len(self.tokens)} lookahead rows")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
 class DraftTree:
     tokens: tuple[int, ...] = ()
     parents: tuple[int, ...] = ()
     q: torch.Tensor | None = None  # [num_nodes, vocab]
+    lookahead: LookaheadRows | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
@@ -38,6 +67,14 @@ class DraftTree:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def num_rows(self) -> int:
+        """The rows a step computes for this tree after the newest token: its nodes, then its lookahead rows."""
+        return len(self.tokens) + (len(self.lookahead) if self.lookahead else 0)
+
+    def __bool__(self) -> bool:
+        return self.num_rows > 0
 
     @functools.cached_property
     def depths(self) -> tuple[int, ...]:
@@ -63,15 +100,18 @@ class DraftTree:
         """The nodes from depth 1 down to `node`."""
         return path_to(self.parents, node)
 
-    def prefix(self, num_nodes: int, max_depth: int | None = None) -> "DraftTree":
-        """The first `num_nodes` nodes, without those deeper than `max_depth`: a tree again."""
+    def prefix(self, num_rows: int, max_depth: int | None = None) -> "DraftTree":
+        """At most `num_rows` rows: the lookahead rows if they fit whole (else none), then the first nodes that fit,
+        without those deeper than `max_depth`: a tree again."""
+        lookahead = self.lookahead if self.lookahead and len(self.lookahead) <= num_rows else None
+        num_nodes = num_rows - (len(lookahead) if lookahead else 0)
         keep = [i for i in range(min(num_nodes, len(self))) if max_depth is None or self.depths[i] <= max_depth]
-        if len(keep) == len(self):
+        if len(keep) == len(self) and lookahead is self.lookahead:
             return self
         index = {node: n for n, node in enumerate(keep)}
         parents = [-1 if self.parents[i] < 0 else index[self.parents[i]] for i in keep]
         q = None if self.q is None else self.q[keep]
-        return DraftTree(tuple(self.tokens[i] for i in keep), tuple(parents), q)
+        return DraftTree(tuple(self.tokens[i] for i in keep), tuple(parents), q, lookahead)
 
 
 def path_to(parents, node: int) -> list[int]:

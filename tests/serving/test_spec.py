@@ -497,7 +497,7 @@ def test_requests_needing_history_decode_plainly_beside_speculating_ones(tiny_ll
     ('{"method": "ngram",', "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
     ('{"num_speculative_tokens": 3}', 'needs "method"'),
-    ('{"method": "lookahead"}', "speculative method 'lookahead' is unknown"),
+    ('{"method": "jacobi"}', "speculative method 'jacobi' is unknown"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens=0 must be an integer >= 1"),
     ('{"method": "ngram", "num_speculative_tokens": -2}', "num_speculative_tokens=-2"),
     ('{"method": "ngram", "num_speculative_tokens": 2.5}', "num_speculative_tokens=2.5"),
