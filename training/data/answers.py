@@ -51,16 +51,16 @@ class EndpointAnswers:
                 try:
                     outcomes.append((row["id"], self._example(row, ids, max_tokens, future.result())))
                 except EndpointError as error:
-                    self._stop(error)
+                    self.error = self.error or error
         return outcomes
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.shutdown(wait=True)
 
     def _send_more(self) -> list[tuple[str, str]]:
-        """Keeps twice `concurrency` requests queued or in flight, so no worker waits for the next one."""
+        """Keeps `concurrency` requests in flight, none queued: after an error, no request is sent."""
         too_long = []
-        while self.error is None and not self.is_exhausted and len(self.in_flight) < 2 * self.concurrency:
+        while self.error is None and not self.is_exhausted and len(self.in_flight) < self.concurrency:
             row = next(self.rows, None)
             if row is None:
                 self.is_exhausted = True
@@ -75,13 +75,6 @@ class EndpointAnswers:
                                       **self.sampling)
             self.in_flight[future] = (row, ids, max_tokens)
         return too_long
-
-    def _stop(self, error: EndpointError) -> None:
-        if self.error is None:
-            self.error = error
-        for future in list(self.in_flight):
-            if future.cancel():  # still queued: never sent
-                del self.in_flight[future]
 
     def _example(self, row: dict, ids: list[int], max_tokens: int, answer: Answer) -> dict | str:
         if answer.prompt_token_ids is not None and list(answer.prompt_token_ids) != ids:

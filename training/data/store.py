@@ -52,7 +52,8 @@ IDENTITY_KEYS = ("format_version", "target", "layers", "aux_layers", "hidden_siz
                  "answers")
 # Settings that may change between runs of one store: the same target under another name, or served at another address.
 UNCHECKED_SETTINGS = ("target.name:", "answers.endpoint:")
-# Stores written before their meta named the answers' source were answered by the target in-process.
+# Answers by the target in-process: what a store's meta says unless told otherwise, as stores written before
+# their meta named the answers' source were.
 TARGET_ANSWERS = {"source": "target"}
 MAX_OPEN_SHARDS = 64
 _UMASK = os.umask(0)
@@ -248,7 +249,7 @@ class StoreWriter:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock = _lock(self.path)
-        self.meta = {"format_version": FORMAT_VERSION, **meta}
+        self.meta = {"format_version": FORMAT_VERSION, "answers": TARGET_ANSWERS, **meta}
         self.keys = tensor_keys(self.meta["layers"], self.meta["aux_layers"])
         self.shard_size = shard_size
         # The meta.json of the store being resumed; {} for a new store, or one that holds no example yet (it has
