@@ -38,7 +38,8 @@ def offline_run(engine: Engine, prompts, max_new_tokens: int, concurrency: int) 
     for output in outputs:
         if "spec" in output.metrics:
             stats.merge(AcceptanceStats.from_dict(output.metrics["spec"]))
-    return {"output_throughput": sum(len(o.token_ids) for o in outputs) / duration, "tpot_ms": 1e3 * statistics.fmean(tpots),
+    return {"output_throughput": sum(len(o.token_ids) for o in outputs) / duration,
+            "tpot_ms": 1e3 * statistics.fmean(tpots),
             "acceptance": {"acceptance_rate": stats.acceptance_rate, "tau": stats.tau,
                            "num_accepted_per_position": stats.accepted} if stats.num_steps else None}
 
@@ -83,14 +84,14 @@ def main() -> None:
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if "acceptance" not in k}), flush=True)
             if offline_1["acceptance"]:
-                served = served_1["acceptance"]
-                print(f"  acceptance at concurrency 1: offline rate {offline_1['acceptance']['acceptance_rate']:.4f} tau "
-                      f"{offline_1['acceptance']['tau']:.4f}; through /metrics rate {served['acceptance_rate']:.4f} tau "
-                      f"{served['tau']:.4f}; accepted per position offline "
-                      f"{offline_1['acceptance']['num_accepted_per_position']}, server "
-                      f"{[int(n) for n in served['num_accepted_per_position']]}", flush=True)
+                offline, served = offline_1["acceptance"], served_1["acceptance"]
+                print(f"  acceptance at concurrency 1: offline rate {offline['acceptance_rate']:.4f} tau "
+                      f"{offline['tau']:.4f}; through /metrics rate {served['acceptance_rate']:.4f} tau "
+                      f"{served['tau']:.4f}; accepted per position offline {offline['num_accepted_per_position']}, "
+                      f"server {[int(n) for n in served['num_accepted_per_position']]}", flush=True)
     median = lambda key: statistics.median(r[key] for r in rows)
-    summary = {"target": args.target, "num_threads": args.num_threads, "speculative_config": args.speculative_config, "rounds": rows,
+    summary = {"target": args.target, "num_threads": args.num_threads, "speculative_config": args.speculative_config,
+               "rounds": rows,
                "tpot_server_over_offline_c1": median("server_tpot_ms_c1") / median("offline_tpot_ms_c1"),
                "itl_server_over_offline_tpot_c1": median("server_itl_ms_c1") / median("offline_tpot_ms_c1"),
                "throughput_server_over_offline_c16": median("server_tok_s_c16") / median("offline_tok_s_c16")}

@@ -1,14 +1,15 @@
 """`draftheads bench-serve`: an online benchmark of any OpenAI-compatible server (`draftheads serve`, vLLM's,
 SGLang's), as vLLM's `vllm bench serve` measures one.
 
-After one short warm-up request, requests arrive on a seeded Poisson schedule at --request-rate (or all at once), at most --max-concurrency in
-flight, each streamed over one kept-alive async HTTP client. Per request it times the first content chunk (TTFT),
-the gaps between content chunks (ITL: a speculative server sends several tokens in one chunk), the time per output
-token after the first (TPOT) and the whole request (E2E), and reports mean, median and p99 of each with request and
-output-token throughput. Acceptance over the run is the difference of the server's /metrics counters before and
-after (vLLM's `vllm:spec_decode_*`; this project's server also counts verify steps, so tau reads as `draftheads
-bench` computes it; SGLang's `sglang:spec_accept_length` gauge where that is all there is). `--compare-endpoint`
-measures a second server on the same prompts and schedule, after the first, and gives each figure's ratio.
+After one short warm-up request, requests arrive on a seeded Poisson schedule at --request-rate (or all at once), at
+most --max-concurrency in flight, each streamed over one kept-alive async HTTP client. Per request it times the
+first content chunk (TTFT), the gaps between content chunks (ITL: a speculative server sends several tokens in one
+chunk), the time per output token after the first (TPOT) and the whole request (E2E), and reports mean, median and
+p99 of each with request and output-token throughput. Acceptance over the run is the difference of the server's
+/metrics counters before and after (vLLM's `vllm:spec_decode_*`; this project's server also counts verify steps, so
+tau reads as `draftheads bench` computes it; SGLang's `sglang:spec_accept_length` gauge where that is all there is).
+`--compare-endpoint` measures a second server on the same prompts and schedule, after the first, and gives each
+figure's ratio.
 
 `serve_and_bench` starts `draftheads serve` plain and with a speculative config, measures both, and stops them.
 """
@@ -361,9 +362,9 @@ def ratios(first: dict, second: dict) -> dict:
 
 def to_markdown(report: dict) -> str:
     rate = "inf" if math.isinf(report["request_rate"]) else f"{report['request_rate']:g}/s"
-    lines = [f"{report['num_prompts']} {report['prompts']} prompts, {report['api']} API, {report['max_new_tokens']} new "
-             f"tokens, temperature {report['temperature']}, request rate {rate} (seed {report['seed']}), max concurrency "
-             f"{report['max_concurrency'] or 'unlimited'}", "",
+    lines = [f"{report['num_prompts']} {report['prompts']} prompts, {report['api']} API, "
+             f"{report['max_new_tokens']} new tokens, temperature {report['temperature']}, request rate {rate} "
+             f"(seed {report['seed']}), max concurrency {report['max_concurrency'] or 'unlimited'}", "",
              "| server | done | req/s | out tok/s | TTFT ms mean / median / p99 | TPOT ms | ITL ms | E2E ms | "
              "accept rate | tau |", "|---|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
@@ -372,8 +373,9 @@ def to_markdown(report: dict) -> str:
         accepted = run["acceptance"] or {}
         rate_cell = _fmt(accepted.get("acceptance_rate"), ".2f")
         tau = _fmt(accepted.get("tau", accepted.get("mean_acceptance_length")), ".2f")
-        lines.append(f"| {run['label']} | {run['num_completed']}/{run['num_requests']} | {run['request_throughput']:.2f} | "
-                     f"{run['output_throughput']:.1f} | {' | '.join(cells)} | {rate_cell} | {tau} |")
+        lines.append(f"| {run['label']} | {run['num_completed']}/{run['num_requests']} | "
+                     f"{run['request_throughput']:.2f} | {run['output_throughput']:.1f} | {' | '.join(cells)} | "
+                     f"{rate_cell} | {tau} |")
     if "ratios" in report:
         r = report["ratios"]
         first, second = (run["label"] for run in report["runs"])
@@ -423,7 +425,8 @@ def plot_latency(report: dict, path) -> None:
             values = sorted(1e3 * v for v in values)
             if values:
                 axis.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=run["label"])
-        axis.set(title=titles[name], xlabel="ms", ylabel="fraction of requests" if name != "itl" else "fraction of gaps")
+        axis.set(title=titles[name], xlabel="ms",
+                 ylabel="fraction of requests" if name != "itl" else "fraction of gaps")
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     figure.tight_layout()

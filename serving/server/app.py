@@ -129,7 +129,8 @@ class OpenAIServer:
         if num_prompt_tokens >= limit:
             raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but max_model_len is {limit}: shorten it "
                                 f"to at most {limit - 1} tokens",
-                           "messages" if isinstance(body, ChatCompletionRequest) else "prompt", "context_length_exceeded")
+                           "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                           "context_length_exceeded")
         asked, name = body.requested_max_tokens
         if asked is None:
             return limit - num_prompt_tokens
@@ -198,7 +199,9 @@ class OpenAIServer:
                         yield _sse(reply.chunk(text=text, logprobs=logprobs))
                 elif isinstance(event, Finished):
                     done = True
-                    text = detokenizer.add(event.token_ids) + detokenizer.finish(event.output.text) if detokenizer else ""
+                    text = ""
+                    if detokenizer:
+                        text = detokenizer.add(event.token_ids) + detokenizer.finish(event.output.text)
                     logprobs = reply.logprobs(self.tokenizer, event.token_ids, event.logprobs)
                     yield _sse(reply.chunk(text=text, finish_reason=event.output.finish_reason, logprobs=logprobs))
                     if include_usage:

@@ -21,8 +21,10 @@ class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
         label, r = ["model_name"], self.registry
-        self.num_requests_running = Gauge("vllm:num_requests_running", "Requests in the running batch", label, registry=r)
-        self.num_requests_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be admitted", label, registry=r)
+        self.num_requests_running = Gauge("vllm:num_requests_running", "Requests in the running batch", label,
+                                          registry=r)
+        self.num_requests_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be admitted", label,
+                                          registry=r)
         self.kv_cache_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of K/V blocks held by requests (0 to 1)",
                                     label, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests", label, registry=r)

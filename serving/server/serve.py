@@ -89,10 +89,11 @@ def add_arguments(parser) -> None:
         "log_level": {"choices": LOG_LEVELS}})
     parser.add_argument("--access-log", dest="access_log", action="store_true", default=argparse.SUPPRESS,
                         help="log every HTTP request")
-    parser.epilog = ("Endpoints: POST /v1/chat/completions, POST /v1/completions (stream: true for server-sent events), "
-                     "GET /v1/models, GET /health, GET /metrics (Prometheus, vLLM's vllm: names). Requests take OpenAI's "
-                     "sampling fields and vLLM's top_k, min_p, repetition_penalty, stop_token_ids and ignore_eos; an "
-                     "absent temperature is 1.0, as OpenAI's. `usage.speculative` carries each request's acceptance.")
+    parser.epilog = (
+        "Endpoints: POST /v1/chat/completions, POST /v1/completions (stream: true for server-sent events), GET "
+        "/v1/models, GET /health, GET /metrics (Prometheus, vLLM's vllm: names). Requests take OpenAI's sampling "
+        "fields and vLLM's top_k, min_p, repetition_penalty, stop_token_ids and ignore_eos; an absent temperature is "
+        "1.0, as OpenAI's. `usage.speculative` carries each request's acceptance.")
 
 
 def run(args) -> None:

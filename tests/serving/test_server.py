@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -27,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import heads
 from serving import targets
-from serving.bench_serve import BenchServeConfig, arrival_times, make_report, measure, write_report
+from serving.bench_serve import BenchServeConfig, arrival_times, make_report, measure, serve_and_bench, write_report
 from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.spec.metrics import AcceptanceStats
@@ -302,7 +303,8 @@ def test_bench_serve_reads_the_offline_acceptance_through_metrics(server, target
                               seed=3)
     schedule = arrival_times(6, config.request_rate, config.seed)
     runs = [measure(url, prompts, schedule, config, "tiny"), measure(url, prompts, schedule, config, "again")]
-    engine = Engine(str(target), max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS, speculative_config=speculative_config)
+    engine = Engine(str(target), max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS,
+                    speculative_config=speculative_config)
     stats = AcceptanceStats()
     for output in engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0)):
         stats.merge(AcceptanceStats.from_dict(output.metrics["spec"]))
@@ -324,6 +326,38 @@ def test_bench_serve_reads_the_offline_acceptance_through_metrics(server, target
     assert [p.name for p in paths] == ["bench_serve.json", "bench_serve.md", "latency.png"]
     assert all(p.stat().st_size > 0 for p in paths)
     assert "| tiny | 6/6 |" in paths[1].read_text()
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in PROMPTS))
+    return path
+
+
+def test_bench_serve_command_writes_its_report(server, prompts_file, tmp_path, capsys):
+    from training.cli import main
+
+    url, _ = server
+    assert main(["bench-serve", "--endpoint", f"{url}/v1", "--prompts", str(prompts_file), "--num-prompts", "4",
+                 "--max-new-tokens", "8", "--request-rate", "inf", "--api", "completions", "--out",
+                 str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench_serve.json").read_text())
+    assert report["runs"][0]["num_completed"] == 4 and report["api"] == "completions"
+    assert "| 4/4 |" in capsys.readouterr().out
+    assert main(["bench-serve", "--endpoint", "localhost:8000"]) == 2
+    assert "is not a URL" in capsys.readouterr().err
+
+
+def test_serve_and_bench_starts_measures_and_stops_both_servers(target, prompts_file, tmp_path):
+    """The function `make demo` calls: the real command twice, speculative and plain."""
+    report = serve_and_bench(str(target), {"method": "ngram", "num_speculative_tokens": 3}, prompts=str(prompts_file),
+                             num_prompts=3, max_new_tokens=8, request_rate=50.0, out=tmp_path,
+                             serve_options=["--max-model-len", "256", "--num-threads", "1"])
+    assert [run["label"] for run in report["runs"]] == ["ngram", "plain"]
+    assert all(run["num_completed"] == 3 for run in report["runs"])
+    assert report["runs"][0]["acceptance"]["num_drafts"] > 0 and report["runs"][1]["acceptance"] is None
+    assert report["ratios"]["output_throughput"] > 0 and (tmp_path / "latency.png").is_file()
 
 
 def test_sigterm_mid_run_exits_zero_without_traceback(target):
