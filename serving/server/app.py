@@ -243,12 +243,14 @@ class Reply:
 
     def whole(self, output, logprobs, usage: dict) -> dict:
         choice = {"index": 0, "logprobs": logprobs, "finish_reason": output.finish_reason}
-        choice.update({"message": {"role": "assistant", "content": output.text}} if self.chat else {"text": output.text})
+        text = output.text
+        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
         if not self.with_token_ids:
             return {**self._envelope(self.object, [choice]), "usage": usage}
         # vLLM's layout: the answer's ids (a stop token included) in the choice, the prompt's beside the choices
         choice["token_ids"] = list(output.token_ids)
-        return {**self._envelope(self.object, [choice]), "prompt_token_ids": list(output.prompt_token_ids), "usage": usage}
+        prompt_token_ids = list(output.prompt_token_ids)
+        return {**self._envelope(self.object, [choice]), "prompt_token_ids": prompt_token_ids, "usage": usage}
 
     def chunk(self, text: str, finish_reason: str | None = None, logprobs=None, role: str | None = None) -> dict:
         choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -2,8 +2,8 @@
 
 Every field a body may carry is declared; any other is refused by name (`extra="forbid"`), so a client never
 believes a sampling option took effect when it did not. Beside OpenAI's fields they take vLLM's extra sampling
-fields (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos) and return_token_ids. `user` is accepted and ignored: it only
-labels the caller. Ranges are checked once, by SamplingParams.
+fields (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos) and return_token_ids. `user` is accepted and
+ignored: it only labels the caller. Ranges are checked once, by SamplingParams.
 """
 from __future__ import annotations
 

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from training.data.endpoint import Answer, Endpoint, EndpointError
 from training.data.chat import prompt_ids, request_seed, stop_token_of, template_ids_after_answer, text_ids, user_turns
-
-IDS_FROM = ("token_ids", "text")  # an answer's ids: as the endpoint returned them, or its text tokenized here
+from training.data.endpoint import Answer, Endpoint, EndpointError
 
 
 class EndpointAnswers:
@@ -71,15 +69,16 @@ class EndpointAnswers:
                 too_long.append((row["id"], "too long"))
                 continue
             max_tokens = min(self.max_new_tokens, self.max_len - len(ids))
-            future = self.pool.submit(self.endpoint.chat, messages, max_tokens, seed=request_seed(self.seed, row["id"], 0),
-                                      **self.sampling)
+            seed = request_seed(self.seed, row["id"], 0)
+            future = self.pool.submit(self.endpoint.chat, messages, max_tokens, seed=seed, **self.sampling)
             self.in_flight[future] = (row, ids, max_tokens)
         return too_long
 
     def _example(self, row: dict, ids: list[int], max_tokens: int, answer: Answer) -> dict | str:
         if answer.prompt_token_ids is not None and list(answer.prompt_token_ids) != ids:
-            raise EndpointError(f"{self.endpoint.url} rendered the prompt of conversation {row['id']!r} as other tokens "
-                                "than the target's chat template does: is it serving this target (--endpoint-model)?")
+            raise EndpointError(f"{self.endpoint.url} rendered the prompt of conversation {row['id']!r} as other "
+                                "tokens than the target's chat template does: is it serving this target "
+                                "(--endpoint-model)?")
         if answer.token_ids is not None:
             answer_ids, ids_from = list(answer.token_ids), "token_ids"
         else:
@@ -115,7 +114,8 @@ class DatasetAnswers:
     error = None
 
     def __init__(self, rows, tokenizer, eos_token_ids, *, turns: str, max_new_tokens: int, max_len: int, batch: int):
-        self.tokenizer, self.turns, self.max_new_tokens, self.max_len, self.batch = tokenizer, turns, max_new_tokens, max_len, batch
+        self.tokenizer, self.turns, self.batch = tokenizer, turns, batch
+        self.max_new_tokens, self.max_len = max_new_tokens, max_len
         self.stop_token = stop_token_of(tokenizer, eos_token_ids)
         self.rows = iter(rows)
         self.is_exhausted = False

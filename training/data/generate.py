@@ -107,7 +107,8 @@ class GenerateConfig:
         if self.aux_layers is not None:
             self.aux_layers = tuple(int(i) for i in _listed(self.aux_layers))
         if set(self.layers) - set(LAYERS):
-            raise ValueError(f"layers={','.join(self.layers)!r} is invalid: choose some of {', '.join(LAYERS)}, or none")
+            raise ValueError(f"layers={','.join(self.layers)!r} is invalid: choose some of {', '.join(LAYERS)}, "
+                             "or none")
         if self.aux_layers is not None and len(self.aux_layers) != 3:
             raise ValueError(f"aux_layers={self.aux_layers} is invalid: EAGLE-3 fuses exactly three layers (low, middle, high)")
         if self.turns not in TURNS:
@@ -115,7 +116,8 @@ class GenerateConfig:
         if self.answers not in ANSWERS:
             raise ValueError(f"answers={self.answers!r} is invalid: choose {' or '.join(ANSWERS)}")
         if self.endpoint is not None and self.answers == "dataset":
-            raise ValueError("answers=dataset takes the prompt source's own answers, so no --endpoint is asked: drop one")
+            raise ValueError("answers=dataset takes the prompt source's own answers, so no --endpoint is asked: "
+                             "drop one")
         if self.endpoint is not None and self.turns != "first":
             raise ValueError("an --endpoint answers first turns only: pass --turns first (or --answers dataset for "
                              "every turn of the source's own conversations)")

@@ -48,8 +48,8 @@ ROWS = datasets.Features(
     }
 )
 # Settings that change what a store holds; a rerun into the same folder must repeat them.
-IDENTITY_KEYS = ("format_version", "target", "layers", "aux_layers", "hidden_size", "hidden_dtype", "sampling", "prompts",
-                 "answers")
+IDENTITY_KEYS = ("format_version", "target", "layers", "aux_layers", "hidden_size", "hidden_dtype", "sampling",
+                 "prompts", "answers")
 # Settings that may change between runs of one store: the same target under another name, or served at another address.
 UNCHECKED_SETTINGS = ("target.name:", "answers.endpoint:")
 # Answers by the target in-process: what a store's meta says unless told otherwise, as stores written before

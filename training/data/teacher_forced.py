@@ -64,12 +64,13 @@ class TeacherForcedGeneration:
 
     def __init__(self, config, folder: Path, aux_layers: tuple[int, ...], writer: StoreWriter, rows,
                  endpoint: Endpoint | None):
-        self.config, self.folder, self.aux_layers, self.writer, self.endpoint = config, folder, aux_layers, writer, endpoint
+        self.config, self.folder, self.aux_layers, self.writer = config, folder, aux_layers, writer
+        self.endpoint = endpoint
         self.keys = tensor_keys(config.layers, aux_layers)
         self.num_rows = len(rows)
         noted = writer.stored.get("answer_ids", {})
-        self.answer_ids = {"num_token_ids": noted.get("num_token_ids", 0), "num_from_text": noted.get("num_from_text", 0),
-                           "dropped": list(noted.get("dropped", []))}
+        self.answer_ids = {"num_token_ids": noted.get("num_token_ids", 0),
+                           "num_from_text": noted.get("num_from_text", 0), "dropped": list(noted.get("dropped", []))}
         skipped = writer.done_ids | set(self.answer_ids["dropped"])
         self.todo = [row for row in rows if row["id"] not in skipped]
         self.outcomes = Counter()
@@ -98,7 +99,9 @@ class TeacherForcedGeneration:
                                      max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                      top_p=config.top_p, seed=config.seed, max_len=max_len,
                                      concurrency=config.endpoint_concurrency)
-        engine = config.engine(self.folder, self.aux_layers, capture_hidden=True, max_model_len=max_len + 1) if self.keys else None
+        engine = None
+        if self.keys:
+            engine = config.engine(self.folder, self.aux_layers, capture_hidden=True, max_model_len=max_len + 1)
         capture = Capture(engine, self.keys)
         bar = tqdm(total=self.num_rows, initial=self.num_rows - len(self.todo), desc="prompts", unit="prompt",
                    disable=not progress)
