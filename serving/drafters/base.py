@@ -1,8 +1,9 @@
 """The one interface every drafter implements.
 
 A drafter proposes, for each request that has just emitted a token (K/V computed for all but that one), a token tree
-(`serving.spec.tree.DraftTree`) of at most `budget.num_nodes` nodes and depth `budget.depth`; a longer or deeper
-one is cut. What a drafter reads from the target's pass is declared here, never probed:
+(`serving.spec.tree.DraftTree`) of at most `budget.num_nodes` rows (its nodes, and its lookahead rows where it has
+them) and depth `budget.depth`; a longer or deeper one is cut. What a drafter reads from the target's pass is
+declared here, never probed:
 - `needs_hidden`: the target's final hidden states of every computed row (Medusa, EAGLE, MTP);
 - `aux_layers`: target layers whose inputs it reads too (EAGLE-3);
 - `num_lookahead`: tokens after a block that its own K/V there depends on, so that the prefix cache shares a block
@@ -10,7 +11,8 @@ one is cut. What a drafter reads from the target's pass is declared here, never 
 `observe(engine, step)` runs every step, before `propose`, for drafters that catch up over what the target kept;
 a drafter with a pool of its own may defer that work until a request drafts (`num_settled` then tells the prefix
 cache which of a request's tokens the pool holds, and `settle` completes a finishing request's pool);
-`reset(request)` forgets a request that finished or was preempted.
+`reset(request)` forgets a request that finished or was preempted; `summary()` is what a drafter reports beside the
+acceptance counts (lookahead: its pool's hit rate).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from serving.spec.tree import DraftTree
 
 
 class DraftBudget(NamedTuple):
-    num_nodes: int  # the tree's nodes at most: they fit in the token budget, the free blocks and the context
+    # the tree's rows at most (nodes, lookahead rows): they fit in the token budget, the free blocks and the context
+    num_nodes: int
     depth: int  # its depth at most: num_speculative_tokens, and the tokens max_tokens leaves
 
 
@@ -49,3 +52,7 @@ class Drafter(abc.ABC):
 
     def reset(self, request) -> None:
         """Forget a request."""
+
+    def summary(self) -> dict:
+        """What this drafter reports beside the acceptance counts (the bench adds it to the method's row)."""
+        return {}

@@ -91,7 +91,8 @@ class LookaheadDrafter(Drafter):
         for level in range(n - 1):
             for column in range(1 if level == 0 else 0, w):
                 offsets.append(level + column)
-                sees.append(tuple(row(0, c) for c in range(1, column + 1)) + tuple(row(l, column) for l in range(1, level + 1)))
+                trajectory = [row(0, c) for c in range(1, column + 1)] + [row(l, column) for l in range(1, level + 1)]
+                sees.append(tuple(trajectory))
         self.offsets, self.sees = tuple(offsets), tuple(sees)
         self.states: dict[str, RequestState] = {}
         self.num_lookups = self.num_hits = 0

@@ -126,7 +126,8 @@ class SpeculativeConfig:
         if self.method != "lookahead":
             given = [name for name, value in options.items() if value is not None]
             if given:
-                raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to lookahead, not {self.method!r}")
+                raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to lookahead, "
+                                 f"not {self.method!r}")
             return
         defaults = {"window": 15, "ngram": 5, "max_candidates": 15}
         for name, value in options.items():
@@ -139,7 +140,7 @@ class SpeculativeConfig:
 
     @property
     def num_lookahead_rows(self) -> int:
-        """Lookahead's window rows per step (computed, never accepted): W - 1 at the first level, W at each further."""
+        """Lookahead's window rows per step (computed, never accepted): W - 1 at level 0, W at each further level."""
         return self.window - 1 + (self.ngram - 2) * self.window if self.method == "lookahead" else 0
 
     def _check_tree(self) -> None:
@@ -147,8 +148,9 @@ class SpeculativeConfig:
         if not isinstance(self.topk, int) or isinstance(self.topk, bool) or self.topk < 1:
             raise ValueError(f"topk={self.topk!r} must be an integer >= 1 (1: a chain)")
         if (self.topk > 1 or self.medusa_choices is not None) and self.method not in HEADS:
+            own = "its tree is its candidates' trie" if self.method == "lookahead" else "it drafts a chain"
             raise ValueError(f"draft trees (topk, medusa_choices) apply to {', '.join(HEADS)} heads, not {self.method!r}: "
-                             + ("its tree is its candidates' trie" if self.method == "lookahead" else "it drafts a chain"))
+                             + own)
         if self.medusa_choices is not None:
             if self.method != "medusa":
                 raise ValueError(f"medusa_choices applies to medusa heads, not {self.method!r}: use topk and "
@@ -180,7 +182,7 @@ class SpeculativeConfig:
 
     @property
     def max_draft_nodes(self) -> int:
-        """The most rows a step computes for one request after its newest token: draft nodes, and lookahead's window."""
+        """The most rows a step computes for one request after its newest token: draft nodes, lookahead's window."""
         return self.num_draft_tokens - 1 + self.num_lookahead_rows
 
     @classmethod

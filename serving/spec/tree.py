@@ -32,8 +32,10 @@ class LookaheadRows:
             raise ValueError(f"lookahead rows need an offset and a list of rows seen per token: {len(self.tokens)} "
                              f"tokens, {len(self.offsets)} offsets, {len(self.sees)} lists")
         for r, seen in enumerate(self.sees):
-            if not seen or seen[-1] != r or any(a >= b or self.offsets[a] >= self.offsets[b] for a, b in zip(seen, seen[1:])):
-                raise ValueError(f"lookahead row {r} sees rows {list(seen)}: earlier rows in position order, itself last")
+            in_order = all(a < b and self.offsets[a] < self.offsets[b] for a, b in zip(seen, seen[1:]))
+            if not seen or seen[-1] != r or not in_order:
+                raise ValueError(f"lookahead row {r} sees rows {list(seen)}: earlier rows in position order, "
+                                 "itself last")
         if not 0 <= self.num_outputs <= len(self.tokens):
             raise ValueError(f"{self.num_outputs} outputs read from {len(self.tokens)} lookahead rows")
 

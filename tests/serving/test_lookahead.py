@@ -150,7 +150,7 @@ def test_repeated_text_is_found_in_the_pool(token_map_llama):
     [out] = engine.generate([prompt], params)
     assert out.token_ids == plain_outputs(token_map_llama, [prompt], params)[0]
     assert out.token_ids[:len(cycle)] == cycle  # the text repeats on
-    assert first_paths[0] == spec["ngram"] - 1, "the first verify step, before any Jacobi n-gram, accepts a whole candidate"
+    assert first_paths[0] == spec["ngram"] - 1, "the first verify step (no Jacobi n-gram yet) accepts a whole candidate"
     assert engine.speculator.stats.tau > 2
 
 
@@ -247,7 +247,8 @@ def test_lookahead_config_defaults_and_errors():
         ({"method": "lookahead", "ngram": 2}, r"ngram=2 must be an integer >= 3"),
         ({"method": "lookahead", "window": 0}, r"window=0 must be an integer >= 1"),
         ({"method": "lookahead", "max_candidates": 1.5}, r"max_candidates=1.5 must be an integer >= 1"),
-        ({"method": "lookahead", "ngram": 3, "num_speculative_tokens": 3}, "exceeds lookahead's candidates of ngram - 1 = 2"),
+        ({"method": "lookahead", "ngram": 3, "num_speculative_tokens": 3},
+         "exceeds lookahead's candidates of ngram - 1 = 2"),
         ({"method": "lookahead", "num_draft_tokens": 62}, r"60 candidates at most \(max_candidates=15 of 4 tokens\)"),
         ({"method": "lookahead", "topk": 2}, "its tree is its candidates' trie"),
     ]:
