@@ -198,6 +198,8 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
             row["identical_to_plain"] = None  # sampled outputs agree in law, not token by token
         if speculator is not None and speculator.policy:
             row["adaptive"] = speculator.policy.summary()
+        if speculator is not None:
+            row.update(speculator.drafter.summary())  # lookahead: its pool's hit rate
         rows.append(row)
     result = {"target": str(engine.folder), "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
               "concurrency": concurrency, "temperature": temperature, "dtype": str(engine.dtype).replace("torch.", ""),
