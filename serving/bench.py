@@ -289,4 +289,17 @@ def to_markdown(result: dict) -> str:
     lines += ["", f"bandwidth floor: {result['weight_bytes'] / 1e6:.0f} MB of weights at {result['copy_bandwidth_gbs']:.1f} GB/s "
               f"= {result['step_floor_ms']:.1f} ms per step; plain decoding takes {result['plain_step_ms']:.1f} ms per token "
               f"per sequence; peak memory {result['peak_memory_gib']:.2f} GiB"]
+    for row in result["rows"]:
+        if "adaptive" in row:
+            lines += ["", adaptive_markdown(row["method"], row["adaptive"])]
     return "\n".join(lines)
+
+
+def adaptive_markdown(method: str, summary: dict) -> str:
+    """What an adaptive row chose (depth: share of the choices, per number of running requests) and how far the
+    step-cost model's predicted forward times were from the measured ones, per bucket of rows."""
+    chosen = "; ".join(f"{n} running: " + " ".join(f"d{d} {c / sum(depths.values()):.0%}" for d, c in depths.items())
+                       for n, depths in summary["chosen_depths"].items())
+    timing = ", ".join(f"<={b['rows_at_most']} rows {b['predicted_ms']:.1f}/{b['measured_ms']:.1f} ms ({b['error']:+.0%})"
+                       for b in summary["step_time"])
+    return f"{method}: chose {chosen or 'nothing'}. Forward predicted/measured: {timing}"

@@ -14,7 +14,9 @@
    transformers' `generate` on the same prompts (each row's "vs generate");
 5. results/bench.json, results/bench.md, results/acceptance.png and the summary over every setting and method
    (results/summary.json, summary.md, speedup_vs_concurrency.png), also logged to an (offline) wandb run; with
-   --full, in results/full/.
+   --full, in results/full/;
+6. the online run: `draftheads serve` with the best head and plain, each measured by `draftheads bench-serve` on
+   MT-bench prompts arriving over time (results/serve/: bench_serve.json, bench_serve.md, latency.png).
 
 Every stage reuses what an earlier run produced with the same settings: generation resumes, a head whose
 stamp matches is not trained again, and a bench setting whose result is in results/settings/ (results/full/settings/)
@@ -55,6 +57,8 @@ EPOCHS = {"medusa": 4, "eagle": 4, "eagle3": 3, "mtp": 3}
 # without lookup (every head 1.09-1.18x on MT-bench's 80) are left to `draftheads bench`, to keep the demo within
 # 30 minutes.
 TREE = {"topk": 8, "num_draft_tokens": 16}
+# The online run's arrivals: about one request per 1.3 s of a request's decoding alone, so that requests overlap.
+SERVE_RATE = 0.75
 CONFIDENCE_THRESHOLD = 0.1
 KIND_RECIPE = {"eagle3": ["--model.init_args.num_steps", "2", "--model.init_args.draft_vocab_size", str(DRAFT_VOCAB_SIZE)]}
 
@@ -78,6 +82,9 @@ def parse_args(argv=None):
                    help="MT-bench first turns, one per category in turn (default 8; 80 with --full)")
     p.add_argument("--bench-humaneval", type=int, default=None, help="HumanEval prompts (default 4; 164 with --full)")
     p.add_argument("--bench-new-tokens", type=int, default=96)
+    p.add_argument("--serve-prompts", type=int, default=8,
+                   help="MT-bench prompts of the online run (draftheads serve with the best head vs plain, measured by "
+                        "bench-serve at a fixed request rate); 0 skips it")
     p.add_argument("--kinds", default=",".join(KINDS), help="head kinds to train and bench")
     p.add_argument("--data", default="data", help="where the store goes")
     p.add_argument("--results", default="results",
@@ -116,6 +123,8 @@ def main(argv=None) -> dict:
     token_map = make_token_map(store)
     heads = {kind: fit(args, kind, store, token_map) for kind in args.kinds.split(",")}
     result = bench(args, heads)
+    if args.serve_prompts and heads:
+        result["serve"] = serve(args, heads)
     print(f"\ndemo finished in {time.perf_counter() - start:.0f} s")
     return result
 
@@ -181,6 +190,26 @@ def make_token_map(store: Path) -> Path:
     path = Path("runs") / f"token_map-{size}.pt"
     write_token_map(frequent_tokens(data, size), path)
     return path
+
+
+def serve(args, heads: dict) -> dict:
+    """The online run: `draftheads serve` with the best head (EAGLE-1 after prompt lookup, chains cut at
+    CONFIDENCE_THRESHOLD, the fastest offline setting) and plain, each measured by `draftheads bench-serve` on the
+    same MT-bench prompts arriving at SERVE_RATE requests per second (Poisson), greedy."""
+    from serving.bench_serve import serve_and_bench, to_markdown
+
+    kind = "eagle" if "eagle" in heads else next(iter(heads))
+    config = {"method": kind, "model": str(heads[kind]), "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+              "prompt_lookup_first": True, "confidence_threshold": CONFIDENCE_THRESHOLD}
+    out = Path(args.results) / ("full" if args.full else "") / "serve"
+    t = stage(f"serve: {kind} after prompt lookup vs plain, {args.serve_prompts} MT-bench prompts x "
+              f"{args.bench_new_tokens} tokens at {SERVE_RATE} requests/s")
+    report = serve_and_bench(args.target, config, prompts="mt-bench", num_prompts=args.serve_prompts,
+                             max_new_tokens=args.bench_new_tokens, request_rate=SERVE_RATE, out=out,
+                             serve_options=["--device", args.device])
+    print(to_markdown(report))
+    print(f"took {time.perf_counter() - t:.0f} s; wrote {out}")
+    return report
 
 
 def bench_prompts(args):

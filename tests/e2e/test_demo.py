@@ -12,7 +12,8 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
     demo.main(["--target", "debug", "--num-prompts", "6", "--max-new-tokens", "12", "--epochs", "1",
-               "--bench-mt-bench", "2", "--bench-humaneval", "1", "--bench-new-tokens", "10", "--concurrency", "3"])
+               "--bench-mt-bench", "2", "--bench-humaneval", "1", "--bench-new-tokens", "10", "--concurrency", "3",
+               "--serve-prompts", "2"])
     results = json.loads((tmp_path / "results" / "bench.json").read_text())
     assert [r["name"] for r in results] == ["mt-bench T=0 c=1", "humaneval T=0 c=1"]
     for result in results:
@@ -49,6 +50,9 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
     assert "| humaneval (1) | 0 | 1 | eagle3 |" in (tmp_path / "results" / "summary.md").read_text()
     assert (tmp_path / "results" / "speedup_vs_concurrency.png").stat().st_size > 10_000
     assert len(list((tmp_path / "results" / "settings").glob("*.json"))) == 2
+    online = json.loads((tmp_path / "results" / "serve" / "bench_serve.json").read_text())  # the best head served vs plain
+    assert [run["label"] for run in online["runs"]] == [f"eagle+lookup2 p>={demo.CONFIDENCE_THRESHOLD:g}", "plain"]
+    assert all(run["num_completed"] == 2 for run in online["runs"]) and online["ratios"]["output_throughput"] > 0
     for kind in demo.KINDS:
         assert (tmp_path / "runs" / kind / "heads" / "best" / "model.safetensors").exists()
         fit_config = yaml.safe_load((tmp_path / "runs" / kind / "config.yaml").read_text())
