@@ -2,7 +2,8 @@
 
 1. Greedy outputs equal plain decoding's (the same engine without speculation) at concurrency 1 and 4, under
    preemption, chunked prefill (budgets too small for the window: candidates only) and block sizes 1, 3 and 16, for
-   small windows and the paper's default (W 15, N 5, G 15); window rows are computed and candidates accepted.
+   small windows and the paper's default (W 15, N 5, G 15); window rows are computed and candidates accepted. With
+   the adaptive policy too.
 2. The window's rows see what the paper's mask says: every logits row the drafter reads (the last level, column i)
    equals transformers' logits at the end of context + level 0's columns 1..i + column i of levels 1..N - 2, the
    Jacobi trajectory behind it, at consecutive positions after the newest token.
@@ -72,6 +73,18 @@ def test_greedy_lookahead_is_plain_decoding(tiny_llama, spec, scenario, block_si
     assert engine.speculator.drafter.summary()["pool_hits"] > 0
     if scenario == "preempt":
         assert sum(o.metrics["num_preemptions"] for o in outputs) > 0
+
+
+def test_adaptive_lookahead_is_plain_decoding(tiny_llama):
+    """The adaptive policy prices the window's rows as any others (max_draft_nodes counts them): outputs stay plain
+    decoding's under preemption."""
+    sc = SCENARIOS["preempt"]
+    params = SamplingParams(max_tokens=sc["max_tokens"], ignore_eos=True)
+    engine = make_engine(tiny_llama, dict(SMALL, adaptive=True), block_size=3, num_blocks=50, max_model_len=96,
+                         max_num_seqs=4)
+    outputs = engine.generate(sc["prompts"], params)
+    assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, sc["prompts"], params)
+    assert_pool_idle(engine)
 
 
 # ---- 2. the window's rows see the Jacobi trajectory behind them ------------------------------------------------
