@@ -41,6 +41,10 @@ class Drafter(abc.ABC):
     def observe(self, engine, step) -> None:
         """Catch up over the tokens the target kept this step (drafters with a pool of their own)."""
 
+    def catch_up(self, engine, requests: list) -> None:
+        """Before drafting for `requests`: complete the work `observe` deferred for them (a drafter with a pool of its
+        own). Owed whether or not they draft (`settle` does it at the latest), so not a cost of drafting."""
+
     def num_settled(self, request, num_computed: int) -> int:
         """How many of the request's first `num_computed` tokens this drafter's pool holds: the prefix cache shares a
         block only where both pools do (a drafter without a pool, or one that never defers: all of them)."""

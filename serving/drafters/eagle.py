@@ -96,7 +96,7 @@ class EagleDrafter(Drafter):
             first += num
 
     @torch.inference_mode()
-    def catch_up(self, requests) -> None:
+    def catch_up(self, engine, requests) -> None:
         """Runs the head over the pending pairs of `requests` in one forward, writing their K/V into the pool; keeps
         each one's newest output, which its first draft reads."""
         chunks, features, last = [], [], {}
@@ -118,14 +118,14 @@ class EagleDrafter(Drafter):
         return min(num_computed, chunk.start) if chunk else num_computed
 
     def settle(self, engine, request) -> None:
-        self.catch_up([request])
+        self.catch_up(engine, [request])
 
     def reset(self, request) -> None:
         self.pending.pop(request.request_id, None)
         self.newest.pop(request.request_id, None)
 
     def propose(self, engine, requests, budgets, step):
-        self.catch_up(requests)
+        self.catch_up(engine, requests)
         requests = [r for r in requests if r.request_id in self.newest]
         trees = {}
         for first in range(0, len(requests), self.max_requests):  # more only if max_num_seqs grew since

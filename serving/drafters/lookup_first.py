@@ -30,6 +30,9 @@ class LookupFirst(Drafter):
             trees.update(self.head.propose(engine, rest, budgets, step))
         return trees
 
+    def catch_up(self, engine, requests):
+        self.head.catch_up(engine, requests)
+
     def num_settled(self, request, num_computed):
         return self.head.num_settled(request, num_computed)
 

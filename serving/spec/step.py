@@ -139,7 +139,8 @@ class Speculator:
                 requests.append(request)
         if not requests:
             return
-        start = time.perf_counter()
+        self.drafter.catch_up(engine, requests)
+        start = time.perf_counter()  # the drafting call's cost: what choosing depths changes
         trees = self.drafter.propose(engine, requests, budgets, step)
         if self.policy:
             self.policy.draft_cost.add(max(b.depth for b in budgets.values()), sum(b.num_nodes for b in budgets.values()),
