@@ -14,7 +14,8 @@ weighted decay^s. The KL term is EAGLE's soft cross-entropy less the target dist
 gradient, and zero at a perfect fit, so the logged loss shows how far the head is from the target rather than how
 uncertain the target is. Input features get uniform noise U(-noise, +noise) during training. EAGLE's code draws
 (U(0, 1) - 0.5) * 0.2 * 512 / T for a sequence of T tokens, i.e. U(-0.1, 0.1) at T = 512 and more for shorter
-sequences; this version keeps the amplitude fixed (default 0.1, the paper's U(-0.1, 0.1)) whatever the length.
+sequences; this version keeps the amplitude fixed (default 0.1, the paper's U(-0.1, 0.1)) whatever the length, or,
+with `noise_length` N, scales it by N / T per example as that code does (noise 0.1, noise_length 512).
 Noise is drawn from a generator seeded by the seed and the global step, so a resumed run draws the same noise.
 
 Validation drafts as the engine does: the layer unrolled over its own predicted features (unroll.py).
@@ -32,15 +33,17 @@ from training.modules.unroll import shift_left, unroll
 class EagleModule(DraftModule):
     kind = "eagle"
 
-    def __init__(self, feature_weight: float = 1.0, token_weight: float = 0.1, noise: float = 0.1, seed: int = 0,
-                 num_unroll_steps: int = 1, decay: float = 0.8, fc_bias: bool = True,
-                 intermediate_size: int | None = None, **kwargs):
+    def __init__(self, feature_weight: float = 1.0, token_weight: float = 0.1, noise: float = 0.1,
+                 noise_length: int | None = None, seed: int = 0, num_unroll_steps: int = 1, decay: float = 0.8,
+                 fc_bias: bool = True, intermediate_size: int | None = None, **kwargs):
         """An EAGLE-1 layer and its loss.
 
         Args:
             feature_weight: Weight of the SmoothL1 regression of the next feature (EAGLE's v_w).
             token_weight: Weight of the soft cross-entropy against the target's distribution (EAGLE's p_w).
             noise: Amplitude of the uniform noise on input features while training (0 turns it off).
+            noise_length: null keeps the amplitude fixed; N scales it by N / T for an example of T tokens, as
+                EAGLE's code does (N = 512).
             seed: Seed of that noise.
             num_unroll_steps: Steps the layer is unrolled over its own outputs in training.
             decay: Loss weight decay^s of unrolled step s.
@@ -51,6 +54,8 @@ class EagleModule(DraftModule):
         super().__init__(**kwargs)
         if num_unroll_steps < 1:
             raise ValueError(f"num_unroll_steps={num_unroll_steps} must be >= 1")
+        if noise_length is not None and noise_length < 1:
+            raise ValueError(f"noise_length={noise_length} must be >= 1, or null for a fixed amplitude")
         self.head = Eagle.from_target(self.target_parts, self.hot_ids, fc_bias=fc_bias,
                                       intermediate_size=intermediate_size)
 
@@ -87,7 +92,11 @@ class EagleModule(DraftModule):
         if self.hparams.noise > 0:
             generator = torch.Generator(last.device).manual_seed(self.hparams.seed * 1_000_003 + self.global_step)
             noise = torch.rand(last.shape, generator=generator, device=last.device, dtype=torch.float32)
-            features = last + ((2 * noise - 1) * self.hparams.noise).to(last.dtype)
+            amplitude = self.hparams.noise
+            if self.hparams.noise_length:  # EAGLE's code: N / T times as much for an example of T tokens
+                lengths = batch["padding_mask"].sum(1).clamp(min=1).float()  # [B]
+                amplitude = (amplitude * self.hparams.noise_length / lengths)[:, None, None]
+            features = last + ((2 * noise - 1) * amplitude).to(last.dtype)
         outs = unroll(self.head, batch["input_ids"], features, batch["padding_mask"], self.hparams.num_unroll_steps,
                       self.head.config.max_position_embeddings)
         return self._loss(*self.loss_labels(batch, last), last, outs)
