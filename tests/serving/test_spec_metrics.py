@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving.drafters.base import DraftBudget
+from serving.drafters.base import DraftBudget, Drafter
 from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.spec.metrics import AcceptanceStats
@@ -152,10 +152,9 @@ def test_merge_equals_recording_everything_in_one():
 # ---- through the engine with stub drafters ----------------------------------------------------------------
 
 
-class PatternStub:
+class PatternStub(Drafter):
     """Proposes each request's true plain-greedy continuation, with only the first `num_right` drafts right
     (None: all right) and `extra` drafts past the budget, as a chain; `silent` proposes nothing at all."""
-    needs_hidden, aux_layers, num_lookahead = False, (), 0
 
     def __init__(self, truth, num_right=None, extra=0, silent=False):
         self.truth, self.num_right, self.extra, self.silent = truth, num_right, extra, silent
