@@ -4,7 +4,8 @@
 `f(rows) + per_seq * (seqs - 1)`, with f piecewise linear through times measured at engine start over the rows of
 one sequence (a draft tree; the linear layers, which dominate, cost the same for any shape of the same rows) and
 per_seq fitted on one row for each of several sequences (the extra attention and bookkeeping a sequence brings).
-Each time is the fastest of a few interleaved repeats: another process on the same cores only ever slows a run.
+Each time is the fastest of a few interleaved repeats, and no more than any larger step's: another process on the
+same cores only ever slows a run.
 The context is fixed at measurement (`context`): on the CPU attention over a few hundred tokens is a small part of
 a step. Measuring takes a few seconds; the result is cached per machine, target, dtype, device and block size
 (`DRAFTHEADS_CACHE_DIR`, default ~/.cache/draftheads), and a cache file that does not parse or was measured for
@@ -143,6 +144,7 @@ def measure(engine, repeats: int = 5) -> StepCost:
         for kind, n in times:
             times[kind, n].append(tree_step(n) if kind == "rows" else seqs_step(n))
     seconds = [min(times["rows", n]) for n in rows]
+    seconds = [min(seconds[i:]) for i in range(len(seconds))]  # more rows never cost less: a dip is noise
     cost = StepCost(rows, seconds, 0.0, context)
     extra = [(s - 1, min(times["seqs", s]) - cost.predict(s)) for s in seqs]
     if extra:  # least squares through the origin
