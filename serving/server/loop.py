@@ -194,9 +194,11 @@ class EngineLoop:
         stream.put(Accepted(num_prompt_tokens))
 
     def _publish(self, finished: list[RequestOutput]) -> None:
+        """Hands each stream its new tokens, after the metrics count them: a client that reads /metrics once its
+        answer is whole sees every step of it."""
         now = time.perf_counter()
         outputs = {output.request_id: output for output in finished}
-        num_emitted = 0
+        num_emitted, events = 0, []
         for request_id, stream in list(self.streams.items()):
             output = outputs.get(request_id)
             if output is not None:
@@ -211,16 +213,18 @@ class EngineLoop:
                 stream.num_sent += len(new)
                 self._observe_tokens(stream, now)
                 if output is None:
-                    stream.put(Tokens(new, logprobs))
+                    events.append((stream, Tokens(new, logprobs)))
             if output is not None:
                 del self.streams[request_id]
-                stream.put(Finished(output, new, logprobs))
+                events.append((stream, Finished(output, new, logprobs)))
                 if self.metrics:
                     self.metrics.of(self.metrics.e2e_request_latency).observe(now - stream.arrival_time)
                     self.metrics.of(self.metrics.request_success, finished_reason=output.finish_reason).inc()
         if self.metrics:
             self.metrics.of(self.metrics.generation_tokens).inc(num_emitted)
             self.metrics.update_engine(self.engine)
+        for stream, event in events:
+            stream.put(event)
 
     def _observe_tokens(self, stream: Stream, now: float) -> None:
         if self.metrics:
