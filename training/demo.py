@@ -11,7 +11,8 @@
    greedy, 4 depths: plain decoding, n-gram and each trained head, as a chain always drafting 4 tokens, as
    EAGLE-2's dynamic tree (`TREE`), and as a chain with a confidence threshold after prompt lookup first
    (`prompt_lookup_first`), and
-   transformers' `generate` on the same prompts (each row's "vs generate");
+   transformers' `generate` on the same prompts (each row's "vs generate"); with --full also n-gram and each head
+   after prompt lookup under the adaptive policy (`"adaptive": true`);
 5. results/bench.json, results/bench.md, results/acceptance.png and the summary over every setting and method
    (results/summary.json, summary.md, speedup_vs_concurrency.png), also logged to an (offline) wandb run; with
    --full, in results/full/;
@@ -234,6 +235,11 @@ def bench(args, heads: dict) -> dict:
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k,
                                   confidence_threshold=CONFIDENCE_THRESHOLD, prompt_lookup_first=True)
                 for kind, folder in heads.items()]
+    if args.full:  # the adaptive policy beside the fixed settings, at every concurrency (README, adaptive)
+        configs += [SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=True)]
+        configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k, adaptive=True,
+                                      confidence_threshold=CONFIDENCE_THRESHOLD, prompt_lookup_first=True)
+                    for kind, folder in heads.items()]
     engine = Engine(args.target, max_num_seqs=16, device=args.device)
     pairs = [(0.0, 1)] + ([(0.0, 4), (0.0, 16), (0.7, 1), (0.7, 4), (0.7, 16)] if args.full else [])
     prompt_sets = bench_prompts(args)
