@@ -11,7 +11,7 @@ again after a while when drafting is cheap enough that the prior repays it.
 The next step's time is the target's forward over every running request's rows plus one drafting call
 (`serving.spec.cost`). Each further depth of each request is one candidate, worth its survival per added row;
 candidates are taken best first (never depth j + 1 before depth j), and the prefix with the most tokens per second
-wins, the empty prefix (no drafts) among them. A tree setting drafts `nodes(j)` nodes at depth j: the config's
+wins, the empty prefix (no drafts) among them. A tree setting drafts `num_nodes[j]` nodes at depth j: the config's
 num_draft_tokens - 1 scaled by j / num_speculative_tokens (for medusa_choices: its choices up to depth j); its
 per-depth acceptance is the full tree's (measured at the depths a step reached), an approximation for cut trees.
 """
@@ -59,25 +59,23 @@ class Estimate:
 class AdaptivePolicy:
     def __init__(self, config, step_cost: StepCost, draft_cost: DraftCost):
         self.config, self.step_cost, self.draft_cost = config, step_cost, draft_cost
-        self.max_depth = config.num_speculative_tokens
+        self.max_depth = k = config.num_speculative_tokens
+        # draft nodes of a tree cut at each depth 0..k
+        if config.medusa_choices is not None:
+            self.num_nodes = tuple(sum(len(path) <= d for path in config.medusa_choices) for d in range(k + 1))
+        else:
+            self.num_nodes = tuple(max(d, math.ceil(config.max_draft_nodes * d / k)) for d in range(k + 1))
         self.estimates: dict[str, Estimate] = {}
         self.forced_depth: int | None = None  # calibration drafts every request to this depth
         self.chosen: dict[int, Counter] = defaultdict(Counter)  # running requests -> chosen depth -> times
         self.timings: list[tuple[int, int, float, float]] = []  # (rows, sequences, predicted s, measured s) per step
-
-    def nodes(self, depth: int) -> int:
-        """Draft nodes of a tree cut at `depth`."""
-        config = self.config
-        if config.medusa_choices is not None:
-            return sum(len(path) <= depth for path in config.medusa_choices)
-        return max(depth, math.ceil(config.max_draft_nodes * depth / self.max_depth))
 
     def choose(self, engine, ready: list, limits: dict[str, DraftBudget], prior: list[float]) -> dict[str, DraftBudget]:
         """limits: what each ready request may carry at most (blocks, tokens, context, max_tokens); prior: the
         drafter's conditional acceptance per depth. Returns the budgets of the requests that draft."""
         scheduler = engine.scheduler
         if self.forced_depth is not None:
-            return {rid: DraftBudget(min(limit.num_nodes, self.nodes(self.forced_depth)), min(limit.depth, self.forced_depth))
+            return {rid: DraftBudget(min(limit.num_nodes, self.num_nodes[self.forced_depth]), min(limit.depth, self.forced_depth))
                     for rid, limit in limits.items()}
         num_rows, num_emitting, spare = 0, 0, scheduler.max_num_batched_tokens
         for request in scheduler.running:
@@ -93,8 +91,8 @@ class AdaptivePolicy:
             estimate = self.estimates.setdefault(request.request_id, Estimate())
             survival, worth = 1.0, math.inf
             for depth in range(1, limit.depth + 1):
-                num_new = self.nodes(depth) - self.nodes(depth - 1)
-                if self.nodes(depth) > limit.num_nodes:
+                num_new = self.num_nodes[depth] - self.num_nodes[depth - 1]
+                if self.num_nodes[depth] > limit.num_nodes:
                     break
                 survival *= estimate.conditional(depth - 1, prior[depth - 1] if depth <= len(prior) else 1.0)
                 worth = min(worth, survival / num_new)
@@ -114,7 +112,7 @@ class AdaptivePolicy:
             depths[rid] = max(depths[rid], depth)
         for depth in depths.values():
             self.chosen[num_seqs][depth] += 1
-        return {rid: DraftBudget(min(limits[rid].num_nodes, self.nodes(depth)), depth)
+        return {rid: DraftBudget(min(limits[rid].num_nodes, self.num_nodes[depth]), depth)
                 for rid, depth in depths.items() if depth > 0}
 
     def record(self, request, num_tried: int, num_accepted: int, depth: int) -> None:

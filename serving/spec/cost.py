@@ -110,9 +110,7 @@ def measure(engine, repeats: int = 5) -> StepCost:
     that drift hits every size alike."""
     assert not engine.has_unfinished(), "the step cost is measured while the engine is idle"
     size = engine.block_size
-    max_rows = min(max(ROWS), engine.scheduler.max_num_batched_tokens)
-    rows = [n for n in ROWS if n <= max_rows] or [1]
-    rows = rows if len(rows) > 1 else [1, 2]
+    rows = [n for n in ROWS if n <= max(2, engine.scheduler.max_num_batched_tokens)]  # two at least, to draw a line
     context = min(256, engine.max_model_len // 2, engine.cache.num_blocks * size // 2 - max(rows))
     context = max(context, 1)
     table = list(range(-(-(context + max(rows)) // size)))

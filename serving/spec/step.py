@@ -11,9 +11,8 @@ the others. With `adaptive`, serving/spec/adaptive.py chooses each request's tre
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass
 
 import torch
 

@@ -16,7 +16,6 @@ import logging
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from serving.drafters.base import DraftBudget, Drafter
 from serving.request import SamplingParams
@@ -86,7 +85,7 @@ def test_in_between_only_the_requests_that_repay_draft():
 
 def test_trees_are_cut_by_depth_and_the_histogram_counts_choices():
     policy = policy_for(1e-4, method="eagle", model="head", topk=4, num_draft_tokens=13)  # 12 nodes at depth 4: 3 per depth
-    assert [policy.nodes(d) for d in range(5)] == [0, 3, 6, 9, 12]
+    assert policy.num_nodes == (0, 3, 6, 9, 12)
     requests = [decoding("a"), decoding("b")]
     limits = {"a": DraftBudget(5, 4), "b": DraftBudget(12, 2)}  # room for 5 nodes; 2 tokens left before max_tokens
     budgets = policy.choose(fake_engine(requests), requests, limits, prior=[0.9] * 4)
@@ -95,7 +94,7 @@ def test_trees_are_cut_by_depth_and_the_histogram_counts_choices():
     medusa = AdaptivePolicy(SpeculativeConfig(method="medusa", model="x", num_speculative_tokens=3,
                                               medusa_choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0]], adaptive=True),
                             linear_cost(1e-4), free_drafting())
-    assert [medusa.nodes(d) for d in range(4)] == [0, 2, 4, 5]
+    assert medusa.num_nodes == (0, 2, 4, 5)
 
 
 def test_a_drafting_call_must_be_repaid_too():
@@ -207,7 +206,7 @@ def test_adaptive_greedy_outputs_equal_plain_decoding(name, concurrency, tiny_ll
         assert sum(o.metrics["num_preemptions"] for o in outputs) > 0, "no preemption: the pool is too roomy"
 
 
-def test_adaptive_keeps_the_sampled_law(v8_tree_target, monkeypatch):
+def test_adaptive_keeps_the_sampled_law(v8_target, monkeypatch):
     import test_trees
 
     monkeypatch.setattr(cost, "load_or_measure", lambda engine, remeasure=False: linear_cost(1e-4))
@@ -216,18 +215,11 @@ def test_adaptive_keeps_the_sampled_law(v8_tree_target, monkeypatch):
     def adaptive_engine(folder, spec, **kwargs):
         engine = real(folder, spec | {"adaptive": True}, **kwargs)
         engine.speculator.policy.draft_cost = free_drafting()
-        engine.speculator.policy.nodes = lambda depth: 5 if depth == 2 else depth  # the stub's tree: 5 nodes, depth 2
+        engine.speculator.policy.num_nodes = (0, 1, 5)  # the stub's tree: 5 nodes, depth 2
         return engine
 
     monkeypatch.setattr(test_trees, "make_engine", adaptive_engine)
-    test_trees.test_sampled_tree_speculation_in_the_engine_keeps_the_target_law(v8_tree_target, False, 1.0, 0)
-
-
-@pytest.fixture(scope="module")
-def v8_tree_target(tmp_path_factory):
-    from serving.targets import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("v8_adaptive"), "llama", vocab_size=8, initializer_range=0.3)
+    test_trees.test_sampled_tree_speculation_in_the_engine_keeps_the_target_law(v8_target, False, 1.0, 0)
 
 
 # ---- 4. the cost model and its cache ---------------------------------------------------------------------
