@@ -1,6 +1,6 @@
 """Shared fixtures: tiny seeded random float32 Hugging Face model folders (no tokenizer; tests pass token ids).
 
-All share hidden 64, 4 layers, 4 query heads over 2 KV heads, intermediate 128, vocab 256, 512 positions,
+All but `v8_target` share hidden 64, 4 layers, 4 query heads over 2 KV heads, intermediate 128, vocab 256, 512 positions,
 rope theta 10000; see `serving.targets.build_tiny_model`.
 """
 from __future__ import annotations
@@ -50,6 +50,13 @@ def device_unnamed_is_meta():
         finally:
             torch.set_default_device(None)
     return scope
+
+
+@pytest.fixture(scope="session")
+def v8_target(tmp_path_factory):
+    """Llama over a vocabulary of 8, initializer_range 0.3: next-token laws far from uniform, so drafts are both
+    accepted and rejected and sampled laws can be compared over every token."""
+    return build_tiny_model(tmp_path_factory.mktemp("v8_target"), "llama", vocab_size=8, initializer_range=0.3)
 
 
 @pytest.fixture(scope="session")

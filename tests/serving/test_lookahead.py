@@ -29,13 +29,11 @@ from transformers import AutoModelForCausalLM
 
 from serving.drafters.lookahead import LookaheadDrafter, NgramPool, trie
 from serving.request import SamplingParams
-from serving.sampler import target_probs
 from serving.spec.config import SpeculativeConfig
 from serving.spec.tree import DraftTree, LookaheadRows
-from serving.targets import build_tiny_model
 
 from test_spec import SCENARIOS, assert_pool_idle, make_engine, plain_outputs, random_prompts
-from test_trees import tv
+from test_trees import two_token_law, tv
 
 SMALL = {"method": "lookahead", "window": 3, "ngram": 3, "max_candidates": 2}
 WIDE = {"method": "lookahead", "window": 5, "ngram": 4, "max_candidates": 3}
@@ -173,23 +171,9 @@ SAMPLED_PROMPT = [0, 1, 2, 3, 4, 5, 6, 7, 0, 2, 4, 6, 1, 3, 5, 7, 0, 3, 6, 1, 4,
 NUM_SAMPLES = 6000
 
 
-@pytest.fixture(scope="module")
-def v8_target(tmp_path_factory):
-    # initializer_range 0.3 makes next-token laws far from uniform, so candidates are both accepted and rejected
-    return build_tiny_model(tmp_path_factory.mktemp("v8_lookahead"), "llama", vocab_size=8, initializer_range=0.3)
-
-
 def test_sampled_lookahead_keeps_the_target_law(v8_target):
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=4, ignore_eos=True) for i in range(NUM_SAMPLES)]
-    hf = AutoModelForCausalLM.from_pretrained(v8_target, dtype=torch.float32).eval()
-    with torch.no_grad():
-        def probs_after(contexts):
-            return target_probs(hf(torch.tensor(contexts)).logits[:, -1].float(), params[0]).double()
-
-        p1 = probs_after([SAMPLED_PROMPT])[0]
-        p2 = probs_after([SAMPLED_PROMPT + [x1] for x1 in range(8)])  # [x1, x2]
-        p3 = probs_after([SAMPLED_PROMPT + [x1, x2] for x1 in range(8) for x2 in range(8)]).view(8, 8, 8)
-    law = (p1[:, None, None] * p2[:, :, None] * p3).sum(0)  # [x2, x3]
+    law, _, _ = two_token_law(v8_target, SAMPLED_PROMPT, params[0])
 
     engine = make_engine(v8_target, {"method": "lookahead", "window": 2, "ngram": 3, "max_candidates": 2}, block_size=4,
                          num_blocks=2048, max_model_len=64, max_num_seqs=256, max_num_batched_tokens=4096)

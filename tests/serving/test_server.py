@@ -23,7 +23,6 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 import heads
@@ -34,7 +33,8 @@ from serving.request import SamplingParams
 from serving.spec.metrics import AcceptanceStats
 from serving.server.app import build_app
 from serving.server.detokenizer import Detokenizer
-from serving.server.serve import listen
+
+from local_server import running
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -71,25 +71,6 @@ def offline(target):
             [cache[key]] = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, **params))
         return cache[key]
     return run
-
-
-@contextlib.contextmanager
-def running(app):
-    """`app` on uvicorn in a thread, on a free port; yields its base URL."""
-    listener = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        assert not thread.is_alive(), "the server did not stop"
 
 
 @pytest.fixture(scope="module")

@@ -169,12 +169,20 @@ E2E_PROMPT = [3, 5]
 E2E_SAMPLES = 6000
 
 
-@pytest.fixture(scope="module")
-def v8_tree_target(tmp_path_factory):
-    from serving.targets import build_tiny_model
+def two_token_law(folder, prompt, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's law of the two tokens after x1, the prefill's: sum_x1 p(x1) p(x2 | x1) p(x3 | x1, x2) [x2, x3],
+    with p from transformers through target_probs (vocabulary 8); also p2 [x1, x2] and p3 [x1, x2, x3]."""
+    from transformers import AutoModelForCausalLM
 
-    # initializer_range 0.3 makes next-token laws far from uniform, so nodes are both accepted and rejected
-    return build_tiny_model(tmp_path_factory.mktemp("v8_tree_target"), "llama", vocab_size=8, initializer_range=0.3)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        def probs_after(contexts):
+            return target_probs(hf(torch.tensor(contexts)).logits[:, -1].float(), params).double()
+
+        p1 = probs_after([prompt])[0]
+        p2 = probs_after([prompt + [x1] for x1 in range(8)])  # [x1, x2]
+        p3 = probs_after([prompt + [x1, x2] for x1 in range(8) for x2 in range(8)]).view(8, 8, 8)
+    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0), p2, p3
 
 
 class FixedShapeStub(Drafter):
@@ -211,24 +219,14 @@ class FixedShapeStub(Drafter):
 
 @pytest.mark.parametrize("sampled, temperature, top_k", [(False, 1.0, 0), (True, 0.8, 5)],
                          ids=["deterministic-T1", "sampled-T0.8-top5"])
-def test_sampled_tree_speculation_in_the_engine_keeps_the_target_law(v8_tree_target, sampled, temperature, top_k):
+def test_sampled_tree_speculation_in_the_engine_keeps_the_target_law(v8_target, sampled, temperature, top_k):
     """x1 comes from the prefill, then the first verify step carries a 5-node tree after it: the law of (x2, x3)
-    is the target's, sum_x1 p(x1) p(x2 | x1) p(x3 | x1, x2), with p from transformers through target_probs."""
-    from transformers import AutoModelForCausalLM
-
+    is the target's (two_token_law)."""
     params = [SamplingParams(temperature=temperature, top_k=top_k, seed=i, max_tokens=4, ignore_eos=True)
               for i in range(E2E_SAMPLES)]
-    hf = AutoModelForCausalLM.from_pretrained(v8_tree_target, dtype=torch.float32).eval()
-    with torch.no_grad():
-        def probs_after(contexts):
-            return target_probs(hf(torch.tensor(contexts)).logits[:, -1].float(), params[0]).double()
+    law, p2, p3 = two_token_law(v8_target, E2E_PROMPT, params[0])
 
-        p1 = probs_after([E2E_PROMPT])[0]
-        p2 = probs_after([E2E_PROMPT + [x1] for x1 in range(8)])  # [x1, x2]
-        p3 = probs_after([E2E_PROMPT + [x1, x2] for x1 in range(8) for x2 in range(8)]).view(8, 8, 8)
-    law = (p1[:, None, None] * p2[:, :, None] * p3).sum(0)  # [x2, x3]
-
-    engine = make_engine(v8_tree_target, {"method": "ngram", "num_speculative_tokens": 2}, block_size=4,
+    engine = make_engine(v8_target, {"method": "ngram", "num_speculative_tokens": 2}, block_size=4,
                          num_blocks=1024, max_model_len=64, max_num_seqs=256, max_num_batched_tokens=4096)
     engine.speculator.drafter = FixedShapeStub(sampled, p2, p3)
     engine.speculator.config.num_draft_tokens = 6

@@ -6,23 +6,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_fit import session_store
 
 import heads
 from training.cli import main
 
+pytestmark = pytest.mark.usefixtures("in_tmp_path")
+
 ROOT = Path(__file__).resolve().parents[2]
 FIT_CONFIGS = sorted(path for path in (ROOT / "configs").glob("*.yaml") if "model" in yaml.safe_load(path.read_text()))
-
-
-@pytest.fixture(autouse=True)
-def in_tmp_path(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)  # the configs write under runs/
-
-
-@pytest.fixture(scope="session")
-def debug_store(tmp_path_factory):
-    return session_store(tmp_path_factory, "debug")
 
 
 def test_there_is_a_config_per_head_kind():

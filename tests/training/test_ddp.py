@@ -11,15 +11,9 @@ import pytest
 import torch
 from batch_log import config_with_batch_log, fit_command, read, subprocess_env
 from safetensors.torch import load_file
-from test_fit import session_store
 
 from training.data.datamodule import LengthBatches
 from training.fit import main as fit_main
-
-
-@pytest.fixture(scope="session")
-def debug_store(tmp_path_factory):
-    return session_store(tmp_path_factory, "debug")
 
 
 def test_two_processes_train_disjoint_shares_of_the_global_batches_and_end_with_one_process_s_weights(

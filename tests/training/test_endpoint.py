@@ -10,13 +10,11 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
-import uvicorn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from serving import targets
@@ -28,6 +26,8 @@ from training.data.chat import prompt_ids
 from training.data.endpoint import EndpointError
 from training.data.generate import GenerateConfig, generate
 from training.data.store import Store
+
+from local_server import running
 
 PROMPTS = [{"id": f"q{i}", "prompt": f"Question {i}: tell me about topic number {7 * i}."} for i in range(5)]
 PROMPTS.append({"id": "system", "messages": [{"role": "system", "content": "Answer briefly."},
@@ -49,20 +49,8 @@ def write_prompts(path: Path, conversations) -> Path:
 @contextlib.contextmanager
 def serving(target: Path):
     """`draftheads serve`'s app over the target, greedy float32, on a free port; yields its base URL."""
-    app = build_app(Engine(str(target), max_model_len=256, num_blocks=64), "tiny")
-    listener = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with running(build_app(Engine(str(target), max_model_len=256, num_blocks=64), "tiny")) as url:
+        yield url
 
 
 def test_endpoint_store_equals_the_in_process_store(target, tmp_path):

@@ -23,6 +23,8 @@ from training.data.generate import GenerateConfig, generate
 from training.cli import main as cli_main
 from training.fit import build_cli
 
+pytestmark = pytest.mark.usefixtures("in_tmp_path")
+
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("medusa", "eagle", "eagle3", "mtp")
 
@@ -52,17 +54,6 @@ def session_store(tmp_path_factory, target: str, num_prompts: int = 12, max_new_
         generate(GenerateConfig(prompts=str(prompts), out=str(folder / "store"), target=target, layers=layers,
                                 max_new_tokens=max_new_tokens, concurrency=num_prompts, shard_size=8), progress=False)
     return folder / "store"
-
-
-@pytest.fixture(autouse=True)
-def in_tmp_path(monkeypatch, tmp_path):
-    """Runs write their relative paths (runs/...) under tmp_path."""
-    monkeypatch.chdir(tmp_path)
-
-
-@pytest.fixture(scope="session")
-def debug_store(tmp_path_factory):
-    return session_store(tmp_path_factory, "debug")
 
 
 @pytest.fixture(scope="session")

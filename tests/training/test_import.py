@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_fit import fit_args, session_store
+from test_fit import fit_args
 
 import heads
 from heads.token_map import lm_head_rows
@@ -261,16 +261,6 @@ def test_eagle3_aux_layer_ids_need_the_engine_they_were_written_for(tiny_llama, 
 
 
 # ---- fits that start from a head folder --------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def debug_store(tmp_path_factory):
-    return session_store(tmp_path_factory, "debug")
-
-
-@pytest.fixture
-def in_tmp_path(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)
 
 
 def fit(kind, store, *extra):

@@ -26,11 +26,6 @@ SMALL = {"medusa": {"num_heads": 2, "num_draft_tokens": 2}, "eagle": {}, "eagle3
          "mtp": {}}
 
 
-@pytest.fixture(scope="session")
-def debug_store(tmp_path_factory):
-    return session_store(tmp_path_factory, "debug")
-
-
 def feature_head(kind: str, parts, batch_size: int, num_positions: int):
     """(head, one drafting step as unroll calls it, features f_t [B, S, hidden]) with perturbed weights."""
     generator = torch.Generator().manual_seed(1)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_fit import session_store
 
 from training.data.store import Store
 from training.data.vocab import frequent_tokens, write_token_map
@@ -20,11 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("benchmarks_recipes", ROOT / "benchmarks" / "recipes.py")
 recipes = sys.modules.setdefault(_spec.name, importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(recipes)
-
-
-@pytest.fixture(scope="session")
-def debug_store(tmp_path_factory):
-    return session_store(tmp_path_factory, "debug")
 
 
 def test_recipes_fit_each_kind_both_ways_and_write_one_row_per_kind_and_recipe(debug_store, tmp_path, monkeypatch):

@@ -12,21 +12,13 @@ import torch
 from batch_log import BatchLog, config_with_batch_log, fit_command, read, subprocess_env
 from lightning.pytorch import Callback
 from safetensors.torch import load_file
-from test_fit import fit_args, session_store
+from test_fit import fit_args
 
 from training.checkpoint_io import AtomicCheckpointIO
 from training.fit import build_cli
 from training.fit import main as fit_main
 
-
-@pytest.fixture(autouse=True)
-def in_tmp_path(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)  # the configs write under runs/
-
-
-@pytest.fixture(scope="session")
-def debug_store(tmp_path_factory):
-    return session_store(tmp_path_factory, "debug")
+pytestmark = pytest.mark.usefixtures("in_tmp_path")
 
 
 class Interrupted(Exception):
