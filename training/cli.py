@@ -23,6 +23,10 @@ COMMANDS = {
 }
 
 
+class DocHelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """For a subcommand whose description is its module's docstring, laid out as written, with the defaults shown."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(

@@ -19,22 +19,17 @@ inside DeepSeek-V3-style checkpoints), and SGLang has no Medusa: those exports a
 """
 from __future__ import annotations
 
-import argparse
-
 import heads
 from heads.checkpoint import write_folder
 from heads.token_map import lm_head_rows
+from training.cli import DocHelpFormatter
 from training.formats import LAYOUTS, to_theirs
 
 FORMATS = ("vllm", "sglang")
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
-
-
 def add_arguments(parser) -> None:
-    parser.description, parser.formatter_class = __doc__, _HelpFormatter
+    parser.description, parser.formatter_class = __doc__, DocHelpFormatter
     parser.add_argument("head", help="a head folder (runs/<kind>/heads/best)")
     parser.add_argument("--format", choices=FORMATS, required=True, help="the engine that loads the export")
     parser.add_argument("--out", required=True, help="folder to write config.json and model.safetensors to")

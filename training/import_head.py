@@ -19,7 +19,6 @@ temperatures are not part of these layouts: `draftheads fit --model.init_args.in
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pickle
 from pathlib import Path
@@ -32,6 +31,7 @@ import heads
 from heads.checkpoint import HEADS
 from heads.draft_head import DraftHead
 from heads.token_map import check_token_ids, lm_head_rows
+from training.cli import DocHelpFormatter
 from training.formats import LAYOUTS, SOURCES, Layout, to_ours
 
 KINDS = ("eagle", "eagle3", "medusa")
@@ -44,12 +44,8 @@ MEDUSA_FILE = "medusa_lm_head"  # its tensors are MedusaModel.medusa_head's, nam
 SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
-
-
 def add_arguments(parser) -> None:
-    parser.description, parser.formatter_class = __doc__, _HelpFormatter
+    parser.description, parser.formatter_class = __doc__, DocHelpFormatter
     parser.add_argument("src", help="folder of the published or exported head (config.json and its weights)")
     parser.add_argument("--format", choices=KINDS, required=True, help="the head's kind")
     parser.add_argument("--from", dest="source", choices=SOURCES, default=None,

@@ -99,14 +99,15 @@ class EagleDrafter(Drafter):
     def catch_up(self, engine, requests) -> None:
         """Runs the head over the pending pairs of `requests` in one forward, writing their K/V into the pool; keeps
         each one's newest output, which its first draft reads."""
-        chunks, features, last = [], [], {}
+        chunks, features, last, num_rows = [], [], {}, 0
         for request in requests:
             chunk = self.pending.pop(request.request_id, None)
             if chunk is None:
                 continue
             chunks.append((chunk.tokens, chunk.start, request.block_ids))
             features += chunk.features
-            last[request.request_id] = sum(len(c[0]) for c in chunks) - 1
+            num_rows += len(chunk.tokens)
+            last[request.request_id] = num_rows - 1
         if not chunks:
             return
         ids, positions, meta, _ = flatten(chunks, self.block_size, self.device)
