@@ -28,6 +28,7 @@ DECAY = 0.6  # weight of the steps before, per step that tried a depth: about th
 IDLE_DECAY = 0.9  # per step that did not
 PRIOR_WEIGHT = 0.5  # the prior counts as this many tries
 PRIOR_MIN_REACHED = 16
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1 << 30)  # the summary's step-time buckets, by rows at most
 MIN_GAIN = 1e-6  # a prefix must beat a shorter one by this fraction, not tie it
 
 
@@ -68,7 +69,8 @@ class AdaptivePolicy:
         self.estimates: dict[str, Estimate] = {}
         self.forced_depth: int | None = None  # calibration drafts every request to this depth
         self.chosen: dict[int, Counter] = defaultdict(Counter)  # running requests -> chosen depth -> times
-        self.timings: list[tuple[int, int, float, float]] = []  # (rows, sequences, predicted s, measured s) per step
+        # bucket of rows (at most) -> [steps, predicted s, measured s] summed: bounded however long the engine serves
+        self.timings: dict[int, list] = defaultdict(lambda: [0, 0.0, 0.0])
 
     def choose(self, engine, ready: list, limits: dict[str, DraftBudget], prior: list[float]) -> dict[str, DraftBudget]:
         """limits: what each ready request may carry at most (blocks, tokens, context, max_tokens); prior: the
@@ -123,7 +125,10 @@ class AdaptivePolicy:
         self.estimates.setdefault(request.request_id, Estimate()).update(0, 0, 0)
 
     def record_step(self, num_rows: int, num_seqs: int, seconds: float) -> None:
-        self.timings.append((num_rows, num_seqs, self.step_cost.predict(num_rows, num_seqs), seconds))
+        totals = self.timings[next(b for b in ROW_BUCKETS if num_rows <= b)]
+        totals[0] += 1
+        totals[1] += self.step_cost.predict(num_rows, num_seqs)
+        totals[2] += seconds
 
     def forget(self, request) -> None:
         self.estimates.pop(request.request_id, None)
@@ -131,16 +136,8 @@ class AdaptivePolicy:
     def summary(self) -> dict:
         """The chosen depths per number of running requests, and the cost model's predicted against measured step
         time per bucket of rows."""
-        buckets = defaultdict(list)
-        for rows, _, predicted, measured in self.timings:
-            bucket = next(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1 << 30) if rows <= b)
-            buckets[bucket].append((predicted, measured))
-        timing = []
-        for bucket in sorted(buckets):
-            pairs = buckets[bucket]
-            predicted = sum(p for p, _ in pairs) / len(pairs)
-            measured = sum(m for _, m in pairs) / len(pairs)
-            timing.append({"rows_at_most": bucket, "steps": len(pairs), "predicted_ms": predicted * 1e3,
-                           "measured_ms": measured * 1e3, "error": predicted / measured - 1})
+        timing = [{"rows_at_most": bucket, "steps": steps, "predicted_ms": predicted / steps * 1e3,
+                   "measured_ms": measured / steps * 1e3, "error": predicted / measured - 1}
+                  for bucket, (steps, predicted, measured) in sorted(self.timings.items())]
         return {"chosen_depths": {n: dict(sorted(c.items())) for n, c in sorted(self.chosen.items())},
                 "step_time": timing, "draft_cost": [float(x) for x in self.draft_cost.coef]}
