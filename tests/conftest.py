@@ -33,8 +33,9 @@ def one_thread():
 @pytest.fixture(autouse=True, scope="session")
 def private_cache_dir(tmp_path_factory):
     """Step-cost tables measured by tests stay out of the user's cache (serving/spec/cost.py)."""
+    folder = tmp_path_factory.mktemp("step_cost")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("DRAFTHEADS_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        patch.setattr("serving.spec.cost.cache_dir", lambda: folder)
         yield
 
 

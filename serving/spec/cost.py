@@ -8,7 +8,7 @@ Each time is the fastest of a few interleaved repeats, and no more than any larg
 same cores only ever slows a run.
 The context is fixed at measurement (`context`): on the CPU attention over a few hundred tokens is a small part of
 a step. Measuring takes a few seconds; the result is cached per machine, target, dtype, device and block size
-(`DRAFTHEADS_CACHE_DIR`, default ~/.cache/draftheads), and a cache file that does not parse or was measured for
+(step_cost/ in the project's cache, `$DRAFTHEADS_CACHE`, default ~/.cache/draftheads), and a cache file that does not parse or was measured for
 something else is measured anew with a warning.
 
 `DraftCost`: seconds of one drafting call, `a + b * depth + c * nodes` (the deepest tree drafted and the nodes
@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from serving import targets
 from serving.attention import PagedAttention, PagedMetadata
 from serving.spec.tree import path_to
 
@@ -79,7 +80,7 @@ def cache_key(engine) -> dict:
 def load_or_measure(engine, remeasure: bool = False) -> StepCost:
     """The engine's step cost from the cache, or measured (and cached) when missing, unreadable, foreign or asked."""
     key = cache_key(engine)
-    path = cache_dir() / f"step_cost-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    path = cache_dir() / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
     if path.exists() and not remeasure:
         try:
             cost = StepCost(**json.loads(path.read_text()))
@@ -100,7 +101,7 @@ def load_or_measure(engine, remeasure: bool = False) -> StepCost:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("DRAFTHEADS_CACHE_DIR") or Path.home() / ".cache" / "draftheads")
+    return targets.cache_dir() / "step_cost"
 
 
 @torch.inference_mode()

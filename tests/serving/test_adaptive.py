@@ -226,12 +226,12 @@ def test_adaptive_keeps_the_sampled_law(v8_target, monkeypatch):
 
 
 def test_step_cost_is_measured_once_then_read_from_the_cache(tiny_llama, monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("DRAFTHEADS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cost, "cache_dir", lambda: tmp_path)
     engine = make_engine(tiny_llama, max_num_seqs=4)
     measured = cost.load_or_measure(engine)
     assert measured.rows[0] == 1 and len(measured.rows) >= 8 and all(s > 0 for s in measured.seconds)
     assert measured.key["target"] == engine.fingerprint["id"] and measured.key["dtype"] == "float32"
-    (path,) = tmp_path.glob("step_cost-*.json")
+    (path,) = tmp_path.glob("*.json")
     calls = []
     monkeypatch.setattr(cost, "measure", lambda engine: calls.append(1) or StepCost([1, 2], [1.0, 2.0], 0.0, 4))
     assert cost.load_or_measure(engine).seconds == measured.seconds and not calls  # the cache, as measured
@@ -285,8 +285,8 @@ def test_adaptive_engine_calibrates_and_reports(tiny_llama):
 def test_bench_prints_the_cost_model(tiny_llama, tmp_path, monkeypatch, capsys):
     from training.cli import main
 
-    monkeypatch.setenv("DRAFTHEADS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cost, "cache_dir", lambda: tmp_path)
     assert main(["bench", "--cost-model", "--target", str(tiny_llama), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "| rows | ms | vs 1 row |" in out and "\n| 128 | " in out and "measured 0.0 h ago" in out
-    assert len(list(tmp_path.glob("step_cost-*.json"))) == 1
+    assert len(list(tmp_path.glob("*.json"))) == 1
