@@ -198,6 +198,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns the outputs of requests that finished in it."""
+        step_start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         for request in scheduled.preempted:
             request.captured = []
@@ -208,14 +209,12 @@ class Engine:
                 raise RuntimeError("the K/V pool is too small to schedule any request: raise num_blocks")
             return []
         batch = Batch.build(scheduled.scheduled, self.block_size, self.device)
-        start = time.perf_counter()
         out = self.model(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.meta), batch.logits_rows,
                          return_hidden=self.capture_hidden or bool(self.speculator and self.speculator.drafter.needs_hidden),
                          aux_layers=self.aux_layers)
         self.num_steps += 1
         finished, accepted_paths = [], {}
         best = argmax(out.logits) if out.logits is not None else []  # one call for the whole batch
-        forward_s = time.perf_counter() - start  # argmax's list waited for the device
         for i, (request, num) in enumerate(scheduled.scheduled):
             if self.capture_hidden:
                 rows = slice(batch.token_start[i], batch.token_start[i] + num)
@@ -240,7 +239,7 @@ class Engine:
                 if self.speculator:
                     self.speculator.reset(request)
         if self.speculator:
-            self.speculator.propose(self, StepOutputs(batch, out, accepted_paths, forward_s))
+            self.speculator.propose(self, StepOutputs(batch, out, accepted_paths, time.perf_counter() - step_start))
             for request, _ in scheduled.scheduled:  # after the drafter has seen the step: its pool decides too
                 if not request.is_finished:
                     self._cache_blocks(request)

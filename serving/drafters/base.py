@@ -17,6 +17,7 @@ acceptance counts (lookahead: its pool's hit rate).
 from __future__ import annotations
 
 import abc
+import math
 from typing import NamedTuple
 
 from serving.spec.tree import DraftTree
@@ -26,6 +27,14 @@ class DraftBudget(NamedTuple):
     # the tree's rows at most (nodes, lookahead rows): they fit in the token budget, the free blocks and the context
     num_nodes: int
     depth: int  # its depth at most: num_speculative_tokens, and the tokens max_tokens leaves
+    # a head keeps no node whose path log-probability (its calibrated confidence) is below this: the adaptive
+    # policy's price of a row (serving/spec/adaptive.py); drafters without a confidence ignore it
+    min_log_survival: float = -math.inf
+
+    @property
+    def chain_length(self) -> int:
+        """The drafts of a chain within this budget."""
+        return min(self.num_nodes, self.depth)
 
 
 class Drafter(abc.ABC):

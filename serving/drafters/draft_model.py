@@ -34,7 +34,7 @@ class DraftModelDrafter(Drafter):
         self.fed: dict[str, tuple[int, list[int]]] = {}  # request id -> (tokens before it all in the pool, drafts fed after)
 
     def propose(self, engine, requests, budgets, step=None):
-        budgets = {rid: min(budget) for rid, budget in budgets.items()}  # a chain
+        budgets = {rid: budget.chain_length for rid, budget in budgets.items()}  # a chain
         chunks, starts = [], []
         for r in requests:
             start, fed = self.fed.get(r.request_id, (0, []))

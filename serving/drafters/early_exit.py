@@ -18,7 +18,7 @@ class EarlyExitDrafter(Drafter):
         self.num_layers = config.num_layers
 
     def propose(self, engine, requests, budgets, step=None):
-        budgets = {rid: min(budget) for rid, budget in budgets.items()}  # a chain
+        budgets = {rid: budget.chain_length for rid, budget in budgets.items()}  # a chain
         drafts = {r.request_id: [] for r in requests}
         chunks = [([r.token_ids[-1]], r.num_tokens - 1, r.block_ids) for r in requests]
         active = list(requests)

@@ -89,13 +89,18 @@ def _log_norm(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 class Confidence:
     """The head's probability of a draft at depth d is read at the temperature its fit calibrated for draft d
     (`confidence_temperatures` in its config.json, 1 past them): the estimate that the target accepts it. A path's
-    score is the sum of those log-probabilities; `confidence_threshold` prunes nodes whose path probability falls
-    below it (a draft pays when the chance that it and every draft before it land exceeds what verifying and
+    score is the sum of those log-probabilities; `confidence_threshold` (or the adaptive policy's price of a row, per
+    request) prunes nodes whose path probability falls below it (a draft pays when the chance that it and every draft before it land exceeds what verifying and
     drafting one more token costs as a share of a step)."""
 
     def __init__(self, head, threshold: float):
         self.log_threshold = math.log(threshold) if threshold > 0 else -math.inf
         self.temperatures = list(head.config.confidence_temperatures)
+
+    def log_threshold_for(self, budget) -> float:
+        """The cut for a request drafted within `budget` (serving.drafters.base.DraftBudget): the config's threshold,
+        or the adaptive policy's price of a row where that is higher."""
+        return max(self.log_threshold, budget.min_log_survival)
 
     def temperature(self, depth: int) -> float:
         """T of the drafts at `depth` (1 for the newest token's children)."""

@@ -42,22 +42,24 @@ class MedusaDrafter(Drafter):
         # per depth: log-probabilities and target ids of each request's ranked drafts, [requests, ranks]
         ranked = [self._top(logits[d], d + 1) for d in range(max_depth)]
         if self.choices is not None:
-            found = [self._static(ranked, n, budgets[r.request_id].depth) for n, r in enumerate(requests)]
+            found = [self._static(ranked, n, budgets[r.request_id]) for n, r in enumerate(requests)]
         else:
             found = grow(ranked[0], lambda depth, nodes, _: (ranked[depth][0][[r for r, _ in nodes]],
                                                              ranked[depth][1][[r for r, _ in nodes]]),
-                         self.topk, [budgets[r.request_id].depth for r in requests], self.confidence.log_threshold)
+                         self.topk, [budgets[r.request_id].depth for r in requests],
+                         [self.confidence.log_threshold_for(budgets[r.request_id]) for r in requests])
         return {r.request_id: candidates.best(budgets[r.request_id].num_nodes) for r, candidates in zip(requests, found)}
 
-    def _static(self, ranked, n: int, max_depth: int) -> Candidates:
-        """Request n's nodes of medusa_choices, within max_depth and the confidence threshold."""
+    def _static(self, ranked, n: int, budget) -> Candidates:
+        """Request n's nodes of medusa_choices, within its budget's depth and the confidence threshold."""
         found, index = Candidates(), {}
+        max_depth, log_threshold = budget.depth, self.confidence.log_threshold_for(budget)
         for path in self.choices:
             parent = index.get(path[:-1], -1)
             if len(path) > max_depth or (len(path) > 1 and path[:-1] not in index):
                 continue
             log_probs, tokens = ranked[len(path) - 1]
             score = (found.scores[parent] if parent >= 0 else 0.0) + float(log_probs[n, path[-1]])
-            if score >= self.confidence.log_threshold:
+            if score >= log_threshold:
                 index[path] = found.add(int(tokens[n, path[-1]]), parent, len(path), score)
         return found

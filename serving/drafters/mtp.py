@@ -88,8 +88,8 @@ class MtpChainDrafter(Drafter):
             return {}
         first, log_probs = self._best(0, torch.stack([self.carry[r.request_id][0][1] for r in requests]))
         scores = {r.request_id: p for r, p in zip(requests, log_probs)}  # log chain probability
-        drafts = {r.request_id: [token] for r, token in zip(requests, first)
-                  if scores[r.request_id] >= self.confidence.log_threshold}
+        cuts = {r.request_id: self.confidence.log_threshold_for(budgets[r.request_id]) for r in requests}
+        drafts = {r.request_id: [token] for r, token in zip(requests, first) if scores[r.request_id] >= cuts[r.request_id]}
         requests = [r for r in requests if r.request_id in drafts]
         outputs = {r.request_id: torch.empty(0, self.head.config.hidden_size, dtype=engine.dtype, device=self.device)
                    for r in requests}
@@ -109,7 +109,7 @@ class MtpChainDrafter(Drafter):
             tokens, log_probs = self._best(s, torch.stack([o[-1] for o in outs]))
             for r, out, token, log_p in zip(active, outs, tokens, log_probs):
                 scores[r.request_id] += log_p
-                if scores[r.request_id] >= self.confidence.log_threshold:
+                if scores[r.request_id] >= cuts[r.request_id]:
                     drafts[r.request_id].append(token)
                     outputs[r.request_id] = out
         return {rid: DraftTree.chain(chain) for rid, chain in drafts.items()}

@@ -14,7 +14,7 @@ class NgramDrafter(Drafter):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
     def propose(self, engine, requests, budgets, step=None):
-        return {r.request_id: DraftTree.chain(self.lookup(r.token_ids, min(budgets[r.request_id])))
+        return {r.request_id: DraftTree.chain(self.lookup(r.token_ids, budgets[r.request_id].chain_length))
                 for r in requests}
 
     def lookup(self, tokens: list[int], num_drafts: int) -> list[int]:

@@ -44,25 +44,26 @@ class Candidates:
 
 
 def grow(first: tuple[torch.Tensor, torch.Tensor], expand, topk: int, max_depths: list[int],
-         log_threshold: float = -math.inf) -> list[Candidates]:
+         log_thresholds: list[float] | None = None) -> list[Candidates]:
     """first: (log-probabilities [R, topk], target token ids [R, topk]) of each request's topk most likely first
     drafts; expand(depth, nodes, candidates) -> the same pair [len(nodes), topk] for the children of `nodes`, a list of (request
-    index, candidate index) at depth `depth`; max_depths: each request's deepest depth. Returns each request's
-    candidates."""
+    index, candidate index) at depth `depth`; max_depths: each request's deepest depth; log_thresholds: each request's
+    confidence cut (none by default). Returns each request's candidates."""
     found = [Candidates() for _ in max_depths]
+    log_thresholds = log_thresholds or [-math.inf] * len(max_depths)
     log_probs, tokens = first
     frontier = _add(found, [(r, -1) for r in range(len(max_depths))], log_probs.tolist(), tokens.tolist(), 1, topk,
-                    log_threshold)
+                    log_thresholds)
     for depth in range(1, max(max_depths, default=0)):
         nodes = [(r, c) for r, c in frontier if max_depths[r] > depth]
         if not nodes:
             break
         log_probs, tokens = expand(depth, nodes, found)
-        frontier = _add(found, nodes, log_probs.tolist(), tokens.tolist(), depth + 1, topk, log_threshold)
+        frontier = _add(found, nodes, log_probs.tolist(), tokens.tolist(), depth + 1, topk, log_thresholds)
     return found
 
 
-def _add(found, parents, log_probs, tokens, depth, topk, log_threshold) -> list[tuple[int, int]]:
+def _add(found, parents, log_probs, tokens, depth, topk, log_thresholds) -> list[tuple[int, int]]:
     """Adds each parent's children; returns the next frontier, each request's topk best new nodes above the
     threshold, best first."""
     made: dict[int, list[int]] = {}
@@ -70,7 +71,7 @@ def _add(found, parents, log_probs, tokens, depth, topk, log_threshold) -> list[
         base = found[r].scores[parent] if parent >= 0 else 0.0
         for log_p, token in zip(row_log_probs, row_tokens):
             score = base + log_p
-            if score >= log_threshold:
+            if score >= log_thresholds[r]:
                 made.setdefault(r, []).append(found[r].add(token, parent, depth, score))
     frontier = []
     for r, nodes in made.items():

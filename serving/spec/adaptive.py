@@ -4,16 +4,24 @@ whole batch to maximise the tokens the next step is expected to emit per second 
 A request drafted to depth j is expected to emit 1 + S_1 + ... + S_j tokens, where S_d = c_1 * ... * c_d is its
 survival to depth d and c_i its conditional acceptance at depth i (DESIGN.md, "Measuring acceptance"), estimated from
 its own verify steps with older steps weighing less (`Estimate`), around a prior: the drafter's conditional
-acceptance over every request so far, or 1 (try first) before it has seen `PRIOR_MIN_REACHED` tries at that depth.
-A depth not tried in a step slowly forgets, back to the prior, so a request whose drafts stopped paying is tried
-again after a while when drafting is cheap enough that the prior repays it.
+acceptance over every request so far, itself drawn toward the depth before's (depth 1's toward PRIOR) as if
+PRIOR_TRIES tries had found it (`prior`), so that the first steps, before anything was verified, neither draft
+everything nor nothing, and a depth seldom tried is expected to accept as the one before it. A depth not tried in a
+step slowly forgets, back to the prior, so a request whose drafts stopped paying is tried again after a while when
+drafting is cheap enough that the prior repays it.
 
-The next step's time is the target's forward over every running request's rows plus one drafting call
-(`serving.spec.cost`). Each further depth of each request is one candidate, worth its survival per added row;
-candidates are taken best first (never depth j + 1 before depth j), and the prefix with the most tokens per second
-wins, the empty prefix (no drafts) among them. A tree setting drafts `num_nodes[j]` nodes at depth j: the config's
-num_draft_tokens - 1 scaled by j / num_speculative_tokens (for medusa_choices: its choices up to depth j); its
-per-depth acceptance is the full tree's (measured at the depths a step reached), an approximation for cut trees.
+The next step's time is the target's step over every running request's rows (`serving.spec.cost.StepCost`, plus the
+engine's own work per step, learned from the steps it times: `overhead_s`) plus one drafting call (`DraftCost`).
+Each further depth of each request is one candidate, worth its survival per added row; candidates are taken best
+first (never depth j + 1 before depth j), and the prefix with the most tokens per second wins, the empty prefix (no
+drafts) among them. A tree setting drafts `num_nodes[j]` nodes at depth j: the config's num_draft_tokens - 1 scaled
+by j / num_speculative_tokens (for medusa_choices: its choices up to depth j); its per-depth acceptance is the full
+tree's (measured at the depths a step reached), an approximation for cut trees.
+
+A head then sees its own drafts before they are verified: its calibrated probability of a path is the estimate,
+for this step, of that path's survival. A node repays its row when that survival is at least the step's rate
+(tokens per second) times what one more row costs, so each budget carries that as `min_log_survival` and the head
+keeps no node below it (drafters/head.py, the confidence cut).
 """
 from __future__ import annotations
 
@@ -26,8 +34,9 @@ from serving.spec.cost import DraftCost, StepCost
 
 DECAY = 0.6  # weight of the steps before, per step that tried a depth: about the last 2.5 steps count
 IDLE_DECAY = 0.9  # per step that did not
-PRIOR_WEIGHT = 0.5  # the prior counts as this many tries
-PRIOR_MIN_REACHED = 16
+PRIOR_WEIGHT = 0.5  # a request's prior counts as this many of its tries
+PRIOR, PRIOR_TRIES = 0.5, 8  # conditional acceptance at depth 1 before anything was verified, and its weight
+OVERHEAD_DECAY = 0.9  # weight of the steps before in the learned per-step overhead
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1 << 30)  # the summary's step-time buckets, by rows at most
 MIN_GAIN = 1e-6  # a prefix must beat a shorter one by this fraction, not tie it
 
@@ -71,10 +80,14 @@ class AdaptivePolicy:
         self.chosen: dict[int, Counter] = defaultdict(Counter)  # running requests -> chosen depth -> times
         # bucket of rows (at most) -> [steps, predicted s, measured s] summed: bounded however long the engine serves
         self.timings: dict[int, list] = defaultdict(lambda: [0, 0.0, 0.0])
+        self.overhead_s = 0.0  # what an engine step takes beyond the step cost table's forward, learned as steps come
+
+    def step_time(self, num_rows: int, num_seqs: int) -> float:
+        return self.step_cost.predict(num_rows, num_seqs) + max(self.overhead_s, 0.0)
 
     def choose(self, engine, ready: list, limits: dict[str, DraftBudget], prior: list[float]) -> dict[str, DraftBudget]:
         """limits: what each ready request may carry at most (blocks, tokens, context, max_tokens); prior: the
-        drafter's conditional acceptance per depth. Returns the budgets of the requests that draft."""
+        drafter's conditional acceptance per depth (`prior`). Returns the budgets of the requests that draft."""
         scheduler = engine.scheduler
         if self.forced_depth is not None:
             return {rid: DraftBudget(min(limit.num_nodes, self.num_nodes[self.forced_depth]), min(limit.depth, self.forced_depth))
@@ -96,39 +109,42 @@ class AdaptivePolicy:
                 num_new = self.num_nodes[depth] - self.num_nodes[depth - 1]
                 if self.num_nodes[depth] > limit.num_nodes:
                     break
-                survival *= estimate.conditional(depth - 1, prior[depth - 1] if depth <= len(prior) else 1.0)
+                survival *= estimate.conditional(depth - 1, prior[min(depth, len(prior)) - 1] if prior else PRIOR)
                 worth = min(worth, survival / num_new)
                 candidates.append((worth, depth, request.request_id, survival, num_new))
         candidates.sort(key=lambda c: (-c[0], c[1]))
-        base = max(num_emitting, 1) / self.step_cost.predict(num_rows, num_seqs)
-        best, best_rate, tokens, rows, deepest = 0, base, float(num_emitting), 0, 0
+        base = max(num_emitting, 1) / self.step_time(num_rows, num_seqs)
+        best, best_rate, best_rows, tokens, rows, deepest = 0, base, 0, float(num_emitting), 0, 0
         for n, (_, depth, _, survival, num_new) in enumerate(candidates, start=1):
             tokens += survival
             rows += num_new
             deepest = max(deepest, depth)
-            rate = tokens / (self.step_cost.predict(num_rows + rows, num_seqs) + self.draft_cost.predict(deepest, rows))
+            rate = tokens / (self.step_time(num_rows + rows, num_seqs) + self.draft_cost.predict(deepest, rows))
             if rate > best_rate * (1 + MIN_GAIN):
-                best, best_rate = n, rate
+                best, best_rate, best_rows = n, rate, rows
         depths = {request.request_id: 0 for request in ready}
         for _, depth, rid, _, _ in candidates[:best]:
             depths[rid] = max(depths[rid], depth)
         for depth in depths.values():
             self.chosen[num_seqs][depth] += 1
-        return {rid: DraftBudget(min(limits[rid].num_nodes, self.num_nodes[depth]), depth)
+        total = num_rows + best_rows
+        row_cost = self.step_cost.predict(total + 1, num_seqs) - self.step_cost.predict(total, num_seqs) + self.draft_cost.coef[2]
+        min_log_survival = math.log(best_rate * row_cost) if row_cost > 0 else -math.inf
+        return {rid: DraftBudget(min(limits[rid].num_nodes, self.num_nodes[depth]), depth, min_log_survival)
                 for rid, depth in depths.items() if depth > 0}
 
     def record(self, request, num_tried: int, num_accepted: int, depth: int) -> None:
         self.estimates.setdefault(request.request_id, Estimate()).update(num_tried, num_accepted, depth)
 
-    def idle(self, request) -> None:
-        """A step in which the request emitted without drafts."""
-        self.estimates.setdefault(request.request_id, Estimate()).update(0, 0, 0)
-
     def record_step(self, num_rows: int, num_seqs: int, seconds: float) -> None:
+        """An engine step of `num_rows` rows took `seconds` before drafting: its prediction and measure go to the
+        summary, and what it took beyond the table's forward to the learned overhead."""
         totals = self.timings[next(b for b in ROW_BUCKETS if num_rows <= b)]
         totals[0] += 1
-        totals[1] += self.step_cost.predict(num_rows, num_seqs)
+        totals[1] += self.step_time(num_rows, num_seqs)
         totals[2] += seconds
+        beyond = seconds - self.step_cost.predict(num_rows, num_seqs)
+        self.overhead_s = OVERHEAD_DECAY * self.overhead_s + (1 - OVERHEAD_DECAY) * beyond
 
     def forget(self, request) -> None:
         self.estimates.pop(request.request_id, None)
@@ -140,4 +156,15 @@ class AdaptivePolicy:
                    "measured_ms": measured / steps * 1e3, "error": predicted / measured - 1}
                   for bucket, (steps, predicted, measured) in sorted(self.timings.items())]
         return {"chosen_depths": {n: dict(sorted(c.items())) for n, c in sorted(self.chosen.items())},
-                "step_time": timing, "draft_cost": [float(x) for x in self.draft_cost.coef]}
+                "step_time": timing, "overhead_ms": self.overhead_s * 1e3, "draft_cost": [float(x) for x in self.draft_cost.coef]}
+
+
+def prior(stats) -> list[float]:
+    """The drafter's conditional acceptance per depth over every request so far (serving.spec.metrics.AcceptanceStats),
+    drawn toward the depth before's as if that had been found in PRIOR_TRIES further tries (depth 1 toward PRIOR):
+    a depth tried too seldom to tell is expected to accept like the one before it, so it is tried."""
+    priors, before = [], PRIOR
+    for p in stats.per_position():
+        before = (p["accepted"] + before * PRIOR_TRIES) / (p["reached"] + PRIOR_TRIES)
+        priors.append(before)
+    return priors

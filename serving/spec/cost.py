@@ -2,8 +2,8 @@
 
 `StepCost`: seconds of one target forward as a function of the rows it computes and the sequences they belong to,
 `f(rows) + per_seq * (seqs - 1)`, with f piecewise linear through times measured at engine start over the rows of
-one sequence (a draft tree; the linear layers, which dominate, cost the same for any shape of the same rows) and
-per_seq fitted on one row for each of several sequences (the extra attention and bookkeeping a sequence brings).
+one sequence (a draft tree; the linear layers, which dominate, cost the same for any shape of the same rows; past
+LONG_ROWS a prefill chunk, which is what steps of that many rows are, with one row of logits) and per_seq fitted on one row for each of several sequences (the extra attention and bookkeeping a sequence brings).
 Each time is the fastest of a few interleaved repeats, and no more than any larger step's: another process on the
 same cores only ever slows a run.
 The context is fixed at measurement (`context`): on the CPU attention over a few hundred tokens is a small part of
@@ -35,9 +35,12 @@ from serving.spec.tree import path_to
 
 log = logging.getLogger(__name__)
 
-ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # up to max_num_batched_tokens
+# more rows than this are timed as what they are in the engine, a prefill chunk (causal, one row of logits), with
+# fewer repeats: they vary less and take longer
+LONG_ROWS, LONG_REPEATS = 128, 2
 SEQS = (2, 4, 8, 16)
-VERSION = 1
+VERSION = 2
 
 
 @dataclass
@@ -107,13 +110,14 @@ def cache_dir() -> Path:
 @torch.inference_mode()
 def measure(engine, repeats: int = 5) -> StepCost:
     """Times the engine's model over the K/V pool's blocks while no request holds them (the engine is idle): one
-    sequence with a tree of rows - 1 nodes for each of ROWS, and one row for each of SEQS sequences, interleaved so
+    sequence with a tree of rows - 1 nodes (or a chunk of that many rows past LONG_ROWS) for each of ROWS, and one row for each of SEQS sequences, interleaved so
     that drift hits every size alike."""
     assert not engine.has_unfinished(), "the step cost is measured while the engine is idle"
     size = engine.block_size
-    rows = [n for n in ROWS if n <= max(2, engine.scheduler.max_num_batched_tokens)]  # two at least, to draw a line
-    context = min(256, engine.max_model_len // 2, engine.cache.num_blocks * size // 2 - max(rows))
-    context = max(context, 1)
+    pool = engine.cache.num_blocks * size
+    most = min(engine.scheduler.max_num_batched_tokens, pool // 2, engine.max_model_len // 2)
+    rows = [n for n in ROWS if n <= max(2, most)]  # two at least, to draw a line
+    context = max(1, min(256, engine.max_model_len - max(rows) - 1, pool - max(rows) - 1))
     table = list(range(-(-(context + max(rows)) // size)))
     seqs = [s for s in SEQS if s <= engine.scheduler.max_num_seqs]
     device, model = engine.device, engine.model
@@ -131,6 +135,12 @@ def measure(engine, repeats: int = 5) -> StepCost:
         return _timed(lambda: model(ids[context:context + num_rows], positions, PagedAttention(engine.cache, meta),
                                     torch.arange(num_rows, device=device)), device)
 
+    def chunk_step(num_rows: int) -> float:  # a prefill chunk: causal rows, the last one's logits
+        meta = PagedMetadata.build([num_rows], [context + num_rows], [table], size, device)
+        positions = torch.arange(context, context + num_rows, device=device)
+        return _timed(lambda: model(ids[context:context + num_rows], positions, PagedAttention(engine.cache, meta),
+                                    torch.tensor([num_rows - 1], device=device)), device)
+
     def seqs_step(num_seqs: int) -> float:  # every sequence reads the same context blocks: the cost is the same
         meta = PagedMetadata.build([1] * num_seqs, [context + 1] * num_seqs, [table] * num_seqs, size, device)
         positions = torch.full((num_seqs,), context, device=device)
@@ -139,9 +149,14 @@ def measure(engine, repeats: int = 5) -> StepCost:
 
     tree_step(max(rows)), tree_step(1)  # warm-up
     times = {("rows", n): [] for n in rows} | {("seqs", s): [] for s in seqs}
-    for _ in range(repeats):
+    for repeat in range(repeats):
         for kind, n in times:
-            times[kind, n].append(tree_step(n) if kind == "rows" else seqs_step(n))
+            if kind == "seqs":
+                times[kind, n].append(seqs_step(n))
+            elif n <= LONG_ROWS:
+                times[kind, n].append(tree_step(n))
+            elif repeat < LONG_REPEATS:
+                times[kind, n].append(chunk_step(n))
     seconds = [min(times["rows", n]) for n in rows]
     seconds = [min(seconds[i:]) for i in range(len(seconds))]  # more rows never cost less: a dip is noise
     cost = StepCost(rows, seconds, 0.0, context)

@@ -20,7 +20,7 @@ from serving.drafters import make_drafter
 from serving.drafters.base import DraftBudget
 from serving.request import Request, SamplingParams
 from serving.sampler import target_probs
-from serving.spec.adaptive import PRIOR_MIN_REACHED, AdaptivePolicy
+from serving.spec.adaptive import AdaptivePolicy, prior
 from serving.spec.config import SpeculativeConfig
 from serving.spec.cost import DraftCost
 from serving.spec.metrics import AcceptanceStats, depths_tried
@@ -34,7 +34,9 @@ class StepOutputs:
     batch: object  # serving.batch.Batch
     out: object  # serving.model.ModelOutput
     accepted_paths: dict[str, list[int]]  # request id -> the tree nodes accepted this step, depth 1 first
-    forward_s: float = 0.0  # seconds the target's forward (and its argmax) took
+    # seconds the step took before drafting: scheduling, the batch, the target's forward, verification (what the
+    # adaptive policy's step cost predicts; drafting is priced apart)
+    elapsed_s: float = 0.0
 
     def __post_init__(self):
         self.index = {r.request_id: i for i, r in enumerate(self.batch.requests)}  # request id -> its place in the batch
@@ -116,7 +118,7 @@ class Speculator:
         limit = config.disable_by_batch_size
         self.drafter.observe(engine, step)  # drafters with a pool of their own catch up every step
         if self.policy:
-            self.policy.record_step(len(step.batch.input_ids), len(step.batch.requests), step.forward_s)
+            self.policy.record_step(len(step.batch.input_ids), len(step.batch.requests), step.elapsed_s)
         if limit is not None and len(scheduler.running) > limit:
             return
         ready = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1 and self.can_speculate(r)]
@@ -127,7 +129,7 @@ class Speculator:
             if grants[request.request_id] > 0 and depth > 0:
                 limits[request.request_id] = DraftBudget(grants[request.request_id], depth)
         if self.policy and limits:
-            limits = self.policy.choose(engine, ready, limits, self._prior())
+            limits = self.policy.choose(engine, ready, limits, prior(self.stats))
         budgets, requests = {}, []
         for request in ready:
             budget = limits.get(request.request_id)
@@ -150,10 +152,6 @@ class Speculator:
             request.spec_tree = tree
             if tree.num_rows < budget.num_nodes:
                 engine.block_manager.trim(request, request.num_tokens + tree.num_rows)
-
-    def _prior(self) -> list[float]:
-        """The drafter's conditional acceptance per depth over every request so far; 1 where it has tried too few."""
-        return [p["conditional"] if p["reached"] >= PRIOR_MIN_REACHED else 1.0 for p in self.stats.per_position()]
 
     def reset(self, request: Request) -> None:
         self.drafter.reset(request)

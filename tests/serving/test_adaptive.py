@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -89,12 +90,36 @@ def test_trees_are_cut_by_depth_and_the_histogram_counts_choices():
     requests = [decoding("a"), decoding("b")]
     limits = {"a": DraftBudget(5, 4), "b": DraftBudget(12, 2)}  # room for 5 nodes; 2 tokens left before max_tokens
     budgets = policy.choose(fake_engine(requests), requests, limits, prior=[0.9] * 4)
-    assert budgets == {"a": DraftBudget(3, 1), "b": DraftBudget(6, 2)}
+    assert {rid: budget[:2] for rid, budget in budgets.items()} == {"a": (3, 1), "b": (6, 2)}
     assert dict(policy.chosen[2]) == {1: 1, 2: 1}
     medusa = AdaptivePolicy(SpeculativeConfig(method="medusa", model="x", num_speculative_tokens=3,
                                               medusa_choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0]], adaptive=True),
                             linear_cost(1e-4), free_drafting())
     assert medusa.num_nodes == (0, 2, 4, 5)
+
+
+def test_a_head_keeps_the_nodes_that_repay_their_row():
+    # One request at acceptance 0.9 drafts 4 (1 + .9 + .81 + .729 + .6561 tokens in 1 + 4 * 0.1 s); a further node
+    # of path probability s adds s tokens for 0.1 s, so it repays its row when s >= 0.1 * that rate.
+    policy = policy_for(0.1)
+    requests = [decoding("a")]
+    policy.estimates["a"] = Estimate(hits=[90.0] * 4, tries=[100.0] * 4)
+    budget = policy.choose(fake_engine(requests), requests, {"a": DraftBudget(4, 4)}, prior=[0.9] * 4)["a"]
+    assert budget.depth == 4
+    assert budget.min_log_survival == pytest.approx(math.log(0.1 * (1 + .9 + .81 + .729 + .6561) / 1.4))
+    policy.overhead_s = 0.6  # the engine's own work per step makes the step's rate lower, so the cut too
+    lower = policy.choose(fake_engine(requests), requests, {"a": DraftBudget(4, 4)}, prior=[0.9] * 4)["a"]
+    assert lower.min_log_survival == pytest.approx(math.log(0.1 * (1 + .9 + .81 + .729 + .6561) / 2.0))
+
+
+def test_the_learned_overhead_follows_the_steps_beyond_the_table():
+    policy = policy_for(0.1)
+    for _ in range(60):
+        policy.record_step(4, 4, 1.3 + 0.25)  # the table says 1.3 s; the engine took 0.25 s more
+    assert policy.overhead_s == pytest.approx(0.25, rel=0.01)
+    assert policy.step_time(4, 4) == pytest.approx(1.55, rel=0.01)
+    timing = policy.summary()["step_time"]
+    assert timing[0]["rows_at_most"] == 4 and timing[0]["measured_ms"] == pytest.approx(1550)
 
 
 def test_a_drafting_call_must_be_repaid_too():
@@ -146,8 +171,10 @@ def test_the_chosen_depth_follows_acceptance_and_recovers(tiny_llama, monkeypatc
     assert out.token_ids == truth
     asked = dict(sorted(stub.asked.items()))
     drafted_at = [n for n, depth in asked.items()]
-    # while right: drafts the maximum (each step jumps 5 tokens)
-    assert [asked[n] for n in drafted_at if 5 <= n < 40] and all(asked[n] == 4 for n in drafted_at if 5 <= n < 40)
+    # while right: one depth more each step (a depth not tried yet is expected to accept as the one before), then
+    # the maximum (each step jumps 5 tokens)
+    assert [asked[n] for n in drafted_at if n < 10] == [1, 2, 3]
+    assert [asked[n] for n in drafted_at if 6 < n < 40] and all(asked[n] == 4 for n in drafted_at if 6 < n < 40)
     # once wrong: within 5 steps no more drafts, and later only occasional probes, never two steps in a row
     wrong_phase = [n for n in range(40, 80)]
     probes = [n for n in wrong_phase if n in asked]

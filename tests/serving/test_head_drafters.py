@@ -163,7 +163,7 @@ def record_proposals(engine) -> list[Proposal]:
             if r.request_id in proposals:
                 tree, budget = proposals[r.request_id], budgets[r.request_id]
                 assert isinstance(tree, DraftTree) and isinstance(budget, DraftBudget)
-                records.append(Proposal(r.request_id, before[r.request_id], min(budget), list(tree.tokens), tree, budget))
+                records.append(Proposal(r.request_id, before[r.request_id], budget.chain_length, list(tree.tokens), tree, budget))
         return proposals
 
     drafter.propose = spy

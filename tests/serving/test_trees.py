@@ -200,7 +200,7 @@ class FixedShapeStub(Drafter):
     def propose(self, engine, requests, budgets, step):
         trees = {}
         for r in requests:
-            if budgets[r.request_id] != (5, 2):
+            if budgets[r.request_id][:2] != (5, 2):
                 continue
             if self.sampled:
                 a, b = sample(self.q1, self.generator), sample(self.q1, self.generator)
@@ -518,7 +518,7 @@ def dense_candidates(head, states, tokens, budget, topk):
             rows.append(outputs[c])
         return top(torch.stack(rows), depth + 1)
 
-    return grow(top(newest[None], 1), expand, topk, [budget.depth], confidence.log_threshold)[0]
+    return grow(top(newest[None], 1), expand, topk, [budget.depth], [confidence.log_threshold_for(budget)])[0]
 
 
 def compare_candidates(where, paged, dense, tree, dense_tree) -> str | None:
@@ -652,7 +652,7 @@ def dense_medusa_candidates(head, hidden, budget, choices, topk):
             log_probs, ids = top(depth + 1)
             return log_probs.expand(len(nodes), -1), ids.expand(len(nodes), -1)
 
-        return grow(top(1), expand, topk, [budget.depth], confidence.log_threshold)[0]
+        return grow(top(1), expand, topk, [budget.depth], [confidence.log_threshold_for(budget)])[0]
     found, index = Candidates(), {}
     for path in map(tuple, choices):
         depth = len(path)
