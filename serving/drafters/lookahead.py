@@ -23,7 +23,7 @@ A step whose budget cannot hold the whole window verifies candidates only, and t
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from serving.drafters.base import Drafter
 from serving.spec.tree import DraftTree, LookaheadRows
