@@ -142,7 +142,7 @@ class DatasetAnswers:
         ids = prompt_ids(self.tokenizer, turns[0][0])
         if len(ids) >= self.max_len:
             return "too long"
-        mask, history = [0] * len(ids), []
+        mask, history, stop_token = [0] * len(ids), [], None  # stop_token: the previous answer's, if it ended on one
         for i, (messages, text) in enumerate(turns):
             if i:
                 template = template_ids_after_answer(self.tokenizer, history[:-1], messages, stop_token)
