@@ -80,7 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=int(epochs) if epochs else None,
                    help="training epochs of every head (default: " + ", ".join(f"{k} {n}" for k, n in EPOCHS.items()) + ")")
     p.add_argument("--bench-mt-bench", type=int, default=None,
-                   help="MT-bench first turns, one per category in turn (default 8; 80 with --full)")
+                   help="MT-bench first turns, one per category in turn (default 8; 80 with --full); 0 with "
+                        "--bench-humaneval 0 skips the bench")
     p.add_argument("--bench-humaneval", type=int, default=None, help="HumanEval prompts (default 4; 164 with --full)")
     p.add_argument("--bench-new-tokens", type=int, default=96)
     p.add_argument("--serve-prompts", type=int, default=8,
@@ -123,7 +124,7 @@ def main(argv=None) -> dict:
     store = generate(args)
     token_map = make_token_map(store)
     heads = {kind: fit(args, kind, store, token_map) for kind in args.kinds.split(",")}
-    result = bench(args, heads)
+    result = bench(args, heads) if args.bench_mt_bench or args.bench_humaneval else {}
     if args.serve_prompts and heads:
         result["serve"] = serve(args, heads)
     print(f"\ndemo finished in {time.perf_counter() - start:.0f} s")

@@ -6,6 +6,9 @@ them) and depth `budget.depth`; a longer or deeper one is cut. What a drafter re
 declared here, never probed:
 - `needs_hidden`: the target's final hidden states of every computed row (Medusa, EAGLE, MTP);
 - `aux_layers`: target layers whose inputs it reads too (EAGLE-3);
+- `is_calibrated`: its drafts carry a calibrated confidence and it honours `DraftBudget.min_log_survival` (the
+  heads): the adaptive policy then trusts the drafter's acceptance over all requests for each step's depth and
+  leaves each draft's fate to that cut, rather than one request's few recent verify steps;
 - `num_lookahead`: tokens after a block that its own K/V there depends on, so that the prefix cache shares a block
   only where those tokens agree too (EAGLE and MTP: their entry at position p reads token p + 1).
 `observe(engine, step)` runs every step, before `propose`, for drafters that catch up over what the target kept;
@@ -40,6 +43,7 @@ class DraftBudget(NamedTuple):
 class Drafter(abc.ABC):
     needs_hidden: bool = False
     aux_layers: tuple[int, ...] = ()
+    is_calibrated: bool = False
     num_lookahead: int = 0
 
     @abc.abstractmethod
@@ -52,7 +56,8 @@ class Drafter(abc.ABC):
 
     def catch_up(self, engine, requests: list) -> None:
         """Before drafting for `requests`: complete the work `observe` deferred for them (a drafter with a pool of its
-        own). Owed whether or not they draft (`settle` does it at the latest), so not a cost of drafting."""
+        own). Its rows are owed whether or not they draft (`settle` does it at the latest); a call of its own each
+        step is paid only by steps that draft, so the adaptive policy prices it with drafting."""
 
     def num_settled(self, request, num_computed: int) -> int:
         """How many of the request's first `num_computed` tokens this drafter's pool holds: the prefix cache shares a

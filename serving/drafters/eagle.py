@@ -35,6 +35,7 @@ class Pending:
 
 class EagleDrafter(Drafter):
     needs_hidden = True
+    is_calibrated = True
     num_lookahead = 1  # its K/V at position p depends on token p + 1
 
     def __init__(self, engine, head, hot, config):
@@ -54,8 +55,10 @@ class EagleDrafter(Drafter):
         self.newest: dict[str, torch.Tensor] = {}  # request id -> the head's output at its newest pair, until drafted
 
     def _features(self, step, rows: torch.Tensor) -> torch.Tensor:
+        """The target's rows the head reads, as noted: EAGLE-3's aux layers side by side, fused only at catch-up (one
+        call over every pending row instead of one per step)."""
         if self.kind == "eagle3":
-            return self.head.fuse([step.out.aux[layer][rows] for layer in self.aux_layers])
+            return torch.cat([step.out.aux[layer][rows] for layer in self.aux_layers], dim=-1)
         return step.out.hidden[rows]
 
     def _forward(self, ids, features, positions, meta):
@@ -111,7 +114,8 @@ class EagleDrafter(Drafter):
         if not chunks:
             return
         ids, positions, meta, _ = flatten(chunks, self.block_size, self.device)
-        out = self._forward(ids, torch.cat(features), positions, meta)
+        features = torch.cat(features)
+        out = self._forward(ids, self.head.fuse(features) if self.kind == "eagle3" else features, positions, meta)
         self.newest.update({rid: out[row] for rid, row in last.items()})  # [hidden] each
 
     def num_settled(self, request, num_computed):

@@ -19,6 +19,7 @@ class LookupFirst(Drafter):
     def __init__(self, lookup: NgramDrafter, head: Drafter):
         self.lookup, self.head = lookup, head
         self.needs_hidden, self.aux_layers, self.num_lookahead = head.needs_hidden, head.aux_layers, head.num_lookahead
+        self.is_calibrated = head.is_calibrated
 
     def observe(self, engine, step):
         self.head.observe(engine, step)

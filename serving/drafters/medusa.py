@@ -18,6 +18,7 @@ from serving.drafters.tree_search import Candidates, grow
 
 class MedusaDrafter(Drafter):
     needs_hidden = True
+    is_calibrated = True
 
     def __init__(self, head, hot, config):
         self.head, self.hot = head, hot

@@ -20,6 +20,7 @@ class MtpChainDrafter(Drafter):
     entries, starting module j at c_before - j from module j - 1's output kept from the previous step."""
 
     needs_hidden = True
+    is_calibrated = True
 
     def __init__(self, engine, head, hot=None, threshold=0.0):
         self.head, self.depth, self.hot, self.confidence = head, head.config.depth, hot, Confidence(head, threshold)

@@ -67,8 +67,9 @@ class Estimate:
 
 
 class AdaptivePolicy:
-    def __init__(self, config, step_cost: StepCost, draft_cost: DraftCost):
+    def __init__(self, config, step_cost: StepCost, draft_cost: DraftCost, per_request: bool = True):
         self.config, self.step_cost, self.draft_cost = config, step_cost, draft_cost
+        self.per_request = per_request  # estimate each request's acceptance from its own history, else the drafter's
         self.max_depth = k = config.num_speculative_tokens
         # draft nodes of a tree cut at each depth 0..k
         if config.medusa_choices is not None:
@@ -109,7 +110,8 @@ class AdaptivePolicy:
                 num_new = self.num_nodes[depth] - self.num_nodes[depth - 1]
                 if self.num_nodes[depth] > limit.num_nodes:
                     break
-                survival *= estimate.conditional(depth - 1, prior[min(depth, len(prior)) - 1] if prior else PRIOR)
+                drafter_rate = prior[min(depth, len(prior)) - 1] if prior else PRIOR
+                survival *= estimate.conditional(depth - 1, drafter_rate) if self.per_request else drafter_rate
                 worth = min(worth, survival / num_new)
                 candidates.append((worth, depth, request.request_id, survival, num_new))
         candidates.sort(key=lambda c: (-c[0], c[1]))

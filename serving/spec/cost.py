@@ -172,7 +172,7 @@ class DraftCost:
     gram: np.ndarray = field(default_factory=lambda: np.eye(3) * 1e-9)
     moment: np.ndarray = field(default_factory=lambda: np.zeros(3))
     num_calls: int = 0
-    _coef: np.ndarray | None = None
+    _coef: tuple | None = None
 
     def add(self, depth: int, num_nodes: int, seconds: float) -> None:
         x = np.array([1.0, depth, num_nodes])
@@ -182,16 +182,16 @@ class DraftCost:
         self._coef = None
 
     @property
-    def coef(self) -> np.ndarray:
-        if self._coef is None:
-            self._coef = np.maximum(np.linalg.lstsq(self.gram, self.moment, rcond=None)[0], 0.0)
+    def coef(self) -> tuple[float, float, float]:
+        if self._coef is None:  # as floats: predict runs for every candidate of every step
+            self._coef = tuple(float(x) for x in np.maximum(np.linalg.lstsq(self.gram, self.moment, rcond=None)[0], 0.0))
         return self._coef
 
     def predict(self, depth: int, num_nodes: int) -> float:
         if depth == 0:
             return 0.0
         a, b, c = self.coef
-        return float(a + b * depth + c * num_nodes)
+        return a + b * depth + c * num_nodes
 
 
 def _timed(fn, device) -> float:

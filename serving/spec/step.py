@@ -58,7 +58,8 @@ class Speculator:
         self.config = config
         self.drafter = make_drafter(engine, config)
         self.stats = AcceptanceStats(config.num_speculative_tokens)
-        self.policy = AdaptivePolicy(config, engine.step_cost, DraftCost()) if config.adaptive else None
+        self.policy = (AdaptivePolicy(config, engine.step_cost, DraftCost(), per_request=not self.drafter.is_calibrated)
+                       if config.adaptive else None)
         self.is_calibrated = False
 
     def calibrate(self, engine) -> None:
@@ -140,8 +141,10 @@ class Speculator:
                 requests.append(request)
         if not requests:
             return
+        # The drafting call's cost, what choosing depths changes, counts the head's catch-up over the requests' kept
+        # tokens too: its rows are owed anyway, but a call per step is paid only by steps that draft.
+        start = time.perf_counter()
         self.drafter.catch_up(engine, requests)
-        start = time.perf_counter()  # the drafting call's cost: what choosing depths changes
         trees = self.drafter.propose(engine, requests, budgets, step)
         if self.policy:
             self.policy.draft_cost.add(max(b.depth for b in budgets.values()), sum(b.num_nodes for b in budgets.values()),

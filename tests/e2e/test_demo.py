@@ -62,9 +62,11 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
         assert torch.equal(heads.load(tmp_path / "runs" / kind / "heads" / "best").token_map, torch.load(token_map))
     # A second run with the same settings reuses the store and every head.
     stamps = {kind: (tmp_path / "runs" / kind / "heads" / "best" / "model.safetensors").stat().st_mtime_ns for kind in demo.KINDS}
-    demo.main(["--target", "debug", "--num-prompts", "6", "--max-new-tokens", "12", "--epochs", "1",
-               "--bench-mt-bench", "1", "--bench-humaneval", "1", "--bench-new-tokens", "4", "--concurrency", "3",
-               "--kinds", ",".join(demo.KINDS)])
+    # (With no bench prompts the bench is skipped: the heads alone.)
+    again = demo.main(["--target", "debug", "--num-prompts", "6", "--max-new-tokens", "12", "--epochs", "1",
+                       "--bench-mt-bench", "0", "--bench-humaneval", "0", "--serve-prompts", "0", "--concurrency", "3",
+                       "--kinds", ",".join(demo.KINDS)])
+    assert again == {}
     assert stamps == {kind: (tmp_path / "runs" / kind / "heads" / "best" / "model.safetensors").stat().st_mtime_ns
                       for kind in demo.KINDS}
 

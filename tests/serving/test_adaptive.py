@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from serving.drafters.base import DraftBudget, Drafter
+from serving.drafters.head import Confidence
 from serving.request import SamplingParams
 from serving.spec import cost
 from serving.spec.adaptive import AdaptivePolicy, Estimate
@@ -110,6 +111,23 @@ def test_a_head_keeps_the_nodes_that_repay_their_row():
     policy.overhead_s = 0.6  # the engine's own work per step makes the step's rate lower, so the cut too
     lower = policy.choose(fake_engine(requests), requests, {"a": DraftBudget(4, 4)}, prior=[0.9] * 4)["a"]
     assert lower.min_log_survival == pytest.approx(math.log(0.1 * (1 + .9 + .81 + .729 + .6561) / 2.0))
+
+
+def test_a_calibrated_drafter_is_judged_by_its_acceptance_over_all_requests():
+    # A head's own confidence cuts each draft; the depth it may draft follows the drafter's acceptance over every
+    # request (the prior), not one request's few recent steps.
+    def depths(per_request: bool) -> dict[str, int]:
+        policy = AdaptivePolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True),
+                                linear_cost(0.05), free_drafting(), per_request=per_request)
+        requests = [decoding("unlucky"), decoding("lucky")]
+        policy.estimates = {"unlucky": Estimate(hits=[0.0] * 4, tries=[3.0] * 4), "lucky": Estimate([3.0] * 4, [3.0] * 4)}
+        budgets = policy.choose(fake_engine(requests), requests, {r.request_id: DraftBudget(4, 4) for r in requests},
+                                prior=[0.7] * 4)
+        return {r.request_id: budgets[r.request_id].depth if r.request_id in budgets else 0 for r in requests}
+
+    assert depths(per_request=True) == {"unlucky": 0, "lucky": 4}
+    both = depths(per_request=False)
+    assert both["unlucky"] == both["lucky"] > 0
 
 
 def test_the_learned_overhead_follows_the_steps_beyond_the_table():
@@ -217,6 +235,9 @@ def heads_root(tmp_path_factory):
 def test_adaptive_greedy_outputs_equal_plain_decoding(name, concurrency, tiny_llama, heads_root, monkeypatch):
     # rows cost 5% of a step: cheap enough that requests draft, dear enough that some do not
     monkeypatch.setattr(cost, "load_or_measure", lambda engine, remeasure=False: linear_cost(0.05))
+    # A random head is unsure of every draft, so the price of a row would cut them all: here drafts must reach
+    # verification (the cut itself: test_a_head_keeps_the_nodes_that_repay_their_row, test_trees).
+    monkeypatch.setattr(Confidence, "log_threshold_for", lambda self, budget: self.log_threshold)
     prompts = random_prompts([3, 9, 17, 30, 41], seed=concurrency)
     prompts[1] = prompts[1] * 4  # repeated text, which prompt lookup finds
     spec = drafter_spec(name, tiny_llama, heads_root) | {"num_speculative_tokens": 3, "adaptive": True}
@@ -229,6 +250,8 @@ def test_adaptive_greedy_outputs_equal_plain_decoding(name, concurrency, tiny_ll
     assert_pool_idle(engine)
     chosen = engine.speculator.policy.summary()["chosen_depths"]
     assert sum(n for depths in chosen.values() for d, n in depths.items() if d > 0), "the policy never drafted"
+    assert engine.speculator.stats.num_draft_tokens > 0, "no draft was verified"
+    assert engine.speculator.policy.per_request == (name in ("ngram", "draft_model", "early_exit"))
     if concurrency == 4:
         assert sum(o.metrics["num_preemptions"] for o in outputs) > 0, "no preemption: the pool is too roomy"
 

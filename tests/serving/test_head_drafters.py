@@ -27,6 +27,7 @@ Everything is float32 and single-threaded on tiny targets (2 shared cores).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -1027,6 +1028,10 @@ def test_confidence_is_the_heads_probability_of_its_draft_at_a_temperature():
     confidence = Confidence(head, 0.0)
     assert [confidence.temperature(d) for d in (1, 2, 3)] == [1.7, 0.6, 1.0]
     assert confidence.log_threshold == -float("inf") and Confidence(head, 0.25).log_threshold == pytest.approx(-1.3862944)
+    # the adaptive policy's price of a row cuts where it is above the config's threshold
+    assert Confidence(head, 0.25).log_threshold_for(DraftBudget(4, 4, math.log(0.5))) == pytest.approx(math.log(0.5))
+    assert Confidence(head, 0.25).log_threshold_for(DraftBudget(4, 4, math.log(0.1))) == pytest.approx(math.log(0.25))
+    assert confidence.log_threshold_for(DraftBudget(4, 4)) == -float("inf")
     # a head over a token map drafts target ids
     drafter = MedusaDrafter.__new__(MedusaDrafter)
     drafter.hot, drafter.num_ranks, drafter.confidence = torch.tensor([7, 8, 9]), 2, Confidence(head, 0.0)

@@ -40,6 +40,7 @@ single-threaded on tiny targets.
 """
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -561,6 +562,25 @@ def spy_on_grow(searches: list):
         searches.extend(found)
         return found
     return spy
+
+
+def test_each_request_is_cut_at_its_own_threshold():
+    """Two requests with the same head outputs, one cut at path probability 0.2 (the adaptive policy's price of a
+    row for it) and one not: the cut request's nodes are exactly the other's that score at least 0.2."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 12, generator=generator) * 2  # one row of head logits per node, by node id
+
+    def ranked(rows):
+        log_probs, ids = top_log_probs(logits[rows], 3, 1.0)
+        return log_probs, ids
+
+    first = ranked(torch.tensor([0, 0]))
+    # a node's children depend on the node (its token and depth), not on where it sits in either request's list
+    expand = lambda depth, nodes, found: ranked(torch.tensor([(found[r].tokens[c] * 5 + depth) % 64 for r, c in nodes]))
+    uncut, cut = grow(first, expand, 3, [4, 4], [-float("inf"), math.log(0.2)])
+    kept = {(t, d, round(s, 9)) for t, d, s in zip(uncut.tokens, uncut.depths, uncut.scores) if s >= math.log(0.2)}
+    assert {(t, d, round(s, 9)) for t, d, s in zip(cut.tokens, cut.depths, cut.scores)} == kept
+    assert 0 < len(cut.tokens) < len(uncut.tokens) and max(cut.depths) >= 2
 
 
 def generate_as_plain(engine, folder):
