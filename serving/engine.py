@@ -213,7 +213,7 @@ class Engine:
                          return_hidden=self.capture_hidden or bool(self.speculator and self.speculator.drafter.needs_hidden),
                          aux_layers=self.aux_layers)
         self.num_steps += 1
-        finished, accepted_paths = [], {}
+        finishing, accepted_paths = [], {}
         best = argmax(out.logits) if out.logits is not None else []  # one call for the whole batch
         for i, (request, num) in enumerate(scheduled.scheduled):
             if self.capture_hidden:
@@ -226,20 +226,28 @@ class Engine:
                 self._emit(request, out.logits[rows], best[rows], accepted_paths)
             # A capturing request runs one more step over its last token, so every token has its hidden state.
             is_capture_pending = self.capture_hidden and request.num_computed_tokens < request.num_tokens
-            is_finishing = request.finish_reason and not is_capture_pending
-            if is_finishing and self.speculator:
-                self.speculator.drafter.settle(self, request)
-            if is_finishing or not self.speculator:
+            if request.finish_reason and not is_capture_pending:
+                finishing.append(request)
+            elif not self.speculator:
                 self._cache_blocks(request)
-            if is_finishing:
-                self.scheduler.finish(request, request.finish_reason)
-                finished.append(self.output(request))
-                del self.requests[request.request_id]
-                self.generators.pop(request.request_id, None)
-                if self.speculator:
-                    self.speculator.reset(request)
+        settle_s = 0.0
+        if finishing and self.speculator and self.block_manager.enable_prefix_caching:
+            # one call for every request finishing this step; only the prefix cache needs the drafter's pool whole
+            settle_start = time.perf_counter()
+            self.speculator.drafter.settle(self, finishing)
+            settle_s = time.perf_counter() - settle_start
+        finished = []
+        for request in finishing:
+            self._cache_blocks(request)
+            self.scheduler.finish(request, request.finish_reason)
+            finished.append(self.output(request))
+            del self.requests[request.request_id]
+            self.generators.pop(request.request_id, None)
+            if self.speculator:
+                self.speculator.reset(request)
         if self.speculator:
-            self.speculator.propose(self, StepOutputs(batch, out, accepted_paths, time.perf_counter() - step_start))
+            self.speculator.propose(self, StepOutputs(batch, out, accepted_paths,
+                                                          time.perf_counter() - step_start - settle_s))
             for request, _ in scheduled.scheduled:  # after the drafter has seen the step: its pool decides too
                 if not request.is_finished:
                     self._cache_blocks(request)

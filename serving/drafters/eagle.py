@@ -99,7 +99,7 @@ class EagleDrafter(Drafter):
             first += num
 
     @torch.inference_mode()
-    def catch_up(self, engine, requests) -> None:
+    def catch_up(self, engine, requests) -> int:
         """Runs the head over the pending pairs of `requests` in one forward, writing their K/V into the pool; keeps
         each one's newest output, which its first draft reads."""
         chunks, features, last, num_rows = [], [], {}, 0
@@ -112,18 +112,19 @@ class EagleDrafter(Drafter):
             num_rows += len(chunk.tokens)
             last[request.request_id] = num_rows - 1
         if not chunks:
-            return
+            return 0
         ids, positions, meta, _ = flatten(chunks, self.block_size, self.device)
         features = torch.cat(features)
         out = self._forward(ids, self.head.fuse(features) if self.kind == "eagle3" else features, positions, meta)
         self.newest.update({rid: out[row] for rid, row in last.items()})  # [hidden] each
+        return num_rows
 
     def num_settled(self, request, num_computed):
         chunk = self.pending.get(request.request_id)
         return min(num_computed, chunk.start) if chunk else num_computed
 
-    def settle(self, engine, request) -> None:
-        self.catch_up(engine, [request])
+    def settle(self, engine, requests) -> None:
+        self.catch_up(engine, requests)
 
     def reset(self, request) -> None:
         self.pending.pop(request.request_id, None)

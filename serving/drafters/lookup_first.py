@@ -32,13 +32,13 @@ class LookupFirst(Drafter):
         return trees
 
     def catch_up(self, engine, requests):
-        self.head.catch_up(engine, requests)
+        return self.head.catch_up(engine, requests)
 
     def num_settled(self, request, num_computed):
         return self.head.num_settled(request, num_computed)
 
-    def settle(self, engine, request):
-        self.head.settle(engine, request)
+    def settle(self, engine, requests):
+        self.head.settle(engine, requests)
 
     def reset(self, request):
         self.head.reset(request)

@@ -11,8 +11,10 @@ a step. Measuring takes a few seconds; the result is cached per machine, target,
 (step_cost/ in the project's cache, `$DRAFTHEADS_CACHE`, default ~/.cache/draftheads), and a cache file that does not parse or was measured for
 something else is measured anew with a warning.
 
-`DraftCost`: seconds of one drafting call, `a + b * depth + c * nodes` (the deepest tree drafted and the nodes
-drafted over the batch), fitted by least squares over every call timed, starting with a short calibration run.
+`DraftCost`: seconds of one drafting call, `a + b * depth + c * nodes + d * rows caught up` (the deepest tree
+drafted, the nodes drafted over the batch, and the rows a head with a pool of its own ran over first), fitted by least
+squares over every call timed, starting with a short calibration run. A choice is priced without the last term:
+those rows are owed whether or not the requests draft.
 """
 from __future__ import annotations
 
@@ -168,21 +170,21 @@ def measure(engine, repeats: int = 5) -> StepCost:
 
 @dataclass
 class DraftCost:
-    """Least squares of a drafting call's seconds on [1, depth, nodes] over every timed call."""
-    gram: np.ndarray = field(default_factory=lambda: np.eye(3) * 1e-9)
-    moment: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    """Least squares of a drafting call's seconds on [1, depth, nodes, rows caught up] over every timed call."""
+    gram: np.ndarray = field(default_factory=lambda: np.eye(4) * 1e-9)
+    moment: np.ndarray = field(default_factory=lambda: np.zeros(4))
     num_calls: int = 0
     _coef: tuple | None = None
 
-    def add(self, depth: int, num_nodes: int, seconds: float) -> None:
-        x = np.array([1.0, depth, num_nodes])
+    def add(self, depth: int, num_nodes: int, num_caught_up: int, seconds: float) -> None:
+        x = np.array([1.0, depth, num_nodes, num_caught_up])
         self.gram += np.outer(x, x)
         self.moment += x * seconds
         self.num_calls += 1
         self._coef = None
 
     @property
-    def coef(self) -> tuple[float, float, float]:
+    def coef(self) -> tuple[float, float, float, float]:
         if self._coef is None:  # as floats: predict runs for every candidate of every step
             self._coef = tuple(float(x) for x in np.maximum(np.linalg.lstsq(self.gram, self.moment, rcond=None)[0], 0.0))
         return self._coef
@@ -190,7 +192,7 @@ class DraftCost:
     def predict(self, depth: int, num_nodes: int) -> float:
         if depth == 0:
             return 0.0
-        a, b, c = self.coef
+        a, b, c, _ = self.coef
         return a + b * depth + c * num_nodes
 
 

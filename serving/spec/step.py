@@ -35,7 +35,7 @@ class StepOutputs:
     out: object  # serving.model.ModelOutput
     accepted_paths: dict[str, list[int]]  # request id -> the tree nodes accepted this step, depth 1 first
     # seconds the step took before drafting: scheduling, the batch, the target's forward, verification (what the
-    # adaptive policy's step cost predicts; drafting is priced apart)
+    # adaptive policy's step cost predicts; drafting is priced apart, and settling finished requests is owed anyway)
     elapsed_s: float = 0.0
 
     def __post_init__(self):
@@ -142,13 +142,13 @@ class Speculator:
         if not requests:
             return
         # The drafting call's cost, what choosing depths changes, counts the head's catch-up over the requests' kept
-        # tokens too: its rows are owed anyway, but a call per step is paid only by steps that draft.
+        # tokens too: its rows are owed anyway, but a call of its own each step is paid only by steps that draft.
         start = time.perf_counter()
-        self.drafter.catch_up(engine, requests)
+        num_caught_up = self.drafter.catch_up(engine, requests)
         trees = self.drafter.propose(engine, requests, budgets, step)
         if self.policy:
             self.policy.draft_cost.add(max(b.depth for b in budgets.values()), sum(b.num_nodes for b in budgets.values()),
-                                       time.perf_counter() - start)
+                                       num_caught_up, time.perf_counter() - start)
         for request in requests:
             budget = budgets[request.request_id]
             tree = trees.get(request.request_id, DraftTree()).prefix(budget.num_nodes, budget.depth)

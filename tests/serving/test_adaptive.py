@@ -36,7 +36,7 @@ def linear_cost(per_row: float) -> StepCost:
 
 def free_drafting() -> DraftCost:
     draft = DraftCost()
-    draft.add(1, 1, 0.0), draft.add(2, 1, 0.0), draft.add(1, 2, 0.0)
+    draft.add(1, 1, 0, 0.0), draft.add(2, 1, 0, 0.0), draft.add(1, 2, 0, 0.0), draft.add(1, 1, 5, 0.0)
     return draft
 
 
@@ -145,7 +145,7 @@ def test_a_drafting_call_must_be_repaid_too():
         policy = policy_for(1e-4)
         policy.draft_cost = DraftCost()
         for depth, nodes in ((1, 1), (2, 2), (4, 4)):  # the same seconds whatever it drafts
-            policy.draft_cost.add(depth, nodes, seconds)
+            policy.draft_cost.add(depth, nodes, 0, seconds)
         return policy
 
     # depth 4 at acceptance 0.9 expects 1 + 3.1 tokens: a step of 1 s plus the call, against 1 token in 1 s
@@ -313,7 +313,10 @@ def test_draft_cost_fits_its_calls():
     draft = DraftCost()
     for depth in (1, 2, 4):
         for nodes in (1, 4, 9):
-            draft.add(depth, nodes, 0.002 + 0.003 * depth + 0.0005 * nodes)
+            for caught_up in (0, 3, 40):
+                draft.add(depth, nodes, caught_up, 0.002 + 0.003 * depth + 0.0005 * nodes + 0.0001 * caught_up)
+    assert draft.coef == pytest.approx((0.002, 0.003, 0.0005, 0.0001))
+    # a choice is priced without the rows caught up: they are owed whether or not the requests draft
     assert draft.predict(3, 6) == pytest.approx(0.002 + 0.009 + 0.003)
     assert draft.predict(0, 0) == 0.0
 
