@@ -8,7 +8,10 @@ tokens, so rollback needs nothing. It does so lazily: each step notes the kept p
 head runs over a request's pending pairs, in one forward with the others drafted, only when the request drafts next
 (or finishes, so that the blocks it leaves to the prefix cache hold the head's K/V too; blocks with pending pairs
 are not shared before then). A request that does not draft, as the adaptive policy often chooses at larger batches,
-costs the head nothing. Its newest output gives the first depth of the tree; each
+costs the head nothing while it decodes. Its prompt is the exception while the prefix cache is on: the head runs
+over each prefill chunk in the step that computed it (one forward for every request prefilling), so that requests
+arriving meanwhile share the prompt's blocks (a system prompt, a chat template) as they would without a head.
+Its newest output gives the first depth of the tree; each
 further depth runs the head once over the nodes being expanded, every node at its position and attending to the
 context and its own path, whose K/V sit in a scratch region of the pool past the target's blocks.
 """
@@ -78,7 +81,8 @@ class EagleDrafter(Drafter):
     @torch.inference_mode()
     def observe(self, engine, step):
         """Notes every token the target computed and kept this step: the pair (h_p, x_{p+1}) at position p, with its
-        feature row. The head runs over them when the request drafts next, or finishes (`catch_up`)."""
+        feature row. The head runs over them when the request drafts next, or finishes (`catch_up`); over prompt
+        tokens now, while the prefix cache is on."""
         rows, owners = [], []
         for request in step.batch.requests:
             if request.is_finished:
@@ -97,6 +101,8 @@ class EagleDrafter(Drafter):
             chunk.tokens += request.token_ids[start + 1:start + 1 + num]
             chunk.features.append(features[first:first + num])
             first += num
+        if engine.block_manager.enable_prefix_caching:
+            self.catch_up(engine, [request for request, start, _ in owners if start < request.num_prompt_tokens])
 
     @torch.inference_mode()
     def catch_up(self, engine, requests) -> int:

@@ -522,6 +522,28 @@ def test_a_head_that_skips_steps_catches_up_when_it_next_drafts(kind, tiny_llama
     assert not mismatches, f"{len(mismatches)} of {num_checked} proposals differ:\n" + "\n".join(mismatches[:10])
 
 
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_a_prompt_is_shared_while_its_request_does_not_draft(kind, tiny_llama, heads_root):
+    """A never drafts, yet the head runs over its prompt as it is prefilled, so a request arriving while A decodes
+    shares A's prompt blocks (12 of the 16 tokens they share: a block's hash covers the token after it) as it would
+    with plain decoding, and both decode as plain decoding does."""
+    head_dir = random_head_dir(kind, tiny_llama, heads_root)
+    engine = make_engine(tiny_llama, spec_config(kind, head_dir), max_num_seqs=4)
+    engine.scheduler.draft_budgets = lambda requests, most: {r.request_id: 0 for r in requests}
+    a = engine.add_request(PROMPTS[3], greedy(12))  # 18 prompt tokens
+    while engine.requests[a].num_output_tokens < 3:
+        engine.step()
+    b = engine.add_request(PROMPTS[3][:16] + random_prompts((5,), seed=45)[0], greedy(6))
+    finished = []
+    while engine.has_unfinished():
+        finished += engine.step()
+    outputs = {o.request_id: o for o in finished}
+    assert outputs[b].metrics["num_cached_tokens"] == 12
+    assert engine.speculator.stats.num_draft_tokens == 0
+    for rid, n in ((a, 12), (b, 6)):
+        assert outputs[rid].token_ids == plain_outputs(tiny_llama, [outputs[rid].prompt_token_ids], n)[0]
+
+
 def test_paged_drafts_equal_dense_drafts_when_the_prefix_was_cached_before_the_head(tiny_llama, heads_root):
     """Blocks cached by plain decoding, then set_speculative_config switches an EAGLE head on: the head's pool
     holds nothing for them, so the switch forgets the prefix cache and the request drafts from K/V it wrote."""
