@@ -11,10 +11,10 @@ a step. Measuring takes a few seconds; the result is cached per machine, target,
 (step_cost/ in the project's cache, `$DRAFTHEADS_CACHE`, default ~/.cache/draftheads), and a cache file that does not parse or was measured for
 something else is measured anew with a warning.
 
-`DraftCost`: seconds of one drafting call, `a + b * depth + c * nodes + d * rows caught up` (the deepest tree
-drafted, the nodes drafted over the batch, and the rows a head with a pool of its own ran over first), fitted by least
-squares over every call timed, starting with a short calibration run. A choice is priced without the last term:
-those rows are owed whether or not the requests draft.
+`DraftCost`: seconds of one drafting call, `a + b * depth + c * nodes` (the deepest tree drafted and the nodes
+drafted over the batch), and of a head's catch-up call before it, `e + f * rows`, each fitted by least squares with
+non-negative coefficients over every call timed, starting with a short calibration run. A choice is priced at the
+drafting call plus `e`: the rows a head catches up are owed whether or not the requests draft, its call is not.
 """
 from __future__ import annotations
 
@@ -168,32 +168,75 @@ def measure(engine, repeats: int = 5) -> StepCost:
     return cost
 
 
-@dataclass
-class DraftCost:
-    """Least squares of a drafting call's seconds on [1, depth, nodes, rows caught up] over every timed call."""
-    gram: np.ndarray = field(default_factory=lambda: np.eye(4) * 1e-9)
-    moment: np.ndarray = field(default_factory=lambda: np.zeros(4))
-    num_calls: int = 0
-    _coef: tuple | None = None
+class LinearFit:
+    """Least squares of seconds on given terms over every sample added, with coefficients >= 0 (each one a cost):
+    the best of the unconstrained fits over every subset of the terms whose coefficients all come out >= 0, exact
+    for the few terms used here. Clamping an unconstrained fit instead lets two near-collinear terms trade a large
+    positive coefficient for a negative one that is then dropped."""
 
-    def add(self, depth: int, num_nodes: int, num_caught_up: int, seconds: float) -> None:
-        x = np.array([1.0, depth, num_nodes, num_caught_up])
+    REFIT_AFTER, REFIT_EVERY = 64, 16  # past this many samples, refit once this many more have come (each step adds one)
+
+    def __init__(self, num_terms: int):
+        self.gram, self.moment = np.zeros((num_terms, num_terms)), np.zeros(num_terms)
+        self.num_samples, self.num_new = 0, 0
+        self._coef: tuple[float, ...] = (0.0,) * num_terms
+
+    def add(self, terms, seconds: float) -> None:
+        x = np.asarray(terms, dtype=float)
         self.gram += np.outer(x, x)
         self.moment += x * seconds
-        self.num_calls += 1
-        self._coef = None
+        self.num_samples += 1
+        self.num_new += 1
 
     @property
-    def coef(self) -> tuple[float, float, float, float]:
-        if self._coef is None:  # as floats: predict runs for every candidate of every step
-            self._coef = tuple(float(x) for x in np.maximum(np.linalg.lstsq(self.gram, self.moment, rcond=None)[0], 0.0))
+    def coef(self) -> tuple[float, ...]:
+        if self.num_new and (self.num_samples < self.REFIT_AFTER or self.num_new >= self.REFIT_EVERY):
+            self.num_new = 0  # as floats: the policy predicts for every candidate of every step
+            n, best, best_loss = len(self.moment), np.zeros(len(self.moment)), 0.0
+            for mask in range(1, 1 << n):
+                active = [i for i in range(n) if mask >> i & 1]
+                solution = np.linalg.lstsq(self.gram[np.ix_(active, active)], self.moment[active], rcond=None)[0]
+                if (solution < 0).any():
+                    continue
+                coef = np.zeros(n)
+                coef[active] = solution
+                loss = coef @ self.gram @ coef - 2 * coef @ self.moment  # the squared error, less a constant
+                if loss < best_loss:
+                    best, best_loss = coef, loss
+            self._coef = tuple(float(x) for x in best)
         return self._coef
+
+
+class DraftCost:
+    """A drafting step's seconds: the drafting call, `a + b * depth + c * nodes` (the deepest tree drafted, the nodes
+    drafted over the batch), and a head's catch-up call before it, `e + f * rows` over the rows it ran. A choice is
+    priced at the call plus `e`: the catch-up's rows are owed whether or not the requests draft, its call is not."""
+
+    def __init__(self):
+        self.call, self.catch_up = LinearFit(3), LinearFit(2)
+
+    def add(self, depth: int, num_nodes: int, seconds: float) -> None:
+        self.call.add((1.0, depth, num_nodes), seconds)
+
+    def add_catch_up(self, num_rows: int, seconds: float) -> None:
+        self.catch_up.add((1.0, num_rows), seconds)
+
+    @property
+    def num_calls(self) -> int:
+        return self.call.num_samples
+
+    @property
+    def per_node(self) -> float:
+        return self.call.coef[2]
 
     def predict(self, depth: int, num_nodes: int) -> float:
         if depth == 0:
             return 0.0
-        a, b, c, _ = self.coef
-        return a + b * depth + c * num_nodes
+        a, b, c = self.call.coef
+        return a + b * depth + c * num_nodes + self.catch_up.coef[0]
+
+    def summary(self) -> dict:
+        return {"call_ms": [x * 1e3 for x in self.call.coef], "catch_up_ms": [x * 1e3 for x in self.catch_up.coef]}
 
 
 def _timed(fn, device) -> float:

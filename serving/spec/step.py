@@ -64,17 +64,21 @@ class Speculator:
 
     def calibrate(self, engine) -> None:
         """Times the drafter for the adaptive policy's cost model: short generations over random prompts, drafted to
-        depth 1 and to the full depth for one request and to the full depth for several. Once, on an idle engine with
-        this speculator in use; what it generated is then forgotten."""
+        depth 1 and to the full depth for one request and to the full depth for several, after a warm-up (a
+        drafter's first calls include one-time work). Once, on an idle engine with this speculator in use; what it
+        generated is then forgotten."""
         policy, k = self.policy, self.config.num_speculative_tokens
         generator = torch.Generator().manual_seed(0)
         max_tokens = 6
         prompt_len = max(1, min(32, engine.max_model_len - max_tokens - k - 2))
-        for num_requests, depth in ((1, 1), (1, k), (min(4, engine.scheduler.max_num_seqs), k)):
+        phases = ((1, k), (1, 1), (1, k), (min(4, engine.scheduler.max_num_seqs), k))  # (requests, depth)
+        for i, (num_requests, depth) in enumerate(phases):
             policy.forced_depth = depth
             prompts = [torch.randint(engine.model.config.vocab_size, (prompt_len,), generator=generator).tolist()
                        for _ in range(num_requests)]
             engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            if i == 0:
+                policy.draft_cost = DraftCost()
         policy.forced_depth = None
         policy.chosen.clear()
         policy.timings.clear()
@@ -145,10 +149,13 @@ class Speculator:
         # tokens too: its rows are owed anyway, but a call of its own each step is paid only by steps that draft.
         start = time.perf_counter()
         num_caught_up = self.drafter.catch_up(engine, requests)
+        drafting = time.perf_counter()
         trees = self.drafter.propose(engine, requests, budgets, step)
         if self.policy:
+            if num_caught_up:
+                self.policy.draft_cost.add_catch_up(num_caught_up, drafting - start)
             self.policy.draft_cost.add(max(b.depth for b in budgets.values()), sum(b.num_nodes for b in budgets.values()),
-                                       num_caught_up, time.perf_counter() - start)
+                                       time.perf_counter() - drafting)
         for request in requests:
             budget = budgets[request.request_id]
             tree = trees.get(request.request_id, DraftTree()).prefix(budget.num_nodes, budget.depth)

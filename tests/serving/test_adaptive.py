@@ -16,6 +16,7 @@ import logging
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from serving.drafters.base import DraftBudget, Drafter
@@ -24,7 +25,7 @@ from serving.request import SamplingParams
 from serving.spec import cost
 from serving.spec.adaptive import AdaptivePolicy, Estimate
 from serving.spec.config import SpeculativeConfig
-from serving.spec.cost import DraftCost, StepCost
+from serving.spec.cost import DraftCost, LinearFit, StepCost
 from serving.spec.tree import DraftTree
 from test_spec import assert_pool_idle, make_engine, plain_outputs, random_prompts
 
@@ -36,7 +37,7 @@ def linear_cost(per_row: float) -> StepCost:
 
 def free_drafting() -> DraftCost:
     draft = DraftCost()
-    draft.add(1, 1, 0, 0.0), draft.add(2, 1, 0, 0.0), draft.add(1, 2, 0, 0.0), draft.add(1, 1, 5, 0.0)
+    draft.add(1, 1, 0.0), draft.add(2, 1, 0.0), draft.add(1, 2, 0.0)
     return draft
 
 
@@ -145,7 +146,7 @@ def test_a_drafting_call_must_be_repaid_too():
         policy = policy_for(1e-4)
         policy.draft_cost = DraftCost()
         for depth, nodes in ((1, 1), (2, 2), (4, 4)):  # the same seconds whatever it drafts
-            policy.draft_cost.add(depth, nodes, 0, seconds)
+            policy.draft_cost.add(depth, nodes, seconds)
         return policy
 
     # depth 4 at acceptance 0.9 expects 1 + 3.1 tokens: a step of 1 s plus the call, against 1 token in 1 s
@@ -189,10 +190,9 @@ def test_the_chosen_depth_follows_acceptance_and_recovers(tiny_llama, monkeypatc
     assert out.token_ids == truth
     asked = dict(sorted(stub.asked.items()))
     drafted_at = [n for n, depth in asked.items()]
-    # while right: one depth more each step (a depth not tried yet is expected to accept as the one before), then
-    # the maximum (each step jumps 5 tokens)
-    assert [asked[n] for n in drafted_at if n < 10] == [1, 2, 3]
-    assert [asked[n] for n in drafted_at if 6 < n < 40] and all(asked[n] == 4 for n in drafted_at if 6 < n < 40)
+    # while right: the maximum from the start (a deeper depth not tried yet is expected to accept), each step
+    # jumping 5 tokens
+    assert [asked[n] for n in drafted_at if n < 40] and all(asked[n] == 4 for n in drafted_at if n < 40)
     # once wrong: within 5 steps no more drafts, and later only occasional probes, never two steps in a row
     wrong_phase = [n for n in range(40, 80)]
     probes = [n for n in wrong_phase if n in asked]
@@ -313,12 +313,28 @@ def test_draft_cost_fits_its_calls():
     draft = DraftCost()
     for depth in (1, 2, 4):
         for nodes in (1, 4, 9):
-            for caught_up in (0, 3, 40):
-                draft.add(depth, nodes, caught_up, 0.002 + 0.003 * depth + 0.0005 * nodes + 0.0001 * caught_up)
-    assert draft.coef == pytest.approx((0.002, 0.003, 0.0005, 0.0001))
-    # a choice is priced without the rows caught up: they are owed whether or not the requests draft
-    assert draft.predict(3, 6) == pytest.approx(0.002 + 0.009 + 0.003)
+            draft.add(depth, nodes, 0.002 + 0.003 * depth + 0.0005 * nodes)
+    for rows in (1, 3, 40):
+        draft.add_catch_up(rows, 0.001 + 0.0001 * rows)
+    assert draft.call.coef == pytest.approx((0.002, 0.003, 0.0005))
+    assert draft.catch_up.coef == pytest.approx((0.001, 0.0001))
+    # a choice is priced at the call plus the catch-up's call, not its rows: they are owed whether or not it drafts
+    assert draft.predict(3, 6) == pytest.approx(0.002 + 0.009 + 0.003 + 0.001)
     assert draft.predict(0, 0) == 0.0
+
+
+def test_a_cost_fit_never_trades_a_negative_coefficient():
+    # Nearly collinear terms (nodes = 2 * depth, but for one call) and timings that fall with depth: the
+    # unconstrained fit pairs a large positive coefficient with a negative one; clamped, it would overprice.
+    fit = LinearFit(3)
+    for depth, nodes, seconds in ((1, 2, 0.0050), (2, 4, 0.0049), (3, 6, 0.0048), (4, 8, 0.0047), (2, 5, 0.0049)):
+        fit.add((1.0, depth, nodes), seconds)
+    a, b, c = fit.coef
+    assert min(a, b, c) >= 0
+    unconstrained = np.linalg.lstsq(fit.gram, fit.moment, rcond=None)[0]
+    assert (unconstrained < 0).any()
+    for depth, nodes, seconds in ((1, 2, 0.0050), (4, 8, 0.0047)):
+        assert a + b * depth + c * nodes == pytest.approx(seconds, rel=0.05)
 
 
 def test_adaptive_engine_calibrates_and_reports(tiny_llama):
