@@ -265,8 +265,14 @@ class Engine:
             token, logprob = next_token(logits[0], request, self.generators.get(request.request_id), best[0])
             self._append(request, [token], [logprob])
             return
-        tree, path, tokens = self.speculator.verify(self, request, logits, best)
         num_before = request.num_tokens
+        if not request.spec_tree.num_rows:  # nothing drafted: a plain decoding step, counted as a verify step
+            token, _ = next_token(logits[0], request, self.generators.get(request.request_id), best[0])
+            self._append(request, [token], [None])
+            if is_decode:
+                self.speculator.record_undrafted(request, request.num_tokens - num_before)
+            return
+        tree, path, tokens = self.speculator.verify(self, request, logits, best)
         self._append(request, tokens, [None] * len(tokens))
         accepted_paths[request.request_id] = path
         if is_decode:

@@ -32,6 +32,8 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from serving.drafters.base import DraftBudget
 from serving.spec.cost import DraftCost, StepCost
 
@@ -118,15 +120,16 @@ class AdaptivePolicy:
                 worth = min(worth, survival / num_new)
                 candidates.append((worth, depth, request.request_id, survival, num_new))
         candidates.sort(key=lambda c: (-c[0], c[1]))
-        base = max(num_emitting, 1) / self.step_time(num_rows, num_seqs)
-        best, best_rate, best_rows, tokens, rows, deepest = 0, base, 0, float(num_emitting), 0, 0
-        for n, (_, depth, _, survival, num_new) in enumerate(candidates, start=1):
-            tokens += survival
-            rows += num_new
-            deepest = max(deepest, depth)
-            rate = tokens / (self.step_time(num_rows + rows, num_seqs) + self.draft_cost.predict(deepest, rows))
-            if rate > best_rate * (1 + MIN_GAIN):
-                best, best_rate, best_rows = n, rate, rows
+        best_rate = max(num_emitting, 1) / self.step_time(num_rows, num_seqs)  # no drafts
+        best, best_rows = 0, 0
+        if candidates:  # every prefix of the candidates at once
+            _, depth, _, survival, num_new = (np.array(column) for column in zip(*candidates))
+            tokens, rows = num_emitting + np.cumsum(survival), np.cumsum(num_new)
+            rates = tokens / (self.step_cost.predict_many(num_rows + rows, num_seqs) + max(self.overhead_s, 0.0)
+                              + self.draft_cost.predict_many(np.maximum.accumulate(depth), rows))
+            n = int(np.argmax(rates))
+            if rates[n] > best_rate * (1 + MIN_GAIN):
+                best, best_rate, best_rows = n + 1, float(rates[n]), int(rows[n])
         depths = {request.request_id: 0 for request in ready}
         for _, depth, rid, _, _ in candidates[:best]:
             depths[rid] = max(depths[rid], depth)

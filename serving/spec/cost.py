@@ -18,7 +18,6 @@ drafting call plus `e`: the rows a head catches up are owed whether or not the r
 """
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import logging
@@ -57,10 +56,17 @@ class StepCost:
     def predict(self, num_rows: int, num_seqs: int = 1) -> float:
         """Seconds of a forward over `num_rows` rows of `num_seqs` sequences; linear between measured rows and past
         the last two."""
-        rows, seconds = self.rows, self.seconds
-        i = min(max(bisect.bisect_left(rows, num_rows), 1), len(rows) - 1)
-        slope = (seconds[i] - seconds[i - 1]) / (rows[i] - rows[i - 1])
-        return seconds[i - 1] + slope * (num_rows - rows[i - 1]) + self.per_seq * max(num_seqs - 1, 0)
+        return float(self.predict_many(np.array([num_rows]), num_seqs)[0])
+
+    def predict_many(self, num_rows: np.ndarray, num_seqs: int = 1) -> np.ndarray:
+        """`predict` for each of several row counts at once (the adaptive policy prices every prefix of its
+        candidates in one call)."""
+        rows, seconds = np.asarray(self.rows, dtype=float), np.asarray(self.seconds, dtype=float)
+        first, last = [(seconds[j] - seconds[i]) / (rows[j] - rows[i]) for i, j in ((0, 1), (-2, -1))]
+        out = np.interp(num_rows, rows, seconds)
+        out = np.where(num_rows > rows[-1], seconds[-1] + last * (num_rows - rows[-1]), out)
+        out = np.where(num_rows < rows[0], seconds[0] + first * (num_rows - rows[0]), out)
+        return out + self.per_seq * max(num_seqs - 1, 0)
 
     def table(self) -> str:
         """The fitted table as Markdown, what `draftheads bench --cost-model` prints."""
@@ -230,8 +236,10 @@ class DraftCost:
         return self.call.coef[2]
 
     def predict(self, depth: int, num_nodes: int) -> float:
-        if depth == 0:
-            return 0.0
+        return float(self.predict_many(np.array([depth]), np.array([num_nodes]))[0]) if depth else 0.0
+
+    def predict_many(self, depth: np.ndarray, num_nodes: np.ndarray) -> np.ndarray:
+        """`predict` for steps that draft (depth >= 1), each deepest depth and node count at once."""
         a, b, c = self.call.coef
         return a + b * depth + c * num_nodes + self.catch_up.coef[0]
 

@@ -53,6 +53,9 @@ class StepOutputs:
         return rows[:request.num_computed_tokens - start], start
 
 
+EMPTY = DraftTree()
+
+
 class Speculator:
     def __init__(self, engine, config: SpeculativeConfig):
         self.config = config
@@ -114,6 +117,10 @@ class Speculator:
         self.stats.record(tree, path, num_emitted)
         if self.policy:
             self.policy.record(request, depths_tried(tree, path), len(path), tree.depth)
+
+    def record_undrafted(self, request: Request, num_emitted: int) -> None:
+        """A step in which the request carried no draft: `record` of an empty tree, without building one."""
+        self.record(request, EMPTY, [], num_emitted)
 
     def propose(self, engine, step: StepOutputs) -> None:
         """Draft trees for every running request that has just emitted a token and can be speculated for, unless more
