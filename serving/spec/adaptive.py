@@ -149,10 +149,11 @@ class AdaptivePolicy:
         """An engine step of `num_rows` rows took `seconds` before drafting: its prediction and measure go to the
         summary, and what it took beyond the table's forward to the learned overhead."""
         totals = self.timings[next(b for b in ROW_BUCKETS if num_rows <= b)]
+        forward = self.step_cost.predict(num_rows, num_seqs)
         totals[0] += 1
-        totals[1] += self.step_time(num_rows, num_seqs)
+        totals[1] += forward + max(self.overhead_s, 0.0)
         totals[2] += seconds
-        beyond = seconds - self.step_cost.predict(num_rows, num_seqs)
+        beyond = seconds - forward
         self.overhead_s = OVERHEAD_DECAY * self.overhead_s + (1 - OVERHEAD_DECAY) * beyond
 
     def forget(self, request) -> None:

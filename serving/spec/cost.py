@@ -18,6 +18,8 @@ drafting call plus `e`: the rows a head catches up are owed whether or not the r
 """
 from __future__ import annotations
 
+import bisect
+import functools
 import hashlib
 import json
 import logging
@@ -56,17 +58,25 @@ class StepCost:
     def predict(self, num_rows: int, num_seqs: int = 1) -> float:
         """Seconds of a forward over `num_rows` rows of `num_seqs` sequences; linear between measured rows and past
         the last two."""
-        return float(self.predict_many(np.array([num_rows]), num_seqs)[0])
+        rows, seconds = self.rows, self.seconds  # in plain Python: several calls a step, each a few microseconds
+        i = min(max(bisect.bisect_left(rows, num_rows), 1), len(rows) - 1)
+        slope = (seconds[i] - seconds[i - 1]) / (rows[i] - rows[i - 1])
+        return seconds[i - 1] + slope * (num_rows - rows[i - 1]) + self.per_seq * max(num_seqs - 1, 0)
 
     def predict_many(self, num_rows: np.ndarray, num_seqs: int = 1) -> np.ndarray:
         """`predict` for each of several row counts at once (the adaptive policy prices every prefix of its
         candidates in one call)."""
-        rows, seconds = np.asarray(self.rows, dtype=float), np.asarray(self.seconds, dtype=float)
-        first, last = [(seconds[j] - seconds[i]) / (rows[j] - rows[i]) for i, j in ((0, 1), (-2, -1))]
+        rows, seconds, first, last = self._arrays
         out = np.interp(num_rows, rows, seconds)
         out = np.where(num_rows > rows[-1], seconds[-1] + last * (num_rows - rows[-1]), out)
         out = np.where(num_rows < rows[0], seconds[0] + first * (num_rows - rows[0]), out)
         return out + self.per_seq * max(num_seqs - 1, 0)
+
+    @functools.cached_property
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, float, float]:
+        """rows and seconds as arrays, and the first and last slopes: what predict_many extrapolates with."""
+        rows, seconds = np.asarray(self.rows, dtype=float), np.asarray(self.seconds, dtype=float)
+        return rows, seconds, *((seconds[j] - seconds[i]) / (rows[j] - rows[i]) for i, j in ((0, 1), (-2, -1)))
 
     def table(self) -> str:
         """The fitted table as Markdown, what `draftheads bench --cost-model` prints."""
@@ -180,7 +190,7 @@ class LinearFit:
     for the few terms used here. Clamping an unconstrained fit instead lets two near-collinear terms trade a large
     positive coefficient for a negative one that is then dropped."""
 
-    REFIT_AFTER, REFIT_EVERY = 64, 16  # past this many samples, refit once this many more have come (each step adds one)
+    REFIT_AFTER, REFIT_EVERY = 32, 16  # past this many samples, refit once this many more have come (each step adds one)
 
     def __init__(self, num_terms: int):
         self.gram, self.moment = np.zeros((num_terms, num_terms)), np.zeros(num_terms)

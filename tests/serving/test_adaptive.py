@@ -307,6 +307,8 @@ def test_step_cost_predicts_between_and_past_the_measured_rows():
     assert model.predict(16) == pytest.approx(3.8)  # the last slope, 0.2 per row, carried on
     assert model.predict(4, num_seqs=3) == pytest.approx(1.5)
     assert "| 8 | 2200.00 | 2.20x |" in model.table()
+    rows = np.array([1, 2, 3, 7, 8, 9, 16, 40])  # the policy's vectorised prices are the same numbers
+    assert model.predict_many(rows, num_seqs=3) == pytest.approx([model.predict(int(n), num_seqs=3) for n in rows])
 
 
 def test_draft_cost_fits_its_calls():
