@@ -261,15 +261,12 @@ class Engine:
         """logits: [1 + draft nodes, vocab]; best: each row's argmax. Plain decoding samples one token; speculation
         verifies and rolls back, noting the accepted path."""
         is_decode = request.num_output_tokens > 0
-        if self.speculator is None or not self.speculator.can_speculate(request):
+        speculating = self.speculator is not None and self.speculator.can_speculate(request)
+        num_before = request.num_tokens
+        if not (speculating and request.spec_tree.num_rows):  # plain decoding, or a speculated step with no drafts
             token, logprob = next_token(logits[0], request, self.generators.get(request.request_id), best[0])
             self._append(request, [token], [logprob])
-            return
-        num_before = request.num_tokens
-        if not request.spec_tree.num_rows:  # nothing drafted: a plain decoding step, counted as a verify step
-            token, _ = next_token(logits[0], request, self.generators.get(request.request_id), best[0])
-            self._append(request, [token], [None])
-            if is_decode:
+            if speculating and is_decode:  # counted as a verify step
                 self.speculator.record_undrafted(request, request.num_tokens - num_before)
             return
         tree, path, tokens = self.speculator.verify(self, request, logits, best)

@@ -90,8 +90,8 @@ class Confidence:
     """The head's probability of a draft at depth d is read at the temperature its fit calibrated for draft d
     (`confidence_temperatures` in its config.json, 1 past them): the estimate that the target accepts it. A path's
     score is the sum of those log-probabilities; `confidence_threshold` (or the adaptive policy's price of a row, per
-    request) prunes nodes whose path probability falls below it (a draft pays when the chance that it and every draft before it land exceeds what verifying and
-    drafting one more token costs as a share of a step)."""
+    request) prunes nodes whose path probability falls below it (a draft pays when the chance that it and every
+    draft before it land exceeds what verifying and drafting one more token costs as a share of a step)."""
 
     def __init__(self, head, threshold: float):
         self.log_threshold = math.log(threshold) if threshold > 0 else -math.inf

@@ -10,7 +10,6 @@ node made are kept: a child never scores above its parent, so a kept node's pare
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -44,13 +43,12 @@ class Candidates:
 
 
 def grow(first: tuple[torch.Tensor, torch.Tensor], expand, topk: int, max_depths: list[int],
-         log_thresholds: list[float] | None = None) -> list[Candidates]:
+         log_thresholds: list[float]) -> list[Candidates]:
     """first: (log-probabilities [R, topk], target token ids [R, topk]) of each request's topk most likely first
     drafts; expand(depth, nodes, candidates) -> the same pair [len(nodes), topk] for the children of `nodes`, a list of (request
     index, candidate index) at depth `depth`; max_depths: each request's deepest depth; log_thresholds: each request's
-    confidence cut (none by default). Returns each request's candidates."""
+    confidence cut (-inf: none). Returns each request's candidates."""
     found = [Candidates() for _ in max_depths]
-    log_thresholds = log_thresholds or [-math.inf] * len(max_depths)
     log_probs, tokens = first
     frontier = _add(found, [(r, -1) for r in range(len(max_depths))], log_probs.tolist(), tokens.tolist(), 1, topk,
                     log_thresholds)

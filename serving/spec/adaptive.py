@@ -6,9 +6,9 @@ survival to depth d and c_i its conditional acceptance at depth i (DESIGN.md, "M
 its own verify steps with older steps weighing less (`Estimate`), around a prior: the drafter's conditional
 acceptance over every request so far, itself drawn toward PRIOR at depth 1 and toward 1 deeper as if PRIOR_TRIES
 tries had found it (`prior`), so that the first steps, before anything was verified, neither draft everything nor
-nothing, and a deeper depth seldom tried is tried. A depth not tried in a
-step slowly forgets, back to the prior, so a request whose drafts stopped paying is tried again after a while when
-drafting is cheap enough that the prior repays it.
+nothing, and a deeper depth seldom tried is tried. A depth not tried in a step slowly forgets, back to the prior, so
+a request whose drafts stopped paying is tried again after a while when drafting is cheap enough that the prior
+repays it.
 
 The next step's time is the target's step over every running request's rows (`serving.spec.cost.StepCost`, plus the
 engine's own work per step, learned from the steps it times: `overhead_s`) plus one drafting call (`DraftCost`).
@@ -88,12 +88,18 @@ class AdaptivePolicy:
         self.timings: dict[int, list] = defaultdict(lambda: [0, 0.0, 0.0])
         self.overhead_s = 0.0  # what an engine step takes beyond the step cost table's forward, learned as steps come
 
+    @property
+    def overhead(self) -> float:
+        """The learned overhead as priced: never below zero."""
+        return max(self.overhead_s, 0.0)
+
     def step_time(self, num_rows: int, num_seqs: int) -> float:
-        return self.step_cost.predict(num_rows, num_seqs) + max(self.overhead_s, 0.0)
+        return self.step_cost.predict(num_rows, num_seqs) + self.overhead
 
     def choose(self, engine, ready: list, limits: dict[str, DraftBudget], prior: list[float]) -> dict[str, DraftBudget]:
         """limits: what each ready request may carry at most (blocks, tokens, context, max_tokens); prior: the
-        drafter's conditional acceptance per depth (`prior`). Returns the budgets of the requests that draft."""
+        drafter's conditional acceptance at each depth up to num_speculative_tokens (`prior`). Returns the budgets of
+        the requests that draft."""
         scheduler = engine.scheduler
         if self.forced_depth is not None:
             return {rid: DraftBudget(min(limit.num_nodes, self.num_nodes[self.forced_depth]), min(limit.depth, self.forced_depth))
@@ -115,7 +121,7 @@ class AdaptivePolicy:
                 num_new = self.num_nodes[depth] - self.num_nodes[depth - 1]
                 if self.num_nodes[depth] > limit.num_nodes:
                     break
-                drafter_rate = prior[depth - 1] if depth <= len(prior) else (PRIOR if depth == 1 else 1.0)
+                drafter_rate = prior[depth - 1]
                 survival *= estimate.conditional(depth - 1, drafter_rate) if self.per_request else drafter_rate
                 worth = min(worth, survival / num_new)
                 candidates.append((worth, depth, request.request_id, survival, num_new))
@@ -125,7 +131,7 @@ class AdaptivePolicy:
         if candidates:  # every prefix of the candidates at once
             _, depth, _, survival, num_new = (np.array(column) for column in zip(*candidates))
             tokens, rows = num_emitting + np.cumsum(survival), np.cumsum(num_new)
-            rates = tokens / (self.step_cost.predict_many(num_rows + rows, num_seqs) + max(self.overhead_s, 0.0)
+            rates = tokens / (self.step_cost.predict_many(num_rows + rows, num_seqs) + self.overhead
                               + self.draft_cost.predict_many(np.maximum.accumulate(depth), rows))
             n = int(np.argmax(rates))
             if rates[n] > best_rate * (1 + MIN_GAIN):
@@ -151,7 +157,7 @@ class AdaptivePolicy:
         totals = self.timings[next(b for b in ROW_BUCKETS if num_rows <= b)]
         forward = self.step_cost.predict(num_rows, num_seqs)
         totals[0] += 1
-        totals[1] += forward + max(self.overhead_s, 0.0)
+        totals[1] += forward + self.overhead
         totals[2] += seconds
         beyond = seconds - forward
         self.overhead_s = OVERHEAD_DECAY * self.overhead_s + (1 - OVERHEAD_DECAY) * beyond

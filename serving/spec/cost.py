@@ -3,7 +3,8 @@
 `StepCost`: seconds of one target forward as a function of the rows it computes and the sequences they belong to,
 `f(rows) + per_seq * (seqs - 1)`, with f piecewise linear through times measured at engine start over the rows of
 one sequence (a draft tree; the linear layers, which dominate, cost the same for any shape of the same rows; past
-LONG_ROWS a prefill chunk, which is what steps of that many rows are, with one row of logits) and per_seq fitted on one row for each of several sequences (the extra attention and bookkeeping a sequence brings).
+LONG_ROWS a prefill chunk, which is what steps of that many rows are, with one row of logits) and per_seq fitted on
+one row for each of several sequences (the extra attention and bookkeeping a sequence brings).
 Each time is the fastest of a few interleaved repeats, and no more than any larger step's: another process on the
 same cores only ever slows a run.
 The context is fixed at measurement (`context`): on the CPU attention over a few hundred tokens is a small part of
