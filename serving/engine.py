@@ -230,12 +230,10 @@ class Engine:
                 finishing.append(request)
             elif not self.speculator:
                 self._cache_blocks(request)
-        settle_s = 0.0
-        if finishing and self.speculator and self.block_manager.enable_prefix_caching:
-            # one call for every request finishing this step; only the prefix cache needs the drafter's pool whole
-            settle_start = time.perf_counter()
-            self.speculator.drafter.settle(self, finishing)
-            settle_s = time.perf_counter() - settle_start
+        step = None
+        if self.speculator:
+            step = StepOutputs(batch, out, accepted_paths, time.perf_counter() - step_start)
+            self.speculator.observe(self, step)  # before finishing requests leave: the blocks they register need it
         finished = []
         for request in finishing:
             self._cache_blocks(request)
@@ -246,16 +244,17 @@ class Engine:
             if self.speculator:
                 self.speculator.reset(request)
         if self.speculator:
-            self.speculator.propose(self, StepOutputs(batch, out, accepted_paths,
-                                                          time.perf_counter() - step_start - settle_s))
-            for request, _ in scheduled.scheduled:  # after the drafter has seen the step: its pool decides too
+            self.speculator.propose(self, step)
+            for request, _ in scheduled.scheduled:  # after drafting, whose slot reservations trim nothing kept
                 if not request.is_finished:
                     self._cache_blocks(request)
         return finished
 
     def _cache_blocks(self, request: Request) -> None:
-        num = min(request.num_computed_tokens, request.num_tokens)
-        self.block_manager.cache_blocks(request, self.speculator.drafter.num_settled(request, num) if self.speculator else num)
+        num_before = len(request.block_hashes)
+        self.block_manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+        if self.speculator and len(request.block_hashes) > num_before:
+            self.speculator.drafter.registered(request, num_before)
 
     def _emit(self, request: Request, logits: torch.Tensor, best: list[int], accepted_paths: dict) -> None:
         """logits: [1 + draft nodes, vocab]; best: each row's argmax. Plain decoding samples one token; speculation

@@ -11,10 +11,10 @@ declared here, never probed:
   leaves each draft's fate to that cut, rather than one request's few recent verify steps;
 - `num_lookahead`: tokens after a block that its own K/V there depends on, so that the prefix cache shares a block
   only where those tokens agree too (EAGLE and MTP: their entry at position p reads token p + 1).
-`observe(engine, step)` runs every step, before `propose`, for drafters that catch up over what the target kept;
-a drafter with a pool of its own may defer that work until a request drafts (`num_settled` then tells the prefix
-cache which of a request's tokens the pool holds, and `settle` completes the pools of the requests finishing in a
-step);
+`observe(engine, step)` runs every step, before requests finishing in it leave and before `propose`, for drafters
+that catch up over what the target kept; a drafter with a pool of its own may defer that work until a request
+drafts (`catch_up`), handing what it deferred to the blocks the prefix cache registers (`registered`), so that a
+request sharing them completes it when it drafts;
 `reset(request)` forgets a request that finished or was preempted; `summary()` is what a drafter reports beside the
 acceptance counts (lookahead: its pool's hit rate).
 """
@@ -56,21 +56,14 @@ class Drafter(abc.ABC):
         """Catch up over the tokens the target kept this step (drafters with a pool of their own)."""
 
     def catch_up(self, engine, requests: list) -> int:
-        """Before drafting for `requests`: complete the work `observe` deferred for them (a drafter with a pool of its
-        own). Its rows are owed whether or not they draft (`settle` does it at the latest); a call of its own each
-        step is paid only by steps that draft, so the adaptive policy prices that call with drafting. Returns the
-        rows it ran over."""
+        """Before drafting for `requests`: complete the work `observe` deferred for them and for the shared blocks
+        they hold (a drafter with a pool of its own). Only drafting pays for it, so the adaptive policy prices this
+        call with drafting. Returns the rows it ran over."""
         return 0
 
-    def num_settled(self, request, num_computed: int) -> int:
-        """How many of the request's first `num_computed` tokens this drafter's pool holds: the prefix cache shares a
-        block only where both pools do (a drafter without a pool, or one that never defers: all of them)."""
-        return num_computed
-
-    def settle(self, engine, requests: list) -> None:
-        """Requests are finishing and still hold their blocks: complete what their pool lacks, so that the blocks
-        they leave to the prefix cache are whole (called only while the engine's prefix cache is on: nothing else
-        reads a finished request's pool)."""
+    def registered(self, request, first_block: int) -> None:
+        """The prefix cache registered the request's blocks from index `first_block` to len(request.block_hashes),
+        and may share them from now on: a drafter that defers its pool's work keeps what those blocks still need."""
 
     def reset(self, request) -> None:
         """Forget a request."""

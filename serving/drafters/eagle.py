@@ -5,15 +5,17 @@ of their own over a K/V pool addressed by the target's block tables, drafting EA
 The head catches up over the tokens the target computed and kept (the pair (h_p, x_{p+1}) at position p, reading the
 target's hidden rows of the verify pass, the accepted path's among them), which rewrites its pool from the kept
 tokens, so rollback needs nothing. It does so lazily: each step notes the kept pairs with their feature rows, and the
-head runs over a request's pending pairs, in one forward with the others drafted, only when the request drafts next
-(or finishes, so that the blocks it leaves to the prefix cache hold the head's K/V too; blocks with pending pairs
-are not shared before then). A request that does not draft, as the adaptive policy often chooses at larger batches,
-costs the head nothing while it decodes. Its prompt is the exception while the prefix cache is on: the head runs
-over each prefill chunk in the step that computed it (one forward for every request prefilling), so that requests
-arriving meanwhile share the prompt's blocks (a system prompt, a chat template) as they would without a head.
-Its newest output gives the first depth of the tree; each
-further depth runs the head once over the nodes being expanded, every node at its position and attending to the
-context and its own path, whose K/V sit in a scratch region of the pool past the target's blocks.
+head runs over a request's pending pairs, in one forward with the others drafted, only when the request drafts next.
+A request that does not draft, as the adaptive policy often chooses at larger batches, costs the head nothing.
+When the prefix cache registers a block whose pairs are pending, they move to the block (`unrun`, by block id,
+with the block's hash): a request that shares the block and drafts runs the head over them first, in the same
+forward (the head is one layer, whose K/V depend on its inputs alone, and the pool takes every row's K/V before any
+row attends). The blocks the head has not run over are always the last of any chain it shares, as whoever runs it
+over a block runs it over every unrun block before.
+
+Its newest output gives the first depth of the tree; each further depth runs the head once over the nodes being
+expanded, every node at its position and attending to the context and its own path, whose K/V sit in a scratch
+region of the pool past the target's blocks.
 """
 from __future__ import annotations
 
@@ -35,6 +37,17 @@ class Pending:
     tokens: list[int]  # x_{p+1} of each pair
     features: list[torch.Tensor]  # [pairs, features] per step that kept some
 
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass
+class Unrun:
+    """A registered block's pairs the head has not run over: its last ones (the head may have run over the first)."""
+    block_hash: int
+    pairs: Pending
+
 
 class EagleDrafter(Drafter):
     needs_hidden = True
@@ -55,6 +68,7 @@ class EagleDrafter(Drafter):
         self.cache = KVCache(1, engine.cache.num_blocks + num_scratch_blocks, engine.block_size, layer.num_kv_heads,
                              layer.head_dim, engine.dtype, engine.device)
         self.pending: dict[str, Pending] = {}  # request id -> kept pairs the head has not run over yet
+        self.unrun: dict[int, Unrun] = {}  # block id -> the pairs moved there when the prefix cache registered it
         self.newest: dict[str, torch.Tensor] = {}  # request id -> the head's output at its newest pair, until drafted
 
     def _features(self, step, rows: torch.Tensor) -> torch.Tensor:
@@ -81,11 +95,12 @@ class EagleDrafter(Drafter):
     @torch.inference_mode()
     def observe(self, engine, step):
         """Notes every token the target computed and kept this step: the pair (h_p, x_{p+1}) at position p, with its
-        feature row. The head runs over them when the request drafts next, or finishes (`catch_up`); over prompt
-        tokens now, while the prefix cache is on."""
+        feature row. The head runs over them when the request drafts next (`catch_up`). A finishing request's last
+        pairs are noted too while the prefix cache is on: the blocks it registers hold them."""
         rows, owners = [], []
+        keep_finishing = engine.block_manager.enable_prefix_caching
         for request in step.batch.requests:
-            if request.is_finished:
+            if request.finish_reason and not keep_finishing:
                 continue
             kept, start = step.kept_rows(request)
             if kept:
@@ -97,25 +112,59 @@ class EagleDrafter(Drafter):
         first = 0
         for request, start, num in owners:
             chunk = self.pending.setdefault(request.request_id, Pending(start, [], []))
-            assert chunk.start + len(chunk.tokens) == start, "kept tokens follow the pending ones"
+            assert chunk.end == start, "kept tokens follow the pending ones"
             chunk.tokens += request.token_ids[start + 1:start + 1 + num]
             chunk.features.append(features[first:first + num])
             first += num
-        if engine.block_manager.enable_prefix_caching:
-            self.catch_up(engine, [request for request, start, _ in owners if start < request.num_prompt_tokens])
+
+    def registered(self, request, first_block):
+        """Moves the pending pairs of the request's newly registered blocks to those blocks; a block's pairs from an
+        earlier registration are dropped (its K/V were rewritten since)."""
+        num_blocks = len(request.block_hashes)
+        for index in range(first_block, num_blocks):
+            self.unrun.pop(request.block_ids[index], None)
+        chunk = self.pending.get(request.request_id)
+        end = num_blocks * self.block_size
+        if chunk is None or chunk.start >= end:
+            return
+        features = torch.cat(chunk.features)
+        position = chunk.start
+        while position < end:
+            index, upto = position // self.block_size, min(end, (position // self.block_size + 1) * self.block_size)
+            offset = slice(position - chunk.start, upto - chunk.start)
+            self.unrun[request.block_ids[index]] = Unrun(request.block_hashes[index],
+                                                         Pending(position, chunk.tokens[offset], [features[offset]]))
+            position = upto
+        if chunk.end > end:
+            self.pending[request.request_id] = Pending(end, chunk.tokens[end - chunk.start:],
+                                                       [features[end - chunk.start:]])
+        else:
+            del self.pending[request.request_id]
+
+    def _unrun_pairs(self, request) -> list[Pending]:
+        """Takes the pairs of the request's registered blocks the head has not run over (the last of them)."""
+        first = len(request.block_hashes)
+        while first and (entry := self.unrun.get(request.block_ids[first - 1])) is not None \
+                and entry.block_hash == request.block_hashes[first - 1]:
+            first -= 1
+        return [self.unrun.pop(request.block_ids[index]).pairs for index in range(first, len(request.block_hashes))]
 
     @torch.inference_mode()
     def catch_up(self, engine, requests) -> int:
-        """Runs the head over the pending pairs of `requests` in one forward, writing their K/V into the pool; keeps
-        each one's newest output, which its first draft reads."""
+        """Runs the head over the pending pairs of `requests` (those of their shared blocks first) in one forward,
+        writing their K/V into the pool; keeps each one's newest output, which its first draft reads."""
         chunks, features, last, num_rows = [], [], {}, 0
         for request in requests:
-            chunk = self.pending.pop(request.request_id, None)
-            if chunk is None:
+            parts = self._unrun_pairs(request)
+            own = self.pending.pop(request.request_id, None)
+            parts += [own] if own else []
+            if not parts:
                 continue
-            chunks.append((chunk.tokens, chunk.start, request.block_ids))
-            features += chunk.features
-            num_rows += len(chunk.tokens)
+            assert all(a.end == b.start for a, b in zip(parts, parts[1:])), "pending pairs follow each other"
+            tokens = [token for part in parts for token in part.tokens]
+            chunks.append((tokens, parts[0].start, request.block_ids))
+            features += [f for part in parts for f in part.features]
+            num_rows += len(tokens)
             last[request.request_id] = num_rows - 1
         if not chunks:
             return 0
@@ -124,13 +173,6 @@ class EagleDrafter(Drafter):
         out = self._forward(ids, self.head.fuse(features) if self.kind == "eagle3" else features, positions, meta)
         self.newest.update({rid: out[row] for rid, row in last.items()})  # [hidden] each
         return num_rows
-
-    def num_settled(self, request, num_computed):
-        chunk = self.pending.get(request.request_id)
-        return min(num_computed, chunk.start) if chunk else num_computed
-
-    def settle(self, engine, requests) -> None:
-        self.catch_up(engine, requests)
 
     def reset(self, request) -> None:
         self.pending.pop(request.request_id, None)

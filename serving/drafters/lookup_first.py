@@ -34,11 +34,8 @@ class LookupFirst(Drafter):
     def catch_up(self, engine, requests):
         return self.head.catch_up(engine, requests)
 
-    def num_settled(self, request, num_computed):
-        return self.head.num_settled(request, num_computed)
-
-    def settle(self, engine, requests):
-        self.head.settle(engine, requests)
+    def registered(self, request, first_block):
+        self.head.registered(request, first_block)
 
     def reset(self, request):
         self.head.reset(request)

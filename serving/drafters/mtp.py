@@ -42,8 +42,9 @@ class MtpChainDrafter(Drafter):
     @torch.inference_mode()
     def observe(self, engine, step):
         kept = {}  # request id -> (request, c_before, c, first row)
+        keep_finishing = engine.block_manager.enable_prefix_caching  # the blocks a finishing request registers
         for request in step.batch.requests:
-            if not request.is_finished:
+            if not request.finish_reason or keep_finishing:
                 rows, start = step.kept_rows(request)
                 kept[request.request_id] = (request, start, start + len(rows), rows[0])
         previous = {}  # request id -> (first position, outputs) of module j - 1 this step

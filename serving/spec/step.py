@@ -35,7 +35,7 @@ class StepOutputs:
     out: object  # serving.model.ModelOutput
     accepted_paths: dict[str, list[int]]  # request id -> the tree nodes accepted this step, depth 1 first
     # seconds the step took before drafting: scheduling, the batch, the target's forward, verification (what the
-    # adaptive policy's step cost predicts; drafting is priced apart, and settling finished requests is owed anyway)
+    # adaptive policy's step cost predicts; drafting is priced apart)
     elapsed_s: float = 0.0
 
     def __post_init__(self):
@@ -122,15 +122,19 @@ class Speculator:
         """A step in which the request carried no draft: `record` of an empty tree, without building one."""
         self.record(request, EMPTY, [], num_emitted)
 
+    def observe(self, engine, step: StepOutputs) -> None:
+        """The drafter notes what the target kept this step (every request of the step, finishing ones included);
+        the adaptive policy, what the step cost."""
+        self.drafter.observe(engine, step)
+        if self.policy:
+            self.policy.record_step(len(step.batch.input_ids), len(step.batch.requests), step.elapsed_s)
+
     def propose(self, engine, step: StepOutputs) -> None:
         """Draft trees for every running request that has just emitted a token and can be speculated for, unless more
         than disable_by_batch_size requests are running; each as large as the config and the step's room allow, or as
         the adaptive policy chooses within that."""
         scheduler, config = engine.scheduler, self.config
         limit = config.disable_by_batch_size
-        self.drafter.observe(engine, step)  # drafters with a pool of their own catch up every step
-        if self.policy:
-            self.policy.record_step(len(step.batch.input_ids), len(step.batch.requests), step.elapsed_s)
         if limit is not None and len(scheduler.running) > limit:
             return
         ready = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1 and self.can_speculate(r)]
@@ -153,7 +157,7 @@ class Speculator:
         if not requests:
             return
         # The drafting call's cost, what choosing depths changes, counts the head's catch-up over the requests' kept
-        # tokens too: its rows are owed anyway, but a call of its own each step is paid only by steps that draft.
+        # tokens too: only steps that draft pay it.
         start = time.perf_counter()
         num_caught_up = self.drafter.catch_up(engine, requests)
         drafting = time.perf_counter()

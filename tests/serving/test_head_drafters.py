@@ -483,10 +483,11 @@ def test_paged_drafts_equal_dense_drafts_after_prefix_cache_hits(kind, tiny_llam
 def test_a_head_that_skips_steps_catches_up_when_it_next_drafts(kind, tiny_llama, heads_root):
     """Requests draft only at their first output token and every 16th after (the others get no budget, as the
     adaptive policy often chooses), so the head's catch-up over the pairs kept meanwhile waits until a request
-    drafts again and then runs in one forward: its drafts equal the dense head's. A block with pending pairs is not
-    shared: a request that arrives while A's pairs from position 19 on are pending reuses 16 tokens of A's, not
-    28, and drafts as the dense head does. A finishing request settles its pairs first, so the blocks it leaves to
-    the prefix cache give the next request the dense drafts as well."""
+    drafts again and then runs in one forward: its drafts equal the dense head's. A request that arrives while A's
+    pairs from position 19 on are pending shares all 28 tokens of A's blocks it matches (as plain decoding would), and
+    its first catch-up runs the head over A's pending pairs in those blocks before its own: it drafts as the dense
+    head does. A finishing request leaves its pending pairs with the blocks it registers, so the next request that
+    shares them drafts the dense drafts as well."""
     head_dir = random_head_dir(kind, tiny_llama, heads_root)
     engine = make_engine(tiny_llama, spec_config(kind, head_dir), max_num_seqs=4)
     assert engine.block_size == 4
@@ -510,7 +511,7 @@ def test_a_head_that_skips_steps_catches_up_when_it_next_drafts(kind, tiny_llama
         finished += engine.step()
     outputs = {o.request_id: o for o in finished}
     cached = {rid: outputs[rid].metrics["num_cached_tokens"] for rid in (a, b, c)}
-    assert cached == {a: 0, b: 16, c: 40}, "b may share only A's blocks the head holds; c all of A's, settled"
+    assert cached == {a: 0, b: 28, c: 40}, "b and c share every block of A's they match"
     prompts = [outputs[rid].prompt_token_ids for rid in (a, b, c)]
     assert [outputs[rid].token_ids for rid in (a, b, c)] == [plain_outputs(tiny_llama, [p], n)[0]
                                                              for p, n in zip(prompts, (24, 8, 8))]
@@ -524,12 +525,16 @@ def test_a_head_that_skips_steps_catches_up_when_it_next_drafts(kind, tiny_llama
 
 @pytest.mark.parametrize("kind", ["eagle", "mtp"])
 def test_a_prompt_is_shared_while_its_request_does_not_draft(kind, tiny_llama, heads_root):
-    """A never drafts, yet the head runs over its prompt as it is prefilled, so a request arriving while A decodes
-    shares A's prompt blocks (12 of the 16 tokens they share: a block's hash covers the token after it) as it would
-    with plain decoding, and both decode as plain decoding does."""
+    """Nothing drafts, so the head never runs, yet a request arriving while A decodes shares A's prompt blocks (12 of
+    the 16 tokens they share: a block's hash covers the token after it) as it would with plain decoding, and both
+    decode as plain decoding does."""
     head_dir = random_head_dir(kind, tiny_llama, heads_root)
     engine = make_engine(tiny_llama, spec_config(kind, head_dir), max_num_seqs=4)
     engine.scheduler.draft_budgets = lambda requests, most: {r.request_id: 0 for r in requests}
+    drafter = engine.speculator.drafter
+    num_head_calls = []
+    head_forward = drafter._forward
+    drafter._forward = lambda *args: num_head_calls.append(1) or head_forward(*args)
     a = engine.add_request(PROMPTS[3], greedy(12))  # 18 prompt tokens
     while engine.requests[a].num_output_tokens < 3:
         engine.step()
@@ -539,7 +544,7 @@ def test_a_prompt_is_shared_while_its_request_does_not_draft(kind, tiny_llama, h
         finished += engine.step()
     outputs = {o.request_id: o for o in finished}
     assert outputs[b].metrics["num_cached_tokens"] == 12
-    assert engine.speculator.stats.num_draft_tokens == 0
+    assert engine.speculator.stats.num_draft_tokens == 0 and not num_head_calls
     for rid, n in ((a, 12), (b, 6)):
         assert outputs[rid].token_ids == plain_outputs(tiny_llama, [outputs[rid].prompt_token_ids], n)[0]
 
