@@ -141,8 +141,9 @@ def run(args) -> None:
 def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency, temperature=0.0, seed=0,
               baseline=None, progress=False) -> dict:
     """Plain decoding, each speculative config and (baseline="hf") transformers' generate take turns on each group
-    of `concurrency` prompts, so that drift in the machine's speed hits every method alike. `progress` shows a bar
-    over the prompts, each counted once every method has answered it."""
+    of `concurrency` prompts, the turn's first method one further each group, so that drift in the machine's speed
+    hits every method alike. `progress` shows a bar over the prompts, each counted once every method has answered
+    it."""
     from tqdm.auto import tqdm
 
     params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i) for i in range(len(prompts))]
@@ -160,8 +161,9 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
                desc=f"plain + {len(configs)} drafters" + (" + generate" if hf else ""))
     for first in range(0, len(prompts), concurrency):
         group = slice(first, first + concurrency)
-        for m, speculator in enumerate(speculators):
-            engine.use_speculator(speculator)
+        turn = first // concurrency % len(methods)
+        for m in [*range(turn, len(methods)), *range(turn)]:
+            engine.use_speculator(speculators[m])
             start = time.perf_counter()
             outputs[m] += engine.generate(prompts[group], params[group])
             seconds[m] += time.perf_counter() - start

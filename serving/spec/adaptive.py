@@ -93,8 +93,8 @@ class AdaptivePolicy:
         """The learned overhead as priced: never below zero."""
         return max(self.overhead_s, 0.0)
 
-    def step_time(self, num_rows: int, num_seqs: int) -> float:
-        return self.step_cost.predict(num_rows, num_seqs) + self.overhead
+    def step_time(self, num_rows: int, num_seqs: int, num_logits_rows: int | None = None) -> float:
+        return self.step_cost.predict(num_rows, num_seqs, num_logits_rows) + self.overhead
 
     def choose(self, engine, ready: list, limits: dict[str, DraftBudget], prior: list[float]) -> dict[str, DraftBudget]:
         """limits: what each ready request may carry at most (blocks, tokens, context, max_tokens); prior: the
@@ -126,12 +126,14 @@ class AdaptivePolicy:
                 worth = min(worth, survival / num_new)
                 candidates.append((worth, depth, request.request_id, survival, num_new))
         candidates.sort(key=lambda c: (-c[0], c[1]))
-        best_rate = max(num_emitting, 1) / self.step_time(num_rows, num_seqs)  # no drafts
+        # rows with logits: the newest token of each request that emits one (a chunk ending mid-prompt has none), and
+        # every draft row
+        best_rate = max(num_emitting, 1) / self.step_time(num_rows, num_seqs, num_emitting)  # no drafts
         best, best_rows = 0, 0
         if candidates:  # every prefix of the candidates at once
             _, depth, _, survival, num_new = (np.array(column) for column in zip(*candidates))
             tokens, rows = num_emitting + np.cumsum(survival), np.cumsum(num_new)
-            rates = tokens / (self.step_cost.predict_many(num_rows + rows, num_seqs) + self.overhead
+            rates = tokens / (self.step_cost.predict_many(num_rows + rows, num_seqs, num_emitting + rows) + self.overhead
                               + self.draft_cost.predict_many(np.maximum.accumulate(depth), rows))
             n = int(np.argmax(rates))
             if rates[n] > best_rate * (1 + MIN_GAIN):
@@ -141,8 +143,9 @@ class AdaptivePolicy:
             depths[rid] = max(depths[rid], depth)
         for depth in depths.values():
             self.chosen[num_seqs][depth] += 1
-        total = num_rows + best_rows
-        row_cost = self.step_cost.predict(total + 1, num_seqs) - self.step_cost.predict(total, num_seqs) + self.draft_cost.per_node
+        total, logits = num_rows + best_rows, num_emitting + best_rows
+        row_cost = (self.step_cost.predict(total + 1, num_seqs, logits + 1) - self.step_cost.predict(total, num_seqs, logits)
+                    + self.draft_cost.per_node)
         min_log_survival = math.log(best_rate * row_cost) if row_cost > 0 else -math.inf
         return {rid: DraftBudget(min(limits[rid].num_nodes, self.num_nodes[depth]), depth, min_log_survival)
                 for rid, depth in depths.items() if depth > 0}
@@ -151,16 +154,19 @@ class AdaptivePolicy:
         if self.per_request:
             self.estimates.setdefault(request.request_id, Estimate()).update(num_tried, num_accepted, depth)
 
-    def record_step(self, num_rows: int, num_seqs: int, seconds: float) -> None:
-        """An engine step of `num_rows` rows took `seconds` before drafting: its prediction and measure go to the
-        summary, and what it took beyond the table's forward to the learned overhead."""
+    def record_step(self, num_rows: int, num_seqs: int, num_logits_rows: int, seconds: float, has_prefill: bool) -> None:
+        """An engine step of `num_rows` rows, `num_logits_rows` of them with logits, took `seconds` before drafting:
+        its prediction and measure go to the summary, and what it took beyond the table's forward to the learned
+        overhead, unless it computed a prefill chunk: the table prices a chunk's attention at its measured context,
+        above most prompts' (up to 30% above on those steps), which would pull the overhead below what decode steps,
+        where drafting is chosen, take."""
         totals = self.timings[next(b for b in ROW_BUCKETS if num_rows <= b)]
-        forward = self.step_cost.predict(num_rows, num_seqs)
+        forward = self.step_cost.predict(num_rows, num_seqs, num_logits_rows)
         totals[0] += 1
         totals[1] += forward + self.overhead
         totals[2] += seconds
-        beyond = seconds - forward
-        self.overhead_s = OVERHEAD_DECAY * self.overhead_s + (1 - OVERHEAD_DECAY) * beyond
+        if not has_prefill:
+            self.overhead_s = OVERHEAD_DECAY * self.overhead_s + (1 - OVERHEAD_DECAY) * (seconds - forward)
 
     def forget(self, request) -> None:
         self.estimates.pop(request.request_id, None)

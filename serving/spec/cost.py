@@ -1,10 +1,14 @@
 """What a step costs on this device, measured, never entered by hand: the adaptive policy's price list.
 
-`StepCost`: seconds of one target forward as a function of the rows it computes and the sequences they belong to,
-`f(rows) + per_seq * (seqs - 1)`, with f piecewise linear through times measured at engine start over the rows of
-one sequence (a draft tree; the linear layers, which dominate, cost the same for any shape of the same rows; past
-LONG_ROWS a prefill chunk, which is what steps of that many rows are, with one row of logits) and per_seq fitted on
-one row for each of several sequences (the extra attention and bookkeeping a sequence brings).
+`StepCost`: seconds of one target forward as a function of the rows it computes, the rows among them whose logits
+it computes and the sequences they belong to, `f(rows) + per_logits_row * (logits rows - 1) + per_seq * (seqs - 1)`,
+with f piecewise linear through times measured at engine start over the rows of one sequence with one row of logits
+(a draft tree, less its further logits rows: the linear layers, which dominate, cost the same for any shape of the
+same rows; past LONG_ROWS a prefill chunk, which is what steps of that many rows are), per_logits_row the difference
+between a chunk with logits on every row and one with a single row of logits (the vocabulary projection: a fifth of
+a row's work for the default target), and per_seq fitted on one row for each of several sequences (the extra
+attention and bookkeeping a sequence brings). A verify step computes logits on every row, a prefill chunk on its
+last row at most.
 Each time is the fastest of a few interleaved repeats, and no more than any larger step's: another process on the
 same cores only ever slows a run.
 The context is fixed at measurement (`context`): on the CPU attention over a few hundred tokens is a small part of
@@ -44,34 +48,39 @@ ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  
 # fewer repeats: they vary less and take longer
 LONG_ROWS, LONG_REPEATS = 128, 2
 SEQS = (2, 4, 8, 16)
-VERSION = 2
+LOGITS_ROWS = 64  # rows of the two chunks whose difference is the logits' cost
+VERSION = 3
 
 
 @dataclass
 class StepCost:
     rows: list[int]  # measured rows of one step, ascending
-    seconds: list[float]  # fastest seconds of a forward over that many rows of one sequence, of `repeats`
+    seconds: list[float]  # fastest seconds of a forward over that many rows of one sequence, one row of logits
     per_seq: float  # seconds each further sequence adds
     context: int  # tokens each sequence had in the K/V cache while measured
     key: dict = field(default_factory=dict)  # what was measured: machine, target, dtype, device, block size
     measured_at: float = 0.0  # unix time
+    per_logits_row: float = 0.0  # seconds each further row of logits adds
 
-    def predict(self, num_rows: int, num_seqs: int = 1) -> float:
-        """Seconds of a forward over `num_rows` rows of `num_seqs` sequences; linear between measured rows and past
-        the last two."""
+    def predict(self, num_rows: int, num_seqs: int = 1, num_logits_rows: int | None = None) -> float:
+        """Seconds of a forward over `num_rows` rows of `num_seqs` sequences, `num_logits_rows` of them with logits
+        (default: every row, a verify step); linear between measured rows and past the last two."""
         rows, seconds = self.rows, self.seconds  # in plain Python: several calls a step, each a few microseconds
         i = min(max(bisect.bisect_left(rows, num_rows), 1), len(rows) - 1)
         slope = (seconds[i] - seconds[i - 1]) / (rows[i] - rows[i - 1])
-        return seconds[i - 1] + slope * (num_rows - rows[i - 1]) + self.per_seq * max(num_seqs - 1, 0)
+        logits = num_rows if num_logits_rows is None else num_logits_rows
+        return (seconds[i - 1] + slope * (num_rows - rows[i - 1]) + self.per_logits_row * max(logits - 1, 0)
+                + self.per_seq * max(num_seqs - 1, 0))
 
-    def predict_many(self, num_rows: np.ndarray, num_seqs: int = 1) -> np.ndarray:
+    def predict_many(self, num_rows: np.ndarray, num_seqs: int = 1, num_logits_rows: np.ndarray | None = None) -> np.ndarray:
         """`predict` for each of several row counts at once (the adaptive policy prices every prefix of its
         candidates in one call)."""
         rows, seconds, first, last = self._arrays
         out = np.interp(num_rows, rows, seconds)
         out = np.where(num_rows > rows[-1], seconds[-1] + last * (num_rows - rows[-1]), out)
         out = np.where(num_rows < rows[0], seconds[0] + first * (num_rows - rows[0]), out)
-        return out + self.per_seq * max(num_seqs - 1, 0)
+        logits = num_rows if num_logits_rows is None else num_logits_rows
+        return out + self.per_logits_row * np.maximum(logits - 1, 0) + self.per_seq * max(num_seqs - 1, 0)
 
     @functools.cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, float, float]:
@@ -84,9 +93,11 @@ class StepCost:
         age = time.time() - self.measured_at
         lines = [f"step cost on {self.key.get('device')} ({self.key.get('machine')}), target {self.key.get('target')}, "
                  f"{self.key.get('dtype')}, context {self.context}, measured {age / 3600:.1f} h ago",
-                 "", "| rows | ms | vs 1 row |", "|---|---|---|"]
-        lines += [f"| {n} | {s * 1e3:.2f} | {s / self.seconds[0]:.2f}x |" for n, s in zip(self.rows, self.seconds)]
-        lines.append(f"\neach further sequence in the step: +{self.per_seq * 1e3:.3f} ms")
+                 "", "| rows | ms, one row of logits | ms, logits on every row | vs 1 row |", "|---|---|---|---|"]
+        lines += [f"| {n} | {s * 1e3:.2f} | {self.predict(n) * 1e3:.2f} | {self.predict(n) / self.seconds[0]:.2f}x |"
+                  for n, s in zip(self.rows, self.seconds)]
+        lines.append(f"\neach further row of logits: +{self.per_logits_row * 1e3:.3f} ms; "
+                     f"each further sequence in the step: +{self.per_seq * 1e3:.3f} ms")
         return "\n".join(lines)
 
 
@@ -129,8 +140,9 @@ def cache_dir() -> Path:
 @torch.inference_mode()
 def measure(engine, repeats: int = 5) -> StepCost:
     """Times the engine's model over the K/V pool's blocks while no request holds them (the engine is idle): one
-    sequence with a tree of rows - 1 nodes (or a chunk of that many rows past LONG_ROWS) for each of ROWS, and one row for each of SEQS sequences, interleaved so
-    that drift hits every size alike."""
+    sequence with a tree of rows - 1 nodes (or a chunk of that many rows past LONG_ROWS) for each of ROWS, a chunk
+    of LOGITS_ROWS rows with one row of logits and with logits on every row, and one row for each of SEQS sequences,
+    interleaved so that drift hits every size alike."""
     assert not engine.has_unfinished(), "the step cost is measured while the engine is idle"
     size = engine.block_size
     pool = engine.cache.num_blocks * size
@@ -154,11 +166,12 @@ def measure(engine, repeats: int = 5) -> StepCost:
         return _timed(lambda: model(ids[context:context + num_rows], positions, PagedAttention(engine.cache, meta),
                                     torch.arange(num_rows, device=device)), device)
 
-    def chunk_step(num_rows: int) -> float:  # a prefill chunk: causal rows, the last one's logits
+    def chunk_step(num_rows: int, every_logits_row: bool = False) -> float:  # a prefill chunk: causal rows
         meta = PagedMetadata.build([num_rows], [context + num_rows], [table], size, device)
         positions = torch.arange(context, context + num_rows, device=device)
+        logits_rows = torch.arange(0 if every_logits_row else num_rows - 1, num_rows, device=device)
         return _timed(lambda: model(ids[context:context + num_rows], positions, PagedAttention(engine.cache, meta),
-                                    torch.tensor([num_rows - 1], device=device)), device)
+                                    logits_rows), device)
 
     def seqs_step(num_seqs: int) -> float:  # every sequence reads the same context blocks: the cost is the same
         meta = PagedMetadata.build([1] * num_seqs, [context + 1] * num_seqs, [table] * num_seqs, size, device)
@@ -167,18 +180,23 @@ def measure(engine, repeats: int = 5) -> StepCost:
                                     torch.arange(num_seqs, device=device)), device)
 
     tree_step(max(rows)), tree_step(1)  # warm-up
-    times = {("rows", n): [] for n in rows} | {("seqs", s): [] for s in seqs}
+    logits_rows = min(LOGITS_ROWS, max(rows))
+    times = ({("rows", n): [] for n in rows} | {("seqs", s): [] for s in seqs}
+             | {("logits", False): [], ("logits", True): []})
     for repeat in range(repeats):
         for kind, n in times:
             if kind == "seqs":
                 times[kind, n].append(seqs_step(n))
+            elif kind == "logits":
+                times[kind, n].append(chunk_step(logits_rows, every_logits_row=n))
             elif n <= LONG_ROWS:
                 times[kind, n].append(tree_step(n))
             elif repeat < LONG_REPEATS:
                 times[kind, n].append(chunk_step(n))
-    seconds = [min(times["rows", n]) for n in rows]
+    per_logits_row = max(0.0, (min(times["logits", True]) - min(times["logits", False])) / max(logits_rows - 1, 1))
+    seconds = [min(times["rows", n]) - (per_logits_row * (n - 1) if n <= LONG_ROWS else 0.0) for n in rows]
     seconds = [min(seconds[i:]) for i in range(len(seconds))]  # more rows never cost less: a dip is noise
-    cost = StepCost(rows, seconds, 0.0, context)
+    cost = StepCost(rows, seconds, 0.0, context, per_logits_row=per_logits_row)
     extra = [(s - 1, min(times["seqs", s]) - cost.predict(s)) for s in seqs]
     if extra:  # least squares through the origin
         cost.per_seq = max(0.0, sum(x * y for x, y in extra) / sum(x * x for x, _ in extra))

@@ -127,7 +127,10 @@ class Speculator:
         the adaptive policy, what the step cost."""
         self.drafter.observe(engine, step)
         if self.policy:
-            self.policy.record_step(len(step.batch.input_ids), len(step.batch.requests), step.elapsed_s)
+            batch = step.batch
+            has_prefill = any(n - tree > 1 for n, tree in zip(batch.num_scheduled, batch.num_tree_rows))
+            self.policy.record_step(len(batch.input_ids), len(batch.requests), len(batch.logits_rows), step.elapsed_s,
+                                    has_prefill)
 
     def propose(self, engine, step: StepOutputs) -> None:
         """Draft trees for every running request that has just emitted a token and can be speculated for, unless more

@@ -134,7 +134,8 @@ def test_a_calibrated_drafter_is_judged_by_its_acceptance_over_all_requests():
 def test_the_learned_overhead_follows_the_steps_beyond_the_table():
     policy = policy_for(0.1)
     for _ in range(60):
-        policy.record_step(4, 4, 1.3 + 0.25)  # the table says 1.3 s; the engine took 0.25 s more
+        policy.record_step(4, 4, 4, 1.3 + 0.25, has_prefill=False)  # the table says 1.3 s; the engine took 0.25 s more
+    policy.record_step(40, 4, 3, 2.0, has_prefill=True)  # a prefill chunk's step, priced well above: not learned from
     assert policy.overhead_s == pytest.approx(0.25, rel=0.01)
     assert policy.step_time(4, 4) == pytest.approx(1.55, rel=0.01)
     timing = policy.summary()["step_time"]
@@ -306,9 +307,16 @@ def test_step_cost_predicts_between_and_past_the_measured_rows():
     assert model.predict(3) == pytest.approx(1.2)
     assert model.predict(16) == pytest.approx(3.8)  # the last slope, 0.2 per row, carried on
     assert model.predict(4, num_seqs=3) == pytest.approx(1.5)
-    assert "| 8 | 2200.00 | 2.20x |" in model.table()
+    assert "| 8 | 2200.00 | 2200.00 | 2.20x |" in model.table()
     rows = np.array([1, 2, 3, 7, 8, 9, 16, 40])  # the policy's vectorised prices are the same numbers
     assert model.predict_many(rows, num_seqs=3) == pytest.approx([model.predict(int(n), num_seqs=3) for n in rows])
+    # a verify step computes logits on every row, a prefill chunk on one at most
+    model.per_logits_row = 0.01
+    assert model.predict(8) == pytest.approx(2.2 + 7 * 0.01)
+    assert model.predict(8, num_logits_rows=1) == pytest.approx(2.2)
+    assert model.predict(8, num_seqs=3, num_logits_rows=3) == pytest.approx(2.2 + 0.02 + 0.1)
+    logits = np.array([1, 1, 2, 7, 8, 0, 16, 3])
+    assert model.predict_many(rows, 3, logits) == pytest.approx([model.predict(int(n), 3, int(m)) for n, m in zip(rows, logits)])
 
 
 def test_draft_cost_fits_its_calls():
@@ -359,5 +367,6 @@ def test_bench_prints_the_cost_model(tiny_llama, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cost, "cache_dir", lambda: tmp_path)
     assert main(["bench", "--cost-model", "--target", str(tiny_llama), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "| rows | ms | vs 1 row |" in out and "\n| 128 | " in out and "measured 0.0 h ago" in out
+    assert "| rows | ms, one row of logits | ms, logits on every row | vs 1 row |" in out and "\n| 128 | " in out
+    assert "measured 0.0 h ago" in out and "each further row of logits" in out
     assert len(list(tmp_path.glob("*.json"))) == 1

@@ -523,6 +523,36 @@ def test_a_head_that_skips_steps_catches_up_when_it_next_drafts(kind, tiny_llama
     assert not mismatches, f"{len(mismatches)} of {num_checked} proposals differ:\n" + "\n".join(mismatches[:10])
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
+def test_heads_that_draft_now_and_then_share_blocks_through_preemption_as_the_dense_head_drafts(kind, tiny_llama,
+                                                                                                 heads_root):
+    """Eight requests draft only at every 5th output token, in a pool small enough to preempt them, half of them
+    sharing a prompt prefix with another: blocks are registered while their pairs are pending, shared, dropped by
+    preemption and taken again on recompute. Every proposal equals the dense head's (the head's pool is whole
+    wherever it drafts from), outputs equal plain decoding's, and requests did run the head over pairs that blocks
+    they shared had kept."""
+    head_dir = random_head_dir(kind, tiny_llama, heads_root)
+    prompts = PROMPTS[2:6] + [p[:13] + tail for p, tail in zip(PROMPTS[2:6], random_prompts((3, 9, 6, 12), seed=46))]
+    engine = make_engine(tiny_llama, spec_config(kind, head_dir), **SCENARIOS[8])
+    grant = engine.scheduler.draft_budgets
+    engine.scheduler.draft_budgets = lambda requests, most: {
+        rid: n if r.num_output_tokens % 5 == 1 else 0 for r, (rid, n) in zip(requests, grant(requests, most).items())}
+    drafter = engine.speculator.drafter
+    taken = []
+    unrun_pairs = drafter._unrun_pairs
+    drafter._unrun_pairs = lambda request: taken.append(unrun_pairs(request)) or taken[-1]
+    proposals = record_proposals(engine)
+    outputs = engine.generate(prompts, greedy(MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, prompts, MAX_TOKENS)
+    assert sum(o.metrics["num_preemptions"] for o in outputs) > 0, "no preemption: the pool is too roomy"
+    assert sum(o.metrics["num_cached_tokens"] for o in outputs) > 0
+    assert any(taken), "no request ran the head over pairs a shared block kept"
+    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
+    num_checked, mismatches = check_against_dense(tiny_llama, load_as_drafted(head_dir, tiny_llama), proposals, finals)
+    assert num_checked >= 8
+    assert not mismatches, f"{len(mismatches)} of {num_checked} proposals differ:\n" + "\n".join(mismatches[:10])
+
+
 @pytest.mark.parametrize("kind", ["eagle", "mtp"])
 def test_a_prompt_is_shared_while_its_request_does_not_draft(kind, tiny_llama, heads_root):
     """Nothing drafts, so the head never runs, yet a request arriving while A decodes shares A's prompt blocks (12 of
