@@ -2,17 +2,21 @@
 the adaptive policy forced to draft nothing, on the same prompts all at once, taking turns with the order rotated
 each round (the machine's speed drifts). This is the floor of the adaptive policy at a batch size where drafting
 never pays: the verification and bookkeeping of every step, and a head's own upkeep (its features noted each
-step; an EAGLE or MTP head's catch-up over prompts and at finish while the prefix cache is on).
+step). With --as-chosen the policy chooses as it serves instead: the adaptive setting itself, timed with the
+rotation a single group of the bench (`draftheads bench` at a concurrency equal to its prompts) cannot have.
 
     python benchmarks/no_draft_cost.py --speculative-config JSON [--speculative-config JSON ...]
-        [--prompts humaneval] [--num-prompts 16] [--max-new-tokens 48] [--rounds 8] [--no-prefix-caching]
+        [--prompts humaneval] [--num-prompts 16] [--max-new-tokens 48] [--rounds 8] [--temperature 0.0]
+        [--as-chosen] [--no-prefix-caching]
 
-Prints each method's times and the ratio of the summed times, plain's over the method's (1.0: free).
+Prints each method's times, its tokens per second over all rounds against plain's (1.0: free), and the median
+over rounds of plain's time over the method's in the same round (with EOS ignored and greedy, the same tokens).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -33,6 +37,8 @@ def main(argv=None) -> dict:
     p.add_argument("--num-prompts", type=int, default=16, help="all in flight at once")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled, seeded per prompt")
+    p.add_argument("--as-chosen", action="store_true", help="let the adaptive policy choose (default: draft nothing)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--num-threads", type=int, default=2)
     args = p.parse_args(argv)
@@ -40,27 +46,35 @@ def main(argv=None) -> dict:
     engine = Engine(args.target, device="cpu", max_num_seqs=args.num_prompts,
                     enable_prefix_caching=not args.no_prefix_caching)
     prompts = [first_turn(row["messages"]) for row in load_prompts(args.prompts, args.num_prompts)]
-    params = SamplingParams(max_tokens=args.max_new_tokens, ignore_eos=True)
+    # forced to draft nothing, every request runs to the end together; as chosen, they finish as they do in the bench
+    params = [SamplingParams(max_tokens=args.max_new_tokens, ignore_eos=not args.as_chosen, temperature=args.temperature,
+                             seed=i) for i in range(len(prompts))]
     methods = {"plain": None}
     for text in args.speculative_config:
         config = SpeculativeConfig.from_json({**json.loads(text), "adaptive": True})
         speculator = Speculator(engine, config)
-        engine.use_speculator(speculator)  # calibrates, then drafts nothing from here on
-        speculator.policy.choose = lambda *args, **kwargs: {}
+        engine.use_speculator(speculator)  # calibrates
+        if not args.as_chosen:
+            speculator.policy.choose = lambda *args, **kwargs: {}
         methods[config.label()] = speculator
-    names, times = list(methods), {name: [] for name in methods}
+    names, times, tokens = list(methods), {name: [] for name in methods}, {name: 0 for name in methods}
     for round_ in range(args.rounds):
         for name in names[round_ % len(names):] + names[:round_ % len(names)]:
             engine.use_speculator(methods[name])
             start = time.perf_counter()
-            engine.generate(prompts, params)
+            outputs = engine.generate(prompts, params)
             times[name].append(time.perf_counter() - start)
+            tokens[name] += sum(len(o.token_ids) for o in outputs)
     engine.use_speculator(None)
-    result = {name: {"seconds": seconds, "vs_plain": sum(times["plain"]) / sum(seconds)} for name, seconds in times.items()}
+    rate = {name: tokens[name] / sum(times[name]) for name in names}
+    result = {name: {"seconds": times[name], "tokens": tokens[name], "vs_plain": rate[name] / rate["plain"],
+                     # plain's time over the method's in each round, the median of them: one slow turn moves it less
+                     "median_round": statistics.median(p / s for p, s in zip(times["plain"], times[name]))}
+              for name in names}
     for name, row in result.items():
-        print(f"{name:50s} {' '.join(f'{s:.3f}' for s in row['seconds'])}  plain/this {row['vs_plain']:.3f}")
+        print(f"{name:50s} {' '.join(f'{s:.3f}' for s in row['seconds'])}  tokens/s vs plain {row['vs_plain']:.3f}"
+              f"  median round {row['median_round']:.3f}")
     return result
-
 
 if __name__ == "__main__":
     main()

@@ -10,8 +10,12 @@ nothing, and a deeper depth seldom tried is tried. A depth not tried in a step s
 a request whose drafts stopped paying is tried again after a while when drafting is cheap enough that the prior
 repays it.
 
-The next step's time is the target's step over every running request's rows (`serving.spec.cost.StepCost`, plus the
-engine's own work per step, learned from the steps it times: `overhead_s`) plus one drafting call (`DraftCost`).
+The next step's time is the target's step over the emitting requests' rows (`serving.spec.cost.StepCost`, plus the
+engine's own work per step, learned from the steps it times: `overhead_s`), plus what the drafts' rows add to the
+whole step, prefill chunks included, plus one drafting call (`DraftCost`). Prefill chunks are left out of the
+step's rate: they are owed whatever is drafted, and a rate diluted by them made drafting in every prefill step
+look cheap (measured: at 16 requests all 13 that had started decoding drafted 4 deep in the step that prefilled
+the last prompts, 4-5% of the run's time, mostly their heads catching up over their prompts).
 Each further depth of each request is one candidate, worth its survival per added row; candidates are taken best
 first (never depth j + 1 before depth j), and the prefix with the most tokens per second wins, the empty prefix (no
 drafts) among them. A tree setting drafts `num_nodes[j]` nodes at depth j: the config's num_draft_tokens - 1 scaled
@@ -111,6 +115,12 @@ class AdaptivePolicy:
             spare -= num
             num_emitting += request.num_computed_tokens + num == request.num_tokens
         num_seqs = len(scheduler.running)
+        # A second is worth what decoding alone earns in it: the step's prefill chunks are owed whatever is drafted,
+        # and beside them (hundreds of rows, no tokens) any draft would look cheap. So the step is priced as its
+        # decoding rows alone, plus what the drafts add to the whole step's time. Rows with logits: the newest token of
+        # each request that emits one (a chunk ending mid-prompt has none), and every draft row.
+        whole = self.step_cost.predict(num_rows, num_seqs, num_emitting)
+        decoding = self.step_time(num_emitting, num_emitting, num_emitting)
         candidates = []  # (worth per row, depth, request id, survival, rows)
         ready = [request for request in ready if request.request_id in limits]
         for request in ready:
@@ -126,15 +136,13 @@ class AdaptivePolicy:
                 worth = min(worth, survival / num_new)
                 candidates.append((worth, depth, request.request_id, survival, num_new))
         candidates.sort(key=lambda c: (-c[0], c[1]))
-        # rows with logits: the newest token of each request that emits one (a chunk ending mid-prompt has none), and
-        # every draft row
-        best_rate = max(num_emitting, 1) / self.step_time(num_rows, num_seqs, num_emitting)  # no drafts
+        best_rate = max(num_emitting, 1) / decoding  # no drafts
         best, best_rows = 0, 0
         if candidates:  # every prefix of the candidates at once
             _, depth, _, survival, num_new = (np.array(column) for column in zip(*candidates))
             tokens, rows = num_emitting + np.cumsum(survival), np.cumsum(num_new)
-            rates = tokens / (self.step_cost.predict_many(num_rows + rows, num_seqs, num_emitting + rows) + self.overhead
-                              + self.draft_cost.predict_many(np.maximum.accumulate(depth), rows))
+            added = self.step_cost.predict_many(num_rows + rows, num_seqs, num_emitting + rows) - whole
+            rates = tokens / (decoding + added + self.draft_cost.predict_many(np.maximum.accumulate(depth), rows))
             n = int(np.argmax(rates))
             if rates[n] > best_rate * (1 + MIN_GAIN):
                 best, best_rate, best_rows = n + 1, float(rates[n]), int(rows[n])

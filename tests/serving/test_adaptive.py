@@ -86,6 +86,19 @@ def test_in_between_only_the_requests_that_repay_draft():
     assert depths["high1"] >= 2 and depths["high2"] >= depths["high1"]
 
 
+def test_a_prefill_chunk_in_the_step_does_not_make_drafts_look_cheap():
+    # A row costs 0.8 of a 1-row step: one draft at acceptance 0.7 yields 1.7 tokens in 1.8 s, below plain's 1 in 1,
+    # and a request prefilling 400 rows in the same step changes nothing (beside its 321 s a draft's 0.8 s would
+    # look free); where a row costs 0.05 the request drafts either way.
+    prefilling = SimpleNamespace(request_id="p", num_tokens=900, num_computed_tokens=0)
+    for per_row, drafts in ((0.8, False), (0.05, True)):
+        for running in ([decoding("a")], [decoding("a"), prefilling]):
+            policy = policy_for(per_row)
+            policy.estimates["a"] = Estimate(hits=[70.0] * 4, tries=[100.0] * 4)
+            budgets = policy.choose(fake_engine(running), running[:1], {"a": DraftBudget(4, 4)}, prior=[0.7] * 4)
+            assert ("a" in budgets) == drafts, (per_row, len(running))
+
+
 def test_trees_are_cut_by_depth_and_the_histogram_counts_choices():
     policy = policy_for(1e-4, method="eagle", model="head", topk=4, num_draft_tokens=13)  # 12 nodes at depth 4: 3 per depth
     assert policy.num_nodes == (0, 3, 6, 9, 12)
