@@ -19,7 +19,9 @@ something else is measured anew with a warning.
 `DraftCost`: seconds of one drafting call, `a + b * depth + c * nodes` (the deepest tree drafted and the nodes
 drafted over the batch), and of a head's catch-up call before it, `e + f * rows`, each fitted by least squares with
 non-negative coefficients over every call timed, starting with a short calibration run. A choice is priced at the
-drafting call plus `e`: the rows a head catches up are owed whether or not the requests draft, its call is not.
+drafting call plus `e`, not the rows a head catches up: a request pays those once, for every step since it last
+drafted, and charging them to the step that drafts would keep a request that has not drafted for long from drafting
+again.
 """
 from __future__ import annotations
 
@@ -245,7 +247,7 @@ class LinearFit:
 class DraftCost:
     """A drafting step's seconds: the drafting call, `a + b * depth + c * nodes` (the deepest tree drafted, the nodes
     drafted over the batch), and a head's catch-up call before it, `e + f * rows` over the rows it ran. A choice is
-    priced at the call plus `e`: the catch-up's rows are owed whether or not the requests draft, its call is not."""
+    priced at the call plus `e`, not the catch-up's rows (the module's docstring says why)."""
 
     def __init__(self):
         self.call, self.catch_up = LinearFit(3), LinearFit(2)

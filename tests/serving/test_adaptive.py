@@ -341,7 +341,7 @@ def test_draft_cost_fits_its_calls():
         draft.add_catch_up(rows, 0.001 + 0.0001 * rows)
     assert draft.call.coef == pytest.approx((0.002, 0.003, 0.0005))
     assert draft.catch_up.coef == pytest.approx((0.001, 0.0001))
-    # a choice is priced at the call plus the catch-up's call, not its rows: they are owed whether or not it drafts
+    # a choice is priced at the call plus the catch-up's call, not its rows (serving/spec/cost.py says why)
     assert draft.predict(3, 6) == pytest.approx(0.002 + 0.009 + 0.003 + 0.001)
     assert draft.predict(0, 0) == 0.0
 
