@@ -17,10 +17,11 @@ import torch
 
 import heads
 from serving import targets
-from serving.bench import run_bench, to_markdown
+from serving.bench.offline import run_bench
+from serving.bench.report import to_markdown
 from serving.engine import Engine
-from serving.prompts import first_turn, load_prompts
-from serving.spec.config import SpeculativeConfig
+from serving.bench.prompts import first_turn, load_prompts
+from serving.spec_decode.config import SpeculativeConfig
 
 K = 4
 

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoTokenizer
 
 from serving.engine import Engine
-from serving.prompts import first_turn, load_prompts
+from serving.bench.prompts import first_turn, load_prompts
 from serving.request import SamplingParams
 from serving.targets import DEFAULT_TARGET, fingerprint, resolve
 from training.data.generate import GenerateConfig, default_aux_layers, generate

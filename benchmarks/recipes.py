@@ -112,7 +112,7 @@ def parse_args(argv=None):
 
 def our_overrides(kind: str, args) -> list[str]:
     """configs/<kind>.yaml as the demo fits it: RECIPE, precision, KIND_RECIPE and the token map."""
-    from serving.spec.config import TAKES_TOKEN_MAP
+    from serving.spec_decode.config import TAKES_TOKEN_MAP
 
     return (demo.RECIPE + ["--trainer.precision", args.precision] + demo.KIND_RECIPE.get(kind, [])
             + (["--model.init_args.token_map", str(Path(args.token_map).resolve())] if kind in TAKES_TOKEN_MAP else []))

@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from serving.bench_serve import BenchServeConfig, ServerProcess, arrival_times, load_first_turns, measure
+from serving.bench.bench_serve import BenchServeConfig, ServerProcess, arrival_times, load_first_turns, measure
 from serving.engine import Engine
 from serving.request import SamplingParams
-from serving.spec.metrics import AcceptanceStats
+from serving.spec_decode.metrics import AcceptanceStats
 from serving.targets import DEFAULT_TARGET
 
 

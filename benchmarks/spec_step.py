@@ -13,11 +13,11 @@ import time
 import torch
 
 from serving.engine import Engine
-from serving.prompts import first_turn, load_prompts
+from serving.bench.prompts import first_turn, load_prompts
 from serving.request import SamplingParams
-from serving.spec.config import SpeculativeConfig
-from serving.spec.metrics import AcceptanceStats
-from serving.spec.step import Speculator
+from serving.spec_decode.config import SpeculativeConfig
+from serving.spec_decode.metrics import AcceptanceStats
+from serving.spec_decode.step import Speculator
 from serving.targets import DEFAULT_TARGET
 
 

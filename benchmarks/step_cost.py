@@ -15,7 +15,7 @@ import torch
 
 from serving.attention import KVCache, PagedAttention, PagedMetadata
 from serving.model import Model
-from serving.spec.tree import DraftTree
+from serving.spec_decode.tree import DraftTree
 from serving.targets import DEFAULT_TARGET, resolve
 
 

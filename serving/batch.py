@@ -7,7 +7,7 @@ import torch
 
 from serving.attention import PagedMetadata
 from serving.request import Request
-from serving.spec.tree import DraftTree
+from serving.spec_decode.tree import DraftTree
 
 
 @dataclass

@@ -19,8 +19,8 @@ from serving.model import Model
 from serving.request import Request, RequestOutput, SamplingParams
 from serving.sampler import make_generator, next_token
 from serving.scheduler import Scheduler
-from serving.spec.config import SpeculativeConfig
-from serving.spec.step import Speculator, StepOutputs
+from serving.spec_decode.config import SpeculativeConfig
+from serving.spec_decode.step import Speculator, StepOutputs
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +123,9 @@ class Engine:
 
     @functools.cached_property
     def step_cost(self):
-        """What a target forward costs here by rows and sequences (serving.spec.cost), from the cache or measured
+        """What a target forward costs here by rows and sequences (serving.spec_decode.cost), from the cache or measured
         now, once: the adaptive policy's price list."""
-        from serving.spec.cost import load_or_measure
+        from serving.spec_decode.cost import load_or_measure
 
         return load_or_measure(self)
 

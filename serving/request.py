@@ -6,7 +6,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from serving.spec.tree import DraftTree
+from serving.spec_decode.tree import DraftTree
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from serving.blocks import BlockManager
 from serving.request import Request, RequestStatus
-from serving.spec.tree import DraftTree
+from serving.spec_decode.tree import DraftTree
 
 
 @dataclass

@@ -32,10 +32,10 @@ def one_thread():
 
 @pytest.fixture(autouse=True, scope="session")
 def private_cache_dir(tmp_path_factory):
-    """Step-cost tables measured by tests stay out of the user's cache (serving/spec/cost.py)."""
+    """Step-cost tables measured by tests stay out of the user's cache (serving/spec_decode/cost.py)."""
     folder = tmp_path_factory.mktemp("step_cost")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("serving.spec.cost.cache_dir", lambda: folder)
+        patch.setattr("serving.spec_decode.cost.cache_dir", lambda: folder)
         yield
 
 

@@ -10,10 +10,10 @@ from functools import partial
 
 COMMANDS = {
     "info": ("serving.targets", "print a target's resolved folder, architecture, sizes, dtype and fingerprint (JSON)"),
-    "prompts": ("serving.prompts", "print a prompt source as JSONL (sharegpt, sharegpt-heldout, mt-bench, humaneval, or a file)"),
-    "bench": ("serving.bench", "benchmark the engine: plain decoding and speculative configs side by side"),
+    "prompts": ("serving.bench.prompts", "print a prompt source as JSONL (sharegpt, sharegpt-heldout, mt-bench, humaneval, or a file)"),
+    "bench": ("serving.bench.cli", "benchmark the engine: plain decoding and speculative configs side by side"),
     "serve": ("serving.server.serve", "serve the engine over an OpenAI-compatible HTTP API, with Prometheus metrics"),
-    "bench-serve": ("serving.bench_serve", "benchmark a running OpenAI-compatible server (ours, vLLM, SGLang) under load"),
+    "bench-serve": ("serving.bench.bench_serve", "benchmark a running OpenAI-compatible server (ours, vLLM, SGLang) under load"),
     "generate": ("training.data.generate", "let the target answer prompts and store its answers and hidden states"),
     "token-map": ("training.data.vocab", "write a store's most frequent answer tokens as a token map for drafting"),
     "fit": ("training.fit", "train a draft head from a YAML config (LightningCLI fit)"),

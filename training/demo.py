@@ -145,7 +145,7 @@ def generate(args) -> Path:
 
 
 def fit(args, kind: str, store: Path, token_map: Path) -> Path:
-    from serving.spec.config import TAKES_TOKEN_MAP
+    from serving.spec_decode.config import TAKES_TOKEN_MAP
     from training.fit import main as fit_main
 
     config = CONFIGS / f"{kind}.yaml"
@@ -198,7 +198,7 @@ def serve(args, heads: dict) -> dict:
     """The online run: `draftheads serve` with the best head (EAGLE-1 after prompt lookup, chains cut at
     CONFIDENCE_THRESHOLD, the fastest offline setting) and plain, each measured by `draftheads bench-serve` on the
     same MT-bench prompts arriving at SERVE_RATE requests per second (Poisson), greedy."""
-    from serving.bench_serve import serve_and_bench, to_markdown
+    from serving.bench.bench_serve import serve_and_bench, to_markdown
 
     kind = "eagle" if "eagle" in heads else next(iter(heads))
     config = {"method": kind, "model": str(heads[kind]), "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
@@ -215,7 +215,7 @@ def serve(args, heads: dict) -> dict:
 
 
 def bench_prompts(args):
-    from serving.prompts import first_turn, load_prompts
+    from serving.bench.prompts import first_turn, load_prompts
 
     sets = {name: list(load_prompts(name, limit))
             for name, limit in (("mt-bench", args.bench_mt_bench), ("humaneval", args.bench_humaneval))}
@@ -224,9 +224,9 @@ def bench_prompts(args):
 
 def bench(args, heads: dict) -> dict:
     from serving.engine import Engine
-    from serving.report import write_report
-    from serving.spec.config import SpeculativeConfig
-    from serving.sweep import Setting, run_settings
+    from serving.bench.report import write_report
+    from serving.spec_decode.config import SpeculativeConfig
+    from serving.bench.sweep import Setting, run_settings
 
     k = NUM_SPECULATIVE_TOKENS
     configs = [SpeculativeConfig(method="ngram", num_speculative_tokens=k)]

@@ -4,7 +4,7 @@ MTP reusing its first module), mtp.py (MTP, one module per draft), lookup_first.
 lookahead.py (lookahead decoding: Jacobi iteration and an n-gram pool)."""
 from __future__ import annotations
 
-from serving.spec.config import SpeculativeConfig
+from serving.spec_decode.config import SpeculativeConfig
 
 
 def make_drafter(engine, config: SpeculativeConfig):

@@ -1,7 +1,7 @@
 """The one interface every drafter implements.
 
 A drafter proposes, for each request that has just emitted a token (K/V computed for all but that one), a token tree
-(`serving.spec.tree.DraftTree`) of at most `budget.num_nodes` rows (its nodes, and its lookahead rows where it has
+(`serving.spec_decode.tree.DraftTree`) of at most `budget.num_nodes` rows (its nodes, and its lookahead rows where it has
 them) and depth `budget.depth`; a longer or deeper one is cut. What a drafter reads from the target's pass is
 declared here, never probed:
 - `needs_hidden`: the target's final hidden states of every computed row (Medusa, EAGLE, MTP);
@@ -24,7 +24,7 @@ import abc
 import math
 from typing import NamedTuple
 
-from serving.spec.tree import DraftTree
+from serving.spec_decode.tree import DraftTree
 
 
 class DraftBudget(NamedTuple):
@@ -32,7 +32,7 @@ class DraftBudget(NamedTuple):
     num_nodes: int
     depth: int  # its depth at most: num_speculative_tokens, and the tokens max_tokens leaves
     # a head keeps no node whose path log-probability (its calibrated confidence) is below this: the adaptive
-    # policy's price of a row (serving/spec/adaptive.py); drafters without a confidence ignore it
+    # policy's price of a row (serving/spec_decode/adaptive.py); drafters without a confidence ignore it
     min_log_survival: float = -math.inf
 
     @property
@@ -50,7 +50,7 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def propose(self, engine, requests: list, budgets: dict[str, DraftBudget], step) -> dict[str, DraftTree]:
         """A tree per request id (a request left out gets none). `step` is the target pass that just ran
-        (`serving.spec.step.StepOutputs`)."""
+        (`serving.spec_decode.step.StepOutputs`)."""
 
     def observe(self, engine, step) -> None:
         """Catch up over the tokens the target kept this step (drafters with a pool of their own)."""

@@ -11,7 +11,7 @@ from serving.attention import KVCache
 from serving.drafters.base import Drafter
 from serving.drafters.runner import num_reusable, paged_forward, pick
 from serving.model import Model
-from serving.spec.tree import DraftTree
+from serving.spec_decode.tree import DraftTree
 
 
 class DraftModelDrafter(Drafter):

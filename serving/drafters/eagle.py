@@ -28,7 +28,7 @@ from serving.drafters.base import Drafter
 from serving.drafters.head import Confidence, top_log_probs
 from serving.drafters.runner import flatten
 from serving.drafters.tree_search import grow
-from serving.spec.tree import path_to
+from serving.spec_decode.tree import path_to
 
 
 @dataclass

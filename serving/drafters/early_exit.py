@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from serving.drafters.base import Drafter
 from serving.drafters.runner import paged_forward
-from serving.spec.tree import DraftTree
+from serving.spec_decode.tree import DraftTree
 
 
 class EarlyExitDrafter(Drafter):

@@ -9,7 +9,7 @@ n-grams keyed by their first token. Every step computes, beside the verify rows 
   mask). The argmaxes of the last level are the next iteration: column i's diagonal (levels 0 .. N - 2, then its new
   token) is an n-gram, pooled under its first token, and every level moves one up.
 - the verification branch: the pool's n-grams after the newest token (at most G, the most recent first) merged into a
-  trie, the tree's nodes, verified greedily or by exact multi-draft rejection sampling as any tree (serving/spec/
+  trie, the tree's nodes, verified greedily or by exact multi-draft rejection sampling as any tree (serving/spec_decode/
   verify.py); lookahead rows are never accepted.
 Per first token the pool keeps the G n-grams seen most recently (seeing one again makes it the most recent), as the
 reference implementation (hao-ai-lab/LookaheadDecoding) does, and it also holds the n-grams of the prompt and of the
@@ -26,7 +26,7 @@ import random
 from dataclasses import dataclass
 
 from serving.drafters.base import Drafter
-from serving.spec.tree import DraftTree, LookaheadRows
+from serving.spec_decode.tree import DraftTree, LookaheadRows
 
 
 class NgramPool:

@@ -8,7 +8,7 @@ from serving.attention import KVCache, PagedAttention
 from serving.drafters.base import Drafter
 from serving.drafters.head import Confidence, top_log_probs
 from serving.drafters.runner import flatten
-from serving.spec.tree import DraftTree
+from serving.spec_decode.tree import DraftTree
 
 
 class MtpChainDrafter(Drafter):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from serving.drafters.base import Drafter
-from serving.spec.tree import DraftTree
+from serving.spec_decode.tree import DraftTree
 
 
 class NgramDrafter(Drafter):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serving.spec.tree import DraftTree
+from serving.spec_decode.tree import DraftTree
 
 
 @dataclass

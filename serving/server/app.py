@@ -26,7 +26,7 @@ from serving.server.detokenizer import Detokenizer
 from serving.server.loop import Accepted, EngineLoop, Failed, Finished, Stream, Tokens
 from serving.server.metrics import ServerMetrics
 from serving.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, parse
-from serving.spec.metrics import AcceptanceStats
+from serving.spec_decode.metrics import AcceptanceStats
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5  # how often a handler waiting for a whole answer checks that its client is still there

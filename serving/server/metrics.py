@@ -2,7 +2,7 @@
 benchmark clients written for vLLM read them unchanged.
 
 Counters grow by what each engine step did: tokens emitted, and the speculator's global acceptance counts
-(serving.spec.metrics.AcceptanceStats, drafts of aborted requests included), so over any window the difference of
+(serving.spec_decode.metrics.AcceptanceStats, drafts of aborted requests included), so over any window the difference of
 two scrapes is that window's acceptance. `vllm:inter_token_latency_seconds` is observed once per request per step
 that emitted tokens to it (a speculative step emits several at once, as in vLLM). `kv_cache_usage_perc` is a
 fraction in [0, 1], as vLLM's is despite its name. Each server has a registry of its own.

@@ -15,7 +15,7 @@ import uvicorn
 
 from serving.config_file import add_options, merge_options
 from serving.engine import DTYPES, resolve_device
-from serving.spec.config import SpeculativeConfig
+from serving.spec_decode.config import SpeculativeConfig
 from serving.targets import DEFAULT_TARGET
 
 HELP = {

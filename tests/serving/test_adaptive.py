@@ -1,4 +1,4 @@
-"""The adaptive policy (serving/spec/adaptive.py) and the step-cost model it prices with (serving/spec/cost.py).
+"""The adaptive policy (serving/spec_decode/adaptive.py) and the step-cost model it prices with (serving/spec_decode/cost.py).
 
 1. On synthetic cost tables: where verified rows are nearly free the policy drafts the maximum, where each costs a
    full step it drafts nothing, in between it drafts for the requests whose acceptance repays the rows and not for
@@ -22,11 +22,11 @@ import pytest
 from serving.drafters.base import DraftBudget, Drafter
 from serving.drafters.head import Confidence
 from serving.request import SamplingParams
-from serving.spec import cost
-from serving.spec.adaptive import AdaptivePolicy, Estimate
-from serving.spec.config import SpeculativeConfig
-from serving.spec.cost import DraftCost, LinearFit, StepCost
-from serving.spec.tree import DraftTree
+from serving.spec_decode import cost
+from serving.spec_decode.adaptive import AdaptivePolicy, Estimate
+from serving.spec_decode.config import SpeculativeConfig
+from serving.spec_decode.cost import DraftCost, LinearFit, StepCost
+from serving.spec_decode.tree import DraftTree
 from test_spec import assert_pool_idle, make_engine, plain_outputs, random_prompts
 
 
@@ -303,7 +303,7 @@ def test_step_cost_is_measured_once_then_read_from_the_cache(tiny_llama, monkeyp
     for spoiled in ("{not json", json.dumps({**json.loads(path.read_text()), "key": {"machine": "elsewhere"}}),
                     json.dumps({**json.loads(path.read_text()), "seconds": [1.0]})):
         path.write_text(spoiled)
-        with caplog.at_level(logging.WARNING, logger="serving.spec.cost"):
+        with caplog.at_level(logging.WARNING, logger="serving.spec_decode.cost"):
             caplog.clear()
             again = cost.load_or_measure(engine)
         assert calls and again.seconds == [1.0, 2.0], "a spoiled cache was trusted"
@@ -341,7 +341,7 @@ def test_draft_cost_fits_its_calls():
         draft.add_catch_up(rows, 0.001 + 0.0001 * rows)
     assert draft.call.coef == pytest.approx((0.002, 0.003, 0.0005))
     assert draft.catch_up.coef == pytest.approx((0.001, 0.0001))
-    # a choice is priced at the call plus the catch-up's call, not its rows (serving/spec/cost.py says why)
+    # a choice is priced at the call plus the catch-up's call, not its rows (serving/spec_decode/cost.py says why)
     assert draft.predict(3, 6) == pytest.approx(0.002 + 0.009 + 0.003 + 0.001)
     assert draft.predict(0, 0) == 0.0
 

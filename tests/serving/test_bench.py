@@ -141,7 +141,7 @@ class Killed(Exception):
 
 def test_a_killed_bench_reruns_only_the_settings_without_a_result(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    from serving import sweep
+    from serving.bench import sweep
 
     calls, run_bench = [], sweep.run_bench
 
@@ -171,9 +171,9 @@ def test_a_killed_bench_reruns_only_the_settings_without_a_result(tmp_path, monk
 
 def test_a_result_made_with_other_options_is_not_reused(tmp_path, capsys):
     from serving.engine import Engine
-    from serving.prompts import first_turn, load_prompts
-    from serving.spec.config import SpeculativeConfig
-    from serving.sweep import Setting, run_settings
+    from serving.bench.prompts import first_turn, load_prompts
+    from serving.spec_decode.config import SpeculativeConfig
+    from serving.bench.sweep import Setting, run_settings
 
     engine = Engine("debug")
     prompts = [first_turn(m) for m in load_prompts("mt-bench", 2)["messages"]]
@@ -202,8 +202,8 @@ def test_a_result_made_with_other_options_is_not_reused(tmp_path, capsys):
 def test_a_heads_contents_are_part_of_the_options(tmp_path):
     from types import SimpleNamespace
 
-    from serving.spec.config import SpeculativeConfig
-    from serving.sweep import Setting, setting_options
+    from serving.spec_decode.config import SpeculativeConfig
+    from serving.bench.sweep import Setting, setting_options
 
     (tmp_path / "head").mkdir()
     (tmp_path / "head" / "model.safetensors").write_bytes(b"weights")

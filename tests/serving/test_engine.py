@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from serving import targets
 from serving.attention import KVCache
 from serving.engine import Engine, available_memory_bytes
-from serving.prompts import first_turn, load_prompts
+from serving.bench.prompts import first_turn, load_prompts
 from serving.request import SamplingParams
 
 

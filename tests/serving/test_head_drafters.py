@@ -42,9 +42,9 @@ from serving import targets
 from serving.drafters.base import DraftBudget
 from serving.engine import Engine
 from serving.request import SamplingParams
-from serving.spec.config import SpeculativeConfig
-from serving.spec.step import Speculator
-from serving.spec.tree import DraftTree
+from serving.spec_decode.config import SpeculativeConfig
+from serving.spec_decode.step import Speculator
+from serving.spec_decode.tree import DraftTree
 from serving.targets import build_tiny_model
 
 K = 3  # drafts per step everywhere

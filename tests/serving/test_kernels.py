@@ -226,7 +226,7 @@ def test_argmax_falls_back_to_torch(no_kernels):
 def random_tree(num_nodes: int, depth: int, generator: torch.Generator):
     """A random draft tree of `num_nodes` nodes exactly `depth` deep with a node of two children or more (redrawn
     until it is)."""
-    from serving.spec.tree import DraftTree
+    from serving.spec_decode.tree import DraftTree
 
     while True:
         parents, depths = [], []

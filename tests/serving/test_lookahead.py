@@ -29,8 +29,8 @@ from transformers import AutoModelForCausalLM
 
 from serving.drafters.lookahead import LookaheadDrafter, NgramPool, trie
 from serving.request import SamplingParams
-from serving.spec.config import SpeculativeConfig
-from serving.spec.tree import DraftTree, LookaheadRows
+from serving.spec_decode.config import SpeculativeConfig
+from serving.spec_decode.tree import DraftTree, LookaheadRows
 
 from test_spec import SCENARIOS, assert_pool_idle, make_engine, plain_outputs, random_prompts
 from test_trees import two_token_law, tv

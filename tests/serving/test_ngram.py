@@ -6,7 +6,7 @@ import random
 import pytest
 
 from serving.drafters.ngram import NgramDrafter
-from serving.spec.config import SpeculativeConfig
+from serving.spec_decode.config import SpeculativeConfig
 
 
 def reference(tokens, num_drafts, min_n, max_n):
@@ -57,7 +57,7 @@ def test_propose_is_a_chain_of_the_lookup_cut_to_the_budgets_nodes_and_depth():
     from types import SimpleNamespace
 
     from serving.drafters.base import DraftBudget
-    from serving.spec.tree import DraftTree
+    from serving.spec_decode.tree import DraftTree
 
     lookup = drafter(2, 3)
     tokens = [7, 8, 1, 2, 7, 8, 3, 4, 7, 8]

@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from serving import prompts
-from serving.prompts import SOURCES, first_turn, load_prompts, parse_sharegpt, to_jsonl
+from serving.bench import prompts
+from serving.bench.prompts import SOURCES, first_turn, load_prompts, parse_sharegpt, to_jsonl
 
 
 def turn(speaker, text):

@@ -27,10 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import heads
 from serving import targets
-from serving.bench_serve import BenchServeConfig, arrival_times, make_report, measure, serve_and_bench, write_report
+from serving.bench.bench_serve import BenchServeConfig, arrival_times, make_report, measure, serve_and_bench, write_report
 from serving.engine import Engine
 from serving.request import SamplingParams
-from serving.spec.metrics import AcceptanceStats
+from serving.spec_decode.metrics import AcceptanceStats
 from serving.server.app import build_app
 from serving.server.detokenizer import Detokenizer
 

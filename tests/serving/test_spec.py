@@ -28,9 +28,9 @@ from serving.drafters.base import Drafter
 from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.sampler import target_probs
-from serving.spec.config import SpeculativeConfig
-from serving.spec.tree import DraftTree
-from serving.spec.verify import verify_greedy, verify_sampled
+from serving.spec_decode.config import SpeculativeConfig
+from serving.spec_decode.tree import DraftTree
+from serving.spec_decode.verify import verify_greedy, verify_sampled
 from serving.targets import build_tiny_model
 
 VOCAB = 256

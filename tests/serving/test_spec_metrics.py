@@ -17,8 +17,8 @@ import torch
 from serving.drafters.base import DraftBudget, Drafter
 from serving.engine import Engine
 from serving.request import SamplingParams
-from serving.spec.metrics import AcceptanceStats
-from serving.spec.tree import DraftTree
+from serving.spec_decode.metrics import AcceptanceStats
+from serving.spec_decode.tree import DraftTree
 
 VOCAB = 256
 

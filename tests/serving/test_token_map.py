@@ -16,7 +16,7 @@ from heads.token_map import lm_head_rows
 from serving import targets
 from serving.engine import Engine
 from serving.request import SamplingParams
-from serving.spec.config import SpeculativeConfig
+from serving.spec_decode.config import SpeculativeConfig
 
 K = 3
 KINDS = ("medusa", "eagle", "mtp")

@@ -1,4 +1,4 @@
-"""Token trees (serving/spec/tree.py) end to end: verification keeps the target's law, greedy tree speculation is
+"""Token trees (serving/spec_decode/tree.py) end to end: verification keeps the target's law, greedy tree speculation is
 plain decoding, the accepted path's K/V is a fresh prefill's, EAGLE-2 trees drafted over the paged pool are the
 dense head's, and bad tree configs are clear errors.
 
@@ -31,7 +31,7 @@ dense head's, and bad tree configs are clear errors.
    from a node's keys, or one context key, fails it.) A random Medusa head's static tree (medusa_choices: node
    [r1..rd] is head d-1's r_d-th token under node [r1..r_{d-1}]) and dynamic tree (topk 2, 5 nodes: grow over its
    heads' ranked lists) equal the same recomputed from its logits at h_{T-2} from transformers.
-7. Bad tree configs (SpeculativeConfig.from_json, the messages of serving/spec/config.py) and a Medusa tree deeper
+7. Bad tree configs (SpeculativeConfig.from_json, the messages of serving/spec_decode/config.py) and a Medusa tree deeper
    than its heads are clear errors.
 8. DraftTree, verify_greedy on a tree, and AcceptanceStats.record on trees, against hand-computed values.
 
@@ -51,10 +51,10 @@ from serving.drafters.head import Confidence, top_log_probs
 from serving.drafters.tree_search import Candidates, grow
 from serving.request import SamplingParams
 from serving.sampler import sample, target_probs
-from serving.spec.config import SpeculativeConfig
-from serving.spec.metrics import AcceptanceStats
-from serving.spec.tree import DraftTree
-from serving.spec.verify import verify_greedy, verify_sampled
+from serving.spec_decode.config import SpeculativeConfig
+from serving.spec_decode.metrics import AcceptanceStats
+from serving.spec_decode.tree import DraftTree
+from serving.spec_decode.verify import verify_greedy, verify_sampled
 
 from test_spec import SCENARIOS, assert_pool_idle, make_engine, plain_outputs, random_prompts
 
@@ -131,7 +131,7 @@ def test_sampled_tree_verification_keeps_the_target_law(children, temperature, t
 def test_sampled_law_check_catches_a_wrong_residual(monkeypatch):
     """The check above is able to fail: rejecting a deterministic child without removing it from the residual
     (sampling the bonus from p instead of p without the rejected children) moves the law past 0.07."""
-    import serving.spec.verify as verify
+    import serving.spec_decode.verify as verify
 
     params = SamplingParams(temperature=0.8, top_k=5, seed=0)
     root, rows2, _, _ = sampled_tables(params)

@@ -30,7 +30,7 @@ from serving.attention import KVCache
 from serving.config_file import add_options, merge_options
 from serving.engine import DTYPES, Engine, resolve_device
 from serving.model import ModelConfig
-from serving.prompts import load_prompts
+from serving.bench.prompts import load_prompts
 from serving.request import SamplingParams
 from training.data.chat import request_seed, template_ids_after_answer, user_turns
 from training.data.endpoint import Endpoint, EndpointError

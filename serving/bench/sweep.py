@@ -17,7 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from serving.bench import run_bench, to_markdown
+from serving.bench.offline import run_bench
+from serving.bench.report import to_markdown
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import torch
 
 from serving import targets
 from serving.attention import PagedAttention, PagedMetadata
-from serving.spec.tree import path_to
+from serving.spec_decode.tree import path_to
 
 log = logging.getLogger(__name__)
 

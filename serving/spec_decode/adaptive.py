@@ -10,7 +10,7 @@ nothing, and a deeper depth seldom tried is tried. A depth not tried in a step s
 a request whose drafts stopped paying is tried again after a while when drafting is cheap enough that the prior
 repays it.
 
-The next step's time is the target's step over the emitting requests' rows (`serving.spec.cost.StepCost`, plus the
+The next step's time is the target's step over the emitting requests' rows (`serving.spec_decode.cost.StepCost`, plus the
 engine's own work per step, learned from the steps it times: `overhead_s`), plus what the drafts' rows add to the
 whole step, prefill chunks included, plus one drafting call (`DraftCost`). Prefill chunks are left out of the
 step's rate: they are owed whatever is drafted, and a rate diluted by them made drafting in every prefill step
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from serving.drafters.base import DraftBudget
-from serving.spec.cost import DraftCost, StepCost
+from serving.spec_decode.cost import DraftCost, StepCost
 
 DECAY = 0.6  # weight of the steps before, per step that tried a depth: about the last 2.5 steps count
 IDLE_DECAY = 0.9  # per step that did not
@@ -190,7 +190,7 @@ class AdaptivePolicy:
 
 
 def prior(stats) -> list[float]:
-    """The drafter's conditional acceptance per depth over every request so far (serving.spec.metrics.AcceptanceStats),
+    """The drafter's conditional acceptance per depth over every request so far (serving.spec_decode.metrics.AcceptanceStats),
     drawn toward PRIOR at depth 1 and toward 1 deeper, as if found in PRIOR_TRIES further tries: once a draft was
     right the next one is right more often (measured: 0.39, 0.58, 0.75, 0.88 for the demo's EAGLE-3 head after
     prompt lookup), and a depth tried too seldom to tell must be tried to be learnt; its cost is bounded by the

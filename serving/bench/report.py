@@ -10,10 +10,8 @@ FILES = ("bench.json", "bench.md", "acceptance.png", "summary.json", "summary.md
 
 
 def write_report(results: list[dict], out: str | Path, run_name: str) -> list[Path]:
-    """results: one per setting (`serving.sweep.run_settings`). Writes FILES in `out`, logs them to the wandb run
+    """results: one per setting (`serving.bench.sweep.run_settings`). Writes FILES in `out`, logs them to the wandb run
     `run_name` (offline unless WANDB_MODE says otherwise) and prints the summary."""
-    from serving.bench import to_markdown
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2))
@@ -157,3 +155,40 @@ def log_to_wandb(results: list[dict], rows: list[dict], out: Path, run_name: str
     for name in ("summary.json", "summary.md"):
         run.save(str(out / name), base_path=str(out), policy="now")
     run.finish()
+
+
+def to_markdown(result: dict) -> str:
+    has_hf = "hf_tokens_per_s" in result
+    lines = [f"target {result['target']} | {result['num_prompts']} prompts x {result['max_new_tokens']} tokens | "
+             f"concurrency {result['concurrency']} | temperature {result['temperature']} | {result['dtype']} on "
+             f"{result.get('device', 'cpu')}, {result['threads']} threads", "",
+             "| method | k | tau | accept rate | rows/step | per-depth conditional | tokens/s | speedup |"
+             + (" vs generate |" if has_hf else "") + " identical |",
+             "|---|---|---|---|---|---|---|---|" + ("---|" if has_hf else "") + "---|"]
+    for row in result["rows"]:
+        conditional = " ".join(f"{p['conditional']:.2f}" for p in row["per_position"]) or "-"
+        rate = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.2f}"
+        identical = {True: "yes", False: "NO", None: "n/a"}[row["identical_to_plain"]]
+        vs_hf = f" {row['speed_vs_hf']:.2f}x |" if has_hf else ""
+        lines.append(f"| {row['method']} | {row['num_speculative_tokens'] or '-'} | {row['tau']:.2f} | {rate} | "
+                     f"{row.get('rows_per_step', 1.0):.2f} | {conditional} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x |{vs_hf} {identical} |")
+    if has_hf:
+        lines += ["", f"transformers generate: {result['hf_tokens_per_s']:.1f} tokens/s; engine plain / transformers = "
+                  f"{result['speed_vs_hf']:.2f}x; identical to transformers: {result['identical_to_hf']}"]
+    lines += ["", f"bandwidth floor: {result['weight_bytes'] / 1e6:.0f} MB of weights at {result['copy_bandwidth_gbs']:.1f} GB/s "
+              f"= {result['step_floor_ms']:.1f} ms per step; plain decoding takes {result['plain_step_ms']:.1f} ms per token "
+              f"per sequence; peak memory {result['peak_memory_gib']:.2f} GiB"]
+    for row in result["rows"]:
+        if "adaptive" in row:
+            lines += ["", adaptive_markdown(row["method"], row["adaptive"])]
+    return "\n".join(lines)
+
+
+def adaptive_markdown(method: str, summary: dict) -> str:
+    """What an adaptive row chose (depth: share of the choices, per number of running requests) and how far the
+    step-cost model's predicted forward times were from the measured ones, per bucket of rows."""
+    chosen = "; ".join(f"{n} running: " + " ".join(f"d{d} {c / sum(depths.values()):.0%}" for d, c in depths.items())
+                       for n, depths in summary["chosen_depths"].items())
+    timing = ", ".join(f"<={b['rows_at_most']} rows {b['predicted_ms']:.1f}/{b['measured_ms']:.1f} ms ({b['error']:+.0%})"
+                       for b in summary["step_time"])
+    return f"{method}: chose {chosen or 'nothing'}. Forward predicted/measured: {timing}"

@@ -7,7 +7,7 @@ at depth d belongs in the slot of position (newest) + d, so each accepted node o
 there (none for a chain, whose node i is at depth i + 1). Trees are capped so that they fit in the token budget, the
 free blocks, max_tokens and the context: speculation never causes a preemption. Requests whose sampling depends on
 more than the target's distribution (penalties, biases, logprobs) get no drafts and decode one token per step beside
-the others. With `adaptive`, serving/spec/adaptive.py chooses each request's tree within those caps.
+the others. With `adaptive`, serving/spec_decode/adaptive.py chooses each request's tree within those caps.
 """
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ from serving.drafters import make_drafter
 from serving.drafters.base import DraftBudget
 from serving.request import Request, SamplingParams
 from serving.sampler import target_probs
-from serving.spec.adaptive import AdaptivePolicy, prior
-from serving.spec.config import SpeculativeConfig
-from serving.spec.cost import DraftCost
-from serving.spec.metrics import AcceptanceStats, depths_tried
-from serving.spec.tree import DraftTree
-from serving.spec.verify import verify_greedy, verify_sampled
+from serving.spec_decode.adaptive import AdaptivePolicy, prior
+from serving.spec_decode.config import SpeculativeConfig
+from serving.spec_decode.cost import DraftCost
+from serving.spec_decode.metrics import AcceptanceStats, depths_tried
+from serving.spec_decode.tree import DraftTree
+from serving.spec_decode.verify import verify_greedy, verify_sampled
 
 
 @dataclass

@@ -67,7 +67,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     # any method: choose each step, per request, a tree depth from 0 to num_speculative_tokens (trees scaled to it) that
     # maximises the batch's expected tokens per second, from a step-cost model measured on this device and each
-    # request's own acceptance (serving/spec/adaptive.py). Off by default: a fixed setting is what vLLM and SGLang run
+    # request's own acceptance (serving/spec_decode/adaptive.py). Off by default: a fixed setting is what vLLM and SGLang run
     # and what published numbers use; disable_by_batch_size and confidence_threshold still apply on top.
     adaptive: bool = False
 

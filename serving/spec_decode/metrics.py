@@ -27,7 +27,7 @@ class AcceptanceStats:
             counts.extend([0] * (size - len(counts)))
 
     def record(self, tree, path: list[int], num_emitted: int) -> None:
-        """One verify step: `tree` (a serving.spec.tree.DraftTree) proposed, `path` accepted, `num_emitted` tokens
+        """One verify step: `tree` (a serving.spec_decode.tree.DraftTree) proposed, `path` accepted, `num_emitted` tokens
         kept (fewer than len(path) + 1 where a stop cut them)."""
         depth = tree.depth
         self._grow(depth)

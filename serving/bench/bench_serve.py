@@ -128,7 +128,7 @@ def run(args) -> None:
 
 
 def load_first_turns(source: str, limit: int) -> list[list[dict]]:
-    from serving.prompts import first_turn, load_prompts
+    from serving.bench.prompts import first_turn, load_prompts
 
     return [first_turn(messages) for messages in load_prompts(source, limit)["messages"]]
 
@@ -502,7 +502,7 @@ def serve_and_bench(target: str, speculative_config, *, prompts: str = "mt-bench
     `draftheads serve` options for both (e.g. ["--max-num-seqs", "16"])."""
     spec_json = speculative_config if isinstance(speculative_config, str) else json.dumps(speculative_config)
     if label is None:
-        from serving.spec.config import SpeculativeConfig
+        from serving.spec_decode.config import SpeculativeConfig
 
         label = SpeculativeConfig.from_json(spec_json).label()
     config = BenchServeConfig(prompts=prompts, num_prompts=num_prompts, max_new_tokens=max_new_tokens,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from serving.sampler import sample
-from serving.spec.tree import DraftTree
+from serving.spec_decode.tree import DraftTree
 
 
 def verify_greedy(tree: DraftTree, best: list[int]) -> tuple[list[int], list[int]]:
