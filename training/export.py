@@ -5,27 +5,42 @@ training/formats.py (which `draftheads import` reads the other way):
              SGLang "LlamaForCausalLMEagle"  fc.weight, fc.bias, layers.0.* (no input_layernorm)
     EAGLE-3  both  "LlamaForCausalLMEagle3"  fc.weight, midlayer.* (with hidden_norm), norm, lm_head, d2t, t2d
     Medusa   vLLM  "MedusaModel"             blocks.{i}.layers.{j}.weight/bias, lm_heads.{i}.weight
+    EAGLE-3  speculators "Eagle3Speculator"  fc, layers.0.*, norm, lm_head, d2t, t2d; transformer_layer_config
+    EAGLE-1  speculators "EagleSpeculator"   fusion_fc (fusion_bias), transformer.*; transformer_layer_config
 
-The decoder layer's fused projections are split back into q/k/v_proj and gate/up_proj. Neither engine reads the
+The speculators format (vllm-project/speculators) names the verifier, the target folder (--target), so vLLM serves
+an EAGLE-3 export given as its model: `vllm serve OUT`, draft length from --num-speculative-tokens (its
+--speculative-config may override it). vLLM's EAGLE-1 layer has no fc bias and silently drops one it is given, so
+an EAGLE-1 head with a bias is refused for vLLM (SGLang and speculators keep it). vLLM captures each EAGLE-3 aux
+layer once, in ascending order: the export orders fc's blocks so (adding those of a layer named twice). Every
+export records what wrote it (config.json's "draftheads": version, kind, format), so `draftheads import` reads
+it back without --from. The decoder layer's fused projections are split back into q/k/v_proj and gate/up_proj. Neither engine reads the
 embedding or (EAGLE-1) the LM head from the draft: both share the target's. EAGLE-3's aux layer ids mean the
 input of layer i in this project and in vLLM; SGLang captures the output of layer i, so its file says i - 1.
-A Medusa head trained over a token map keeps it (vLLM's `token_map` tensor and truncated_vocab_size); an EAGLE-1
+A Medusa head sharing the target's LM head over a token map keeps it (vLLM's `token_map` tensor and
+truncated_vocab_size); one with its own LM heads over a map is refused for vLLM, which cannot load those. An EAGLE-1
 head drafts over the whole vocabulary once exported, unless SGLang is given the map's file
 (--speculative-token-map). Neither engine loads MTP modules for a Llama-family target (they read them only
 inside DeepSeek-V3-style checkpoints), and SGLang has no Medusa: those exports are refused. Serve the result with:
 
     vllm serve TARGET --speculative-config '{"method": "eagle3", "model": OUT, "num_speculative_tokens": 4}'
+    vllm serve OUT          (--format speculators: the target is the verifier its config.json names)
     python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 --speculative-draft-model-path OUT
 """
 from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
 
 import heads
 from heads.checkpoint import write_folder
 from heads.token_map import lm_head_rows
 from training.cli import DocHelpFormatter
-from training.formats import LAYOUTS, to_theirs
+from training.formats import LAYOUTS, speculators_config, to_theirs
 
-FORMATS = ("vllm", "sglang")
+FORMATS = ("vllm", "sglang", "speculators")
+WRITER = "draftheads"  # config.json's key naming what wrote an export
 
 
 def add_arguments(parser) -> None:
@@ -34,20 +49,26 @@ def add_arguments(parser) -> None:
     parser.add_argument("--format", choices=FORMATS, required=True, help="the engine that loads the export")
     parser.add_argument("--out", required=True, help="folder to write config.json and model.safetensors to")
     parser.add_argument("--target", default=None,
-                        help="the head's target, read only for a Medusa head sharing its LM head (default: the built-in one)")
+                        help="the head's target, read for a Medusa head sharing its LM head and named as the verifier "
+                             "of a speculators export (default: the built-in one)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+                        help="speculators format: the draft length its config proposes (default: 4)")
 
 
 def run(args) -> int:
     from serving import targets
 
     head = heads.load(args.head)
+    verifier = None
     if (head.config.kind, args.format) == ("medusa", "vllm") and not head.config.own_lm_head:
         folder = targets.resolve(args.target or targets.DEFAULT_TARGET)
         parts = heads.load_target_parts(folder, fingerprint=targets.fingerprint(folder))
         if head.token_map is not None:
             parts.lm_head = lm_head_rows(parts.lm_head, head.token_map)
         head.bind_target(parts)
-    out = export(head, args.format, args.out)
+    if args.format == "speculators":
+        verifier = targets.resolve(args.target or targets.DEFAULT_TARGET)
+    out = export(head, args.format, args.out, verifier=verifier, num_speculative_tokens=args.num_speculative_tokens)
     print(f"wrote the {head.config.kind} head as a {args.format} draft model to {out}")
     if head.config.kind == "eagle" and head.token_map is not None:
         print(f"it was trained to draft among the {len(head.token_map)} tokens of a token map: SGLang drafts among "
@@ -55,23 +76,38 @@ def run(args) -> int:
     return 0
 
 
-def export(head, engine: str, out):
-    """Write `head` (its own tensors; the target's are not needed) to folder `out` for `engine`."""
+def export(head, engine: str, out, *, verifier=None, num_speculative_tokens: int = 4):
+    """Write `head` (its own tensors; the target's are not needed) to folder `out` for `engine`. The speculators
+    format names `verifier`, the target's folder (or hub id), and proposes `num_speculative_tokens` drafts."""
     kind = head.config.kind
     if engine not in FORMATS:
         raise ValueError(f"format {engine!r} is unknown: choose one of {', '.join(FORMATS)}")
     if (kind, engine) not in LAYOUTS:
-        why = ("neither vLLM nor SGLang loads MTP modules for a Llama-family target (they read them only from "
-               "DeepSeek-V3-style checkpoints): serve it with `draftheads bench`" if kind == "mtp" else
-               "SGLang has no Medusa drafter: export it --format vllm")
+        why = {"mtp": "neither vLLM nor SGLang loads MTP modules for a Llama-family target (they read them only from "
+                      "DeepSeek-V3-style checkpoints): serve it with `draftheads bench`",
+               "medusa": "SGLang and the speculators format have no Medusa drafter: export it --format vllm"}[kind]
         raise ValueError(f"cannot export a {kind} head for {engine}: {why}")
     if head.config.qk_norm:
         raise ValueError(f"this {kind} head has q/k norms (a Qwen3 target): the {engine} Llama draft layers have none")
     layout = LAYOUTS[kind, engine]
     tensors = {**to_theirs(layout.names, head.config, layout.exported(head)), **layout.target_values(head)}
-    config = {**llama_config(head.config), "architectures": [layout.architecture], **layout.export_config(head)}
+    if engine == "speculators":
+        if verifier is None:
+            raise ValueError("a speculators export names its verifier: give the target's folder or hub id")
+        config = speculators_config(kind, llama_config(head.config), layout.export_config(head),
+                                    verifier_of(verifier), num_speculative_tokens)
+    else:
+        config = {**llama_config(head.config), "architectures": [layout.architecture], **layout.export_config(head)}
+    config[WRITER] = {"version": importlib.metadata.version("draftheads"), "kind": kind, "format": engine}
     tensors = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in tensors.items()}
     return write_folder(out, config, tensors, {"format": "pt"})
+
+
+def verifier_of(target) -> dict:
+    """The speculators config's verifier: the target's name or folder, and its architectures when a folder."""
+    config = Path(target) / "config.json"
+    architectures = json.loads(config.read_text()).get("architectures", []) if config.is_file() else []
+    return {"name_or_path": str(target), "architectures": architectures}
 
 
 def llama_config(c) -> dict:

@@ -11,11 +11,17 @@ along dim 0 (our decoder layer fuses q/k/v and gate/up).
     eagle3  vllm, sglang LlamaForCausalLMEagle3   fc.weight, midlayer.* (input_layernorm, hidden_norm), norm.weight,
             eagle-repo                            lm_head.weight, d2t, t2d    vllm llama_eagle3.py, EAGLE cnets.py,
                                                                               SpecForge llama3_eagle.py
+    eagle   speculators  EagleSpeculator          fusion_fc.weight/bias (fusion_bias), transformer.*  speculators eagle.py
+    eagle3  speculators  Eagle3Speculator         fc.weight, layers.0.* (input_layernorm, hidden_norm),  speculators
+                                                  norm.weight, lm_head.weight, d2t, t2d              eagle3, vllm
     medusa  vllm         MedusaModel              blocks.{i}.layers.{j}.weight/bias, lm_heads.{i}.weight,  vllm medusa.py
                                                   token_map
             medusa-repo  (medusa_lm_head.*)       medusa_head.{i}.{j}.linear.weight/bias,            FasterDecoding/Medusa
                                                   medusa_head.{i}.{num_layers}.weight                medusa_model.py
 
+The speculators format (vllm-project/speculators, which vLLM loads natively) keeps the Llama layer's settings in
+config.json's `transformer_layer_config` and its own in `speculators_model_type`, `speculators_config` (proposal
+methods, verifier) and per-kind fields; import reads it flattened (speculators_config_fields).
 Their files may also hold tensors of the target (EAGLE's embed_tokens.weight; vLLM Medusa's one shared LM head,
 original_lm_head): an import checks their shapes and leaves them out, since a head reads the target's own.
 EAGLE-3's aux layer ids mean the input of layer i in this project, in vLLM and in the EAGLE repository; SGLang's
@@ -48,6 +54,13 @@ EAGLE: Names = {"fc.weight": "fc.weight", "fc.bias": "fc.bias", **_under("layer.
 EAGLE3: Names = {
     "fc.weight": "fc.weight", "input_norm.weight": "midlayer.input_layernorm.weight",
     "hidden_norm.weight": "midlayer.hidden_norm.weight", **_under("layer.", "midlayer.", LLAMA_LAYER),
+    "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d",
+}
+EAGLE_SPECULATORS: Names = {"fc.weight": "fusion_fc.weight", "fc.bias": "fusion_fc.bias",
+                             **_under("layer.", "transformer.", LLAMA_LAYER)}
+EAGLE3_SPECULATORS: Names = {
+    "fc.weight": "fc.weight", "input_norm.weight": "layers.0.input_layernorm.weight",
+    "hidden_norm.weight": "layers.0.hidden_norm.weight", **_under("layer.", "layers.0.", LLAMA_LAYER),
     "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d",
 }
 MEDUSA_VLLM: Names = {
@@ -163,8 +176,18 @@ def _intermediate(config: dict) -> dict:
 class EagleLayout(Layout):
     def kind_fields(self, config, where):
         _num_layers(config, where)
+        if self.source == "speculators":
+            if config.get("layernorms", False):
+                raise ValueError(f"{where}: layernorms is true (norms after the embedding, the fusion and before the LM "
+                                 "head), which this project's EAGLE-1 head does not have")
+            return {"fc_bias": bool(config.get("fusion_bias", False)), **_intermediate(config)}
         fc_bias = {"vllm": False, "sglang": True}.get(self.source, config.get("bias", True))
         return {"fc_bias": fc_bias, **_intermediate(config)}
+
+    def export_config(self, head):
+        if self.source == "speculators":
+            return {"layernorms": False, "fusion_bias": head.config.fc_bias}
+        return {}
 
     def exported(self, head):
         ours = {name: t for name, t in head.state_dict().items() if name != "token_map"}  # neither engine loads it
@@ -174,12 +197,24 @@ class EagleLayout(Layout):
                 raise ValueError("vLLM's EAGLE-1 layer has no bias on fc, and this head's fc has one: train with "
                                  "--model.init_args.fc_bias false to export for vLLM, or export --format sglang")
             ours.pop("fc.bias", None)
-        elif bias is None:  # SGLang's fc always has a bias and keeps a random one when the file has none
+        elif bias is None and self.source == "sglang":  # SGLang's fc always has a bias, random when the file has none
             ours["fc.bias"] = torch.zeros(head.config.hidden_size)
         return ours
 
     def target_tensors(self, config):
         return {EMBED: (config.vocab_size, config.hidden_size)}
+
+
+CAPTURES_SORTED = ("vllm", "speculators")  # capture each aux layer once, ascending (vLLM's model runner does)
+
+
+def sorted_aux(head) -> tuple[list[int], torch.Tensor]:
+    """EAGLE-3's aux layer ids ascending and distinct, as vLLM captures them, and the fc that reads them so: its
+    column blocks reordered, those of a layer named twice added (fc is linear, so the head computes the same)."""
+    layers = sorted(set(head.config.aux_layers))
+    blocks = head.fc.weight.detach().chunk(len(head.config.aux_layers), dim=1)
+    fused = [sum(block for i, block in zip(head.config.aux_layers, blocks) if i == layer) for layer in layers]
+    return layers, torch.cat(fused, dim=1)
 
 
 class Eagle3Layout(Layout):
@@ -189,6 +224,12 @@ class Eagle3Layout(Layout):
         if hidden != config.get("hidden_size"):
             raise ValueError(f"{where}: target_hidden_size {hidden} differs from hidden_size {config.get('hidden_size')}: "
                              "this project's EAGLE-3 heads share the target's hidden size")
+        if self.source == "speculators":
+            for name, ours in (("norm_before_residual", False), ("norm_before_fc", False), ("fc_norm", False),
+                               ("norm_output", False)):
+                if config.get(name, ours) != ours:
+                    raise ValueError(f"{where}: {name} is {config[name]}, but this project's EAGLE-3 head has "
+                                     f"{name} {str(ours).lower()} (g is the residual stream, un-normed)")
         eagle = config.get("eagle_config") or {}
         layers = eagle.get("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids")) or []
         if self.source == "sglang":
@@ -198,14 +239,28 @@ class Eagle3Layout(Layout):
             fields["draft_vocab_size"] = config["draft_vocab_size"]
         return fields
 
+    def exported(self, head):
+        ours = head.state_dict()
+        if self.source in CAPTURES_SORTED:
+            ours["fc.weight"] = sorted_aux(head)[1]
+        return ours
+
     def export_config(self, head):
         c = head.config
-        layers = list(c.aux_layers)
+        layers = list(sorted_aux(head)[0] if self.source in CAPTURES_SORTED else c.aux_layers)
         if self.source == "sglang":
             if min(layers) < 1:
                 raise ValueError(f"aux layer 0 (the embeddings) cannot be named for SGLang, which captures the "
                                  f"output of the layer it is given: train with aux layers >= 1 (got {layers})")
             layers = [i - 1 for i in layers]
+        if self.source == "speculators":
+            if len(layers) != len(c.aux_layers):
+                raise ValueError(f"aux layers {list(c.aux_layers)} name a layer twice, and the speculators format "
+                                 "sizes fc by the distinct layers it captures: export --format vllm (it adds the "
+                                 "repeated layer's fc blocks), or train with distinct aux layers")
+            return {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size,
+                    "eagle_aux_hidden_state_layer_ids": layers, "norm_before_residual": False,
+                    "norm_before_fc": False}
         return {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size,
                 "eagle_aux_hidden_state_layer_ids": layers,
                 "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": layers}}
@@ -232,6 +287,18 @@ class MedusaLayout(Layout):
                 "truncated_vocab_size": c.token_map_size or c.vocab_size, "medusa_fc_bias": True,
                 "original_lm_head": not c.own_lm_head}
 
+    def exported(self, head):
+        c = head.config
+        if self.source == "vllm" and c.own_lm_head and c.token_map_size:
+            # vLLM sizes each own LM head by the whole vocabulary and cuts a file's rows down to the map's before
+            # loading them, so neither the map's rows nor the whole vocabulary's load (its weight loader asserts
+            # the vocabulary size); rows outside the map cannot be made to lose the argmax either.
+            raise ValueError(f"this Medusa head has its own LM heads over a token map of {c.token_map_size} tokens, "
+                             "which vLLM cannot load (it loads own LM heads only over the whole vocabulary): train "
+                             "it with --model.init_args.own_lm_head false (vLLM reads the target's LM head over the "
+                             "map) or without --model.init_args.token_map")
+        return head.state_dict()
+
     def target_tensors(self, config):
         if self.source == "vllm" and not config.own_lm_head:  # vLLM reads the shared LM head from the file
             return {"lm_heads.0.weight": (config.token_map_size or config.vocab_size, config.hidden_size)}
@@ -243,6 +310,29 @@ class MedusaLayout(Layout):
         return {}
 
 
+SPECULATORS_KINDS = {"eagle": "eagle", "eagle3": "eagle3"}  # speculators_model_type -> our kind
+SPECULATORS_ARCHITECTURES = {"eagle": "EagleSpeculator", "eagle3": "Eagle3Speculator"}
+
+
+def speculators_config(kind: str, layer_config: dict, kind_fields: dict, verifier: dict,
+                       num_speculative_tokens: int) -> dict:
+    """config.json of the speculators format: the Llama layer's settings nested, the kind's own fields beside them,
+    the greedy proposal of `num_speculative_tokens` and the verifier (`name_or_path`, `architectures`), which
+    vLLM serves when given the export as its model."""
+    return {"speculators_model_type": kind, "architectures": [SPECULATORS_ARCHITECTURES[kind]],
+            "transformer_layer_config": layer_config, **kind_fields,
+            "speculators_config": {"algorithm": kind, "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy",
+                                                         "speculative_tokens": num_speculative_tokens}],
+                                   "verifier": verifier}}
+
+
+def speculators_config_fields(config: dict) -> dict:
+    """A speculators config.json flattened as the other layouts' are: the Llama layer's settings beside the kind's."""
+    return {**config["transformer_layer_config"],
+            **{key: value for key, value in config.items() if key != "transformer_layer_config"}}
+
+
 LAYOUTS: dict[tuple[str, str], Layout] = {
     ("eagle", "vllm"): EagleLayout("eagle", "vllm", "EagleLlamaForCausalLM", EAGLE),
     ("eagle", "sglang"): EagleLayout("eagle", "sglang", "LlamaForCausalLMEagle", EAGLE),
@@ -250,6 +340,8 @@ LAYOUTS: dict[tuple[str, str], Layout] = {
     ("eagle3", "vllm"): Eagle3Layout("eagle3", "vllm", "LlamaForCausalLMEagle3", EAGLE3),
     ("eagle3", "sglang"): Eagle3Layout("eagle3", "sglang", "LlamaForCausalLMEagle3", EAGLE3),
     ("eagle3", "eagle-repo"): Eagle3Layout("eagle3", "eagle-repo", "LlamaForCausalLMEagle3", EAGLE3),
+    ("eagle", "speculators"): EagleLayout("eagle", "speculators", "EagleSpeculator", EAGLE_SPECULATORS),
+    ("eagle3", "speculators"): Eagle3Layout("eagle3", "speculators", "Eagle3Speculator", EAGLE3_SPECULATORS),
     ("medusa", "vllm"): MedusaLayout("medusa", "vllm", "MedusaModel", MEDUSA_VLLM),
     ("medusa", "medusa-repo"): MedusaLayout("medusa", "medusa-repo", None, MEDUSA_REPO),
 }

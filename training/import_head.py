@@ -6,7 +6,8 @@ read through the same name maps `draftheads export` writes with (training/format
 
 SRC is a local folder (a downloaded hub repository) with config.json and the weights (*.safetensors, else
 pytorch_model.bin, or Medusa's medusa_lm_head.safetensors / .pt, which hold MedusaModel.medusa_head's tensors).
---from is read from config.json when not given: its architecture (EagleLlamaForCausalLM: vllm,
+--from is read from config.json when not given: what wrote it when `draftheads export` did (its "draftheads" key),
+the speculators format's speculators_model_type, else its architecture (EagleLlamaForCausalLM: vllm,
 LlamaForCausalLMEagle: sglang, LlamaForCausalLM: eagle-repo, LlamaForCausalLMEagle3: vllm, MedusaModel: vllm) or
 Medusa's medusa_num_heads (medusa-repo). An EAGLE-3 file that names its aux layers needs --from, since SGLang
 numbers them one lower than vLLM and the EAGLE repository.
@@ -32,13 +33,15 @@ from heads.checkpoint import HEADS
 from heads.draft_head import DraftHead
 from heads.token_map import check_token_ids, lm_head_rows
 from training.cli import DocHelpFormatter
-from training.formats import LAYOUTS, SOURCES, Layout, to_ours
+from training.formats import LAYOUTS, SOURCES, Layout, speculators_config_fields, to_ours
 
 KINDS = ("eagle", "eagle3", "medusa")
 SOURCE_OF = {"EagleLlamaForCausalLM": "vllm", "LlamaForCausalLMEagle": "sglang", "LlamaForCausalLM": "eagle-repo",
-             "LlamaForCausalLMEagle3": "vllm", "MedusaModel": "vllm"}
+             "LlamaForCausalLMEagle3": "vllm", "MedusaModel": "vllm", "EagleSpeculator": "speculators",
+             "Eagle3Speculator": "speculators"}
 KIND_OF = {"EagleLlamaForCausalLM": "eagle", "LlamaForCausalLMEagle": "eagle", "LlamaForCausalLMEagle3": "eagle3",
-           "MedusaModel": "medusa"}
+           "MedusaModel": "medusa", "EagleSpeculator": "eagle", "Eagle3Speculator": "eagle3"}
+WRITER = "draftheads"  # what `draftheads export` records in config.json: version, kind, format
 TORCH_FILES = ("pytorch_model.bin", "medusa_lm_head.pt")
 MEDUSA_FILE = "medusa_lm_head"  # its tensors are MedusaModel.medusa_head's, named from inside it
 SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
@@ -72,6 +75,8 @@ def import_head(src, kind: str, target, source: str | None = None) -> tuple[Draf
     src = Path(src)
     config = _read_config(src)
     layout = _layout(config, kind, source, src)
+    if layout.source == "speculators":
+        config = speculators_config_fields(config)
     folder = targets.resolve(target)
     parts = heads.load_target_parts(folder, fingerprint=targets.fingerprint(folder))
     where = f"{src} ({layout.source} {kind} layout)"
@@ -118,9 +123,17 @@ def _layout(config: dict, kind: str, source: str | None, src: Path) -> Layout:
     named = KIND_OF.get(architecture)
     if named is not None and named != kind:
         raise ValueError(f"{src}/config.json names {architecture} (kind {named}): import it with --format {named}")
+    written = config.get(WRITER)
+    if isinstance(written, dict) and written.get("kind") not in (None, kind):
+        raise ValueError(f"{src} is a {written['kind']} head exported by draftheads: import it with --format "
+                         f"{written['kind']}")
     if source is None:
         eagle3_ids = "eagle_aux_hidden_state_layer_ids"
-        if "medusa_num_heads" in config:
+        if isinstance(written, dict) and written.get("format") in SOURCES:
+            source = written["format"]
+        elif "speculators_model_type" in config:
+            source = "speculators"
+        elif "medusa_num_heads" in config:
             source = "medusa-repo"
         elif architecture == "LlamaForCausalLMEagle3" and (eagle3_ids in config or eagle3_ids in (config.get("eagle_config") or {})):
             raise ValueError(f"{src}/config.json names EAGLE-3 aux layers, which SGLang numbers one lower than vLLM and "

@@ -90,14 +90,19 @@ def test_eagle3_export_runs_in_a_llama_layer_as_ours(engine, tiny_llama, tmp_pat
     config, tensors = read(exporting.export(head, engine, tmp_path / "out"))
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["draft_vocab_size"] == head.config.draft_vocab_size
-    expected_ids = [i - (engine == "sglang") for i in head.config.aux_layers]  # SGLang names the layer before
+    # vLLM captures each aux layer once, ascending: the 4-layer target's default (2, 2, 1) reads as [1, 2], fc's
+    # blocks reordered and layer 2's two added. SGLang names the layer before each.
+    layers = sorted(set(head.config.aux_layers)) if engine == "vllm" else list(head.config.aux_layers)
+    expected_ids = [i - (engine == "sglang") for i in layers]
+    assert head.config.aux_layers == (2, 2, 1)
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == expected_ids
     h = parts.hidden_size
     ids, aux, positions = inputs(parts, seed=4, width=len(head.config.aux_layers) * h)
+    by_layer = dict(zip(head.config.aux_layers, aux.chunk(len(head.config.aux_layers), dim=-1)))
     with torch.no_grad():
-        ours_out = head(ids, head.fuse(aux), positions, DenseCausalAttention())
+        ours_out = head(ids, head.fuse([by_layer[i] for i in head.config.aux_layers]), positions, DenseCausalAttention())
         ours = head.to_target_ids(head.logits(ours_out).argmax(-1))
-        g = aux @ tensors["fc.weight"].T
+        g = torch.cat([by_layer[i] for i in layers], dim=-1) @ tensors["fc.weight"].T
         norm = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config["rms_norm_eps"]) * w
         attention_input = torch.cat([norm(parts.embed(ids), tensors["midlayer.input_layernorm.weight"]),
                                      norm(g, tensors["midlayer.hidden_norm.weight"])], dim=-1)
@@ -136,7 +141,7 @@ def test_exports_neither_engine_loads_are_clear_errors(tiny_llama, tmp_path):
     parts = heads.load_target_parts(tiny_llama)
     with pytest.raises(ValueError, match="cannot export a mtp head for vllm: neither vLLM nor SGLang loads MTP"):
         exporting.export(heads.Mtp.from_target(parts), "vllm", tmp_path / "mtp")
-    with pytest.raises(ValueError, match="SGLang has no Medusa drafter: export it --format vllm"):
+    with pytest.raises(ValueError, match="SGLang and the speculators format have no Medusa drafter: export it --format vllm"):
         exporting.export(heads.Medusa.from_target(parts), "sglang", tmp_path / "medusa")
     biased = perturbed(heads.Eagle.from_target(parts), seed=7)
     with pytest.raises(ValueError, match="train with --model.init_args.fc_bias false"):
@@ -162,7 +167,19 @@ def test_the_cli_exports_a_saved_head(tiny_llama, tmp_path, capsys):
     assert not (tmp_path / "other").exists()
 
 
-@pytest.mark.parametrize("own_lm_head", [False, True])
+def test_a_medusa_head_with_its_own_lm_heads_over_a_token_map_is_refused_for_vllm(tiny_llama, tmp_path):
+    """vLLM 0.32 sizes own LM heads by the whole vocabulary and cuts a file's rows to the map's before loading, so
+    it loads neither (assert loaded_weight.shape[output_dim] == self.org_vocab_size)."""
+    parts = heads.load_target_parts(tiny_llama)
+    token_map = torch.arange(40)
+    parts.lm_head = lm_head_rows(parts.lm_head, token_map)
+    head = heads.Medusa.from_target(parts, token_map, num_heads=2, own_lm_head=True)
+    with pytest.raises(ValueError, match="which vLLM cannot load.*--model.init_args.own_lm_head false"):
+        exporting.export(head, "vllm", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("own_lm_head", [False])
 def test_a_medusa_head_over_a_token_map_exports_it_as_vllm_reads_it(own_lm_head, tiny_llama, tmp_path, capsys):
     """vLLM's Medusa with truncated_vocab_size < vocab_size reads the `token_map` tensor and scatters each head's
     logits over the map's rows into the whole vocabulary (-inf elsewhere)."""

@@ -26,6 +26,7 @@ H, I, Q, KV, VOCAB = 64, 128, 64, 32, 256  # the conftest targets: hidden, MLP, 
 CASES = {  # case: (kind, layout)
     "eagle-vllm": ("eagle", "vllm"), "eagle-sglang": ("eagle", "sglang"), "eagle3-vllm": ("eagle3", "vllm"),
     "eagle3-sglang": ("eagle3", "sglang"), "medusa-token-map": ("medusa", "vllm"), "medusa-own": ("medusa", "vllm"),
+    "eagle-speculators": ("eagle", "speculators"), "eagle3-speculators": ("eagle3", "speculators"),
 }
 
 
@@ -48,7 +49,7 @@ def new_head(case: str, folder):
     parts = target_parts(folder)
     if case == "eagle-vllm":
         return perturbed(heads.Eagle.from_target(parts, fc_bias=False), 1)
-    if case == "eagle-sglang":
+    if case in ("eagle-sglang", "eagle-speculators"):  # speculators keeps fc's bias (its fusion_bias, HASS)
         return perturbed(heads.Eagle.from_target(parts), 2)
     if case.startswith("eagle3"):
         ids = torch.arange(1, VOCAB, 3)
@@ -77,10 +78,13 @@ def assert_same_head(imported, original) -> None:
 
 @pytest.mark.parametrize("case", CASES)
 def test_an_export_imports_back_into_the_same_head(case, tiny_llama, tmp_path, capsys):
+    """Without --from: the export says what wrote it."""
     kind, layout = CASES[case]
     head = new_head(case, tiny_llama)
-    exported = export(head, layout, tmp_path / "exported")
-    assert cli_main(import_args(exported, kind, tiny_llama, tmp_path / "back", "--from", layout)) == 0
+    exported = export(head, layout, tmp_path / "exported", verifier=tiny_llama)
+    written = json.loads((exported / "config.json").read_text())["draftheads"]
+    assert (written["kind"], written["format"]) == (kind, layout) and written["version"]
+    assert cli_main(import_args(exported, kind, tiny_llama, tmp_path / "back")) == 0
     assert f"wrote the {layout} {kind} head" in capsys.readouterr().out
     imported = heads.load(tmp_path / "back", targets.fingerprint(tiny_llama))
     assert_same_head(imported, head)
@@ -251,7 +255,11 @@ def test_a_checkpoint_that_does_not_fit_is_a_clear_error_naming_what(change, mes
 
 
 def test_eagle3_aux_layer_ids_need_the_engine_they_were_written_for(tiny_llama, tmp_path, capsys):
+    """A published EAGLE-3 file (no "draftheads" key: nothing says which engine it was written for)."""
     exported = export(new_head("eagle3-sglang", tiny_llama), "sglang", tmp_path / "exported")
+    config = json.loads((exported / "config.json").read_text())
+    del config["draftheads"]
+    (exported / "config.json").write_text(json.dumps(config))
     assert cli_main(import_args(exported, "eagle3", tiny_llama, tmp_path / "head")) == 2
     assert "SGLang numbers one lower than vLLM" in capsys.readouterr().err
     assert cli_main(import_args(exported, "eagle3", tiny_llama, tmp_path / "head", "--from", "vllm")) == 0
@@ -301,3 +309,35 @@ def test_a_fit_refuses_a_head_folder_of_another_kind_shape_or_target(debug_store
         with pytest.raises(ValueError, match=re.escape(message)):
             cli.trainer.fit(cli.model, cli.datamodule)
         assert cli.trainer.global_step == 0
+
+
+def test_a_speculators_export_has_the_fields_vllms_loader_reads(tiny_llama, tmp_path):
+    """vLLM's SpeculatorsConfig: speculators_model_type, speculators_config (proposal_methods[0].speculative_tokens,
+    verifier.name_or_path) and transformer_layer_config; EAGLE-3's residual is g itself (norm_before_residual false,
+    which vLLM defaults to true for this format)."""
+    head = new_head("eagle3-speculators", tiny_llama)
+    config = json.loads((export(head, "speculators", tmp_path / "out", verifier=tiny_llama,
+                                num_speculative_tokens=3) / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["architectures"] == ["Eagle3Speculator"]
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert config["speculators_config"]["verifier"] == {"name_or_path": str(tiny_llama),
+                                                         "architectures": ["LlamaForCausalLM"]}
+    assert config["transformer_layer_config"]["hidden_size"] == H and "hidden_size" not in config
+    assert config["norm_before_residual"] is False and config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    stored = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert "layers.0.hidden_norm.weight" in stored and "fc.weight" in stored
+    eagle = export(new_head("eagle-speculators", tiny_llama), "speculators", tmp_path / "eagle", verifier=tiny_llama)
+    config = json.loads((eagle / "config.json").read_text())
+    assert (config["speculators_model_type"], config["fusion_bias"], config["layernorms"]) == ("eagle", True, False)
+    assert {"fusion_fc.weight", "fusion_fc.bias", "transformer.mlp.down_proj.weight"} <= load_file(
+        str(eagle / "model.safetensors")).keys()
+
+
+def test_a_speculators_eagle3_with_a_normed_residual_is_refused(tiny_llama, tmp_path, capsys):
+    exported = export(new_head("eagle3-speculators", tiny_llama), "speculators", tmp_path / "out", verifier=tiny_llama)
+    config = json.loads((exported / "config.json").read_text())
+    config["norm_before_residual"] = True
+    (exported / "config.json").write_text(json.dumps(config))
+    assert cli_main(import_args(exported, "eagle3", tiny_llama, tmp_path / "head")) == 2
+    assert "norm_before_residual is True, but this project's EAGLE-3 head has norm_before_residual false" in (
+        capsys.readouterr().err)
