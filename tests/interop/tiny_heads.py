@@ -1,0 +1,60 @@
+"""A tiny target vLLM serves and heads of each kind briefly trained on it, for the interop tests: the "chaotic"
+target of tests/training (hidden 128, untied, larger init, the default target's tokenizer), whose greedy answers
+differ per prompt and never settle, so a head drafts well only where it learned them."""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from serving.targets import DEFAULT_TARGET, build_tiny_model, resolve
+from training.data.generate import GenerateConfig, generate
+from training.fit import build_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+NUM_PROMPTS, MAX_NEW_TOKENS = 8, 24
+# Per kind: fit overrides and optimizer steps (those of tests/training/test_fit.py's overfit test, which reach tau
+# above 1.6 on this target). EAGLE-1's fc has no bias: vLLM's has none (and drops one it is given).
+FIT = {
+    "medusa": ["--model.init_args.learning_rate=1e-2", "--trainer.max_steps=24"],
+    "eagle": ["--model.init_args.learning_rate=1e-2", "--model.init_args.noise=0", "--model.init_args.fc_bias=false",
+              "--trainer.max_steps=40"],
+    "eagle3": ["--model.init_args.learning_rate=1e-2", "--model.init_args.num_steps=4",
+               "--model.init_args.draft_vocab_size=512", "--trainer.max_steps=40"],
+}
+
+
+def prompts(num: int = NUM_PROMPTS) -> list[list[dict]]:
+    return [[{"role": "user", "content": f"Write a short note about topic number {i}."}] for i in range(num)]
+
+
+def chaotic_target(folder: Path) -> Path:
+    if not (folder / "config.json").is_file():
+        build_tiny_model(folder, "llama", tokenizer_from=resolve(DEFAULT_TARGET), hidden_size=128,
+                         intermediate_size=256, max_position_embeddings=8192, tie_word_embeddings=False,
+                         initializer_range=0.1)
+    return folder
+
+
+def store(target: Path, folder: Path) -> Path:
+    """The target's greedy answers to prompts() with its hidden states."""
+    folder.mkdir(parents=True, exist_ok=True)
+    source = folder / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"id": f"p{i}", "messages": m}) + "\n" for i, m in enumerate(prompts())))
+    generate(GenerateConfig(prompts=str(source), out=str(folder / "store"), target=str(target),
+                            max_new_tokens=MAX_NEW_TOKENS, concurrency=NUM_PROMPTS, shard_size=8), progress=False)
+    return folder / "store"
+
+
+def train(kind: str, target: Path, store_folder: Path, root: Path) -> Path:
+    """A head of `kind` fitted briefly on the store; its folder (runs/<kind>/heads/last under `root`)."""
+    args = ["-c", str(ROOT / "configs" / f"{kind}.yaml"), f"--model.init_args.target={target}",
+            f"--data.store={store_folder}", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false", "--trainer.max_epochs=-1", "--data.batch_size=8",
+            "--model.init_args.warmup_steps=2", "--trainer.check_val_every_n_epoch=1000",
+            "--trainer.num_sanity_val_steps=0", *FIT[kind]]
+    root.mkdir(parents=True, exist_ok=True)
+    with contextlib.chdir(root):
+        cli = build_cli(args, run=False)
+        cli.trainer.fit(cli.model, cli.datamodule)
+    return root / "runs" / kind / "heads" / "last"
