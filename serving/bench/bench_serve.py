@@ -366,16 +366,16 @@ def to_markdown(report: dict) -> str:
              f"{report['max_new_tokens']} new tokens, temperature {report['temperature']}, request rate {rate} "
              f"(seed {report['seed']}), max concurrency {report['max_concurrency'] or 'unlimited'}", "",
              "| server | done | req/s | out tok/s | TTFT ms mean / median / p99 | TPOT ms | ITL ms | E2E ms | "
-             "accept rate | tau |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "accept rate | tau | MAL |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         cells = [" / ".join("-" if v is None else f"{v:.1f}" for v in run["latency_ms"][name].values())
                  for name in LATENCIES]
         accepted = run["acceptance"] or {}
         rate_cell = _fmt(accepted.get("acceptance_rate"), ".2f")
-        tau = _fmt(accepted.get("tau", accepted.get("mean_acceptance_length")), ".2f")
+        tau, mal = _fmt(accepted.get("tau"), ".2f"), _fmt(accepted.get("mean_acceptance_length"), ".2f")
         lines.append(f"| {run['label']} | {run['num_completed']}/{run['num_requests']} | "
                      f"{run['request_throughput']:.2f} | {run['output_throughput']:.1f} | {' | '.join(cells)} | "
-                     f"{rate_cell} | {tau} |")
+                     f"{rate_cell} | {tau} | {mal} |")
     if "ratios" in report:
         r = report["ratios"]
         first, second = (run["label"] for run in report["runs"])
@@ -386,8 +386,8 @@ def to_markdown(report: dict) -> str:
     for run in report["runs"]:
         if run["num_failed"]:
             lines += ["", f"{run['label']}: {run['num_failed']} requests failed, the first with: {run['first_error']}"]
-    lines += ["", "tau: tokens per verify step (this project's servers), else vLLM's mean acceptance length "
-              "1 + accepted / drafts"]
+    lines += ["", "tau: tokens per verify step (this project's servers count them); MAL: vLLM's mean acceptance "
+              "length, 1 + accepted / drafts (both servers; SGLang's accept length)"]
     return "\n".join(lines)
 
 

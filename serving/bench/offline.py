@@ -57,7 +57,7 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
                "tokens_per_s": num_tokens / elapsed, "num_tokens": num_tokens, "seconds": elapsed}
         if config is None:
             plain_rate = row["tokens_per_s"]
-            row.update(tau=1.0, acceptance_rate=None, rows_per_step=1.0, per_position=[], speedup=1.0,
+            row.update(tau=1.0, mean_acceptance_length=1.0, acceptance_rate=None, rows_per_step=1.0, per_position=[], speedup=1.0,
                        identical_to_plain=True)
         else:
             stats, per_category = AcceptanceStats(), {}
@@ -67,7 +67,8 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
                 stats.merge(request_stats)
                 per_category.setdefault(category, AcceptanceStats()).merge(request_stats)
             summary = stats.to_dict()
-            row.update(tau=summary["tau"], acceptance_rate=summary["acceptance_rate"], rows_per_step=summary["rows_per_step"],
+            row.update(tau=summary["tau"], mean_acceptance_length=summary["mean_acceptance_length"],
+                       acceptance_rate=summary["acceptance_rate"], rows_per_step=summary["rows_per_step"],
                        per_position=summary["per_position"],
                        speedup=row["tokens_per_s"] / plain_rate,
                        identical_to_plain=all(a.token_ids == b.token_ids for a, b in zip(method_outputs, plain_outputs)),

@@ -31,7 +31,8 @@ def write_report(results: list[dict], out: str | Path, run_name: str) -> list[Pa
 def summary_rows(results: list[dict]) -> list[dict]:
     """One row per setting and method; speedup is over plain decoding in the same setting (run_bench's)."""
     return [{"prompts": result["prompts"], "num_prompts": result["num_prompts"], "temperature": result["temperature"],
-             "concurrency": result["concurrency"], "method": row["method"], "tau": row["tau"], "speedup": row["speedup"],
+             "concurrency": result["concurrency"], "method": row["method"], "tau": row["tau"],
+             "mean_acceptance_length": row.get("mean_acceptance_length"), "speedup": row["speedup"],
              "rows_per_step": row["rows_per_step"], "identical_to_plain": row["identical_to_plain"],
              "tokens_per_s": row["tokens_per_s"]}
             for result in results for row in result["rows"]]
@@ -41,12 +42,12 @@ def summary_markdown(results: list[dict]) -> str:
     lines = [f"target {r['target']} | {r['max_new_tokens']} new tokens | {r['dtype']} on {r['device']}, {r['threads']} "
              "threads | speedup: over plain decoding in the same setting | identical: greedy outputs equal plain "
              "decoding's" for r in results[:1]]
-    lines += ["", "| prompts | temperature | concurrency | method | tau | speedup | rows/step | identical | tokens/s |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| prompts | temperature | concurrency | method | tau | MAL | speedup | rows/step | identical | tokens/s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in summary_rows(results):
         identical = {True: "yes", False: "NO", None: "n/a"}[row["identical_to_plain"]]
         lines.append(f"| {row['prompts']} ({row['num_prompts']}) | {row['temperature']:g} | {row['concurrency']} | "
-                     f"{row['method']} | {row['tau']:.2f} | {row['speedup']:.2f}x | {row['rows_per_step']:.2f} | "
+                     f"{row['method']} | {row['tau']:.2f} | {mal(row)} | {row['speedup']:.2f}x | {row['rows_per_step']:.2f} | "
                      f"{identical} | {row['tokens_per_s']:.1f} |")
     return "\n".join(lines)
 
@@ -162,19 +163,21 @@ def to_markdown(result: dict) -> str:
     lines = [f"target {result['target']} | {result['num_prompts']} prompts x {result['max_new_tokens']} tokens | "
              f"concurrency {result['concurrency']} | temperature {result['temperature']} | {result['dtype']} on "
              f"{result.get('device', 'cpu')}, {result['threads']} threads", "",
-             "| method | k | tau | accept rate | rows/step | per-depth conditional | tokens/s | speedup |"
+             "| method | k | tau | MAL | accept rate | rows/step | per-depth conditional | tokens/s | speedup |"
              + (" vs generate |" if has_hf else "") + " identical |",
-             "|---|---|---|---|---|---|---|---|" + ("---|" if has_hf else "") + "---|"]
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if has_hf else "") + "---|"]
     for row in result["rows"]:
         conditional = " ".join(f"{p['conditional']:.2f}" for p in row["per_position"]) or "-"
         rate = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.2f}"
         identical = {True: "yes", False: "NO", None: "n/a"}[row["identical_to_plain"]]
         vs_hf = f" {row['speed_vs_hf']:.2f}x |" if has_hf else ""
-        lines.append(f"| {row['method']} | {row['num_speculative_tokens'] or '-'} | {row['tau']:.2f} | {rate} | "
+        lines.append(f"| {row['method']} | {row['num_speculative_tokens'] or '-'} | {row['tau']:.2f} | {mal(row)} | {rate} | "
                      f"{row.get('rows_per_step', 1.0):.2f} | {conditional} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x |{vs_hf} {identical} |")
     if has_hf:
         lines += ["", f"transformers generate: {result['hf_tokens_per_s']:.1f} tokens/s; engine plain / transformers = "
                   f"{result['speed_vs_hf']:.2f}x; identical to transformers: {result['identical_to_hf']}"]
+    lines += ["", "tau: tokens per verify step; MAL: vLLM's mean acceptance length, 1 + accepted / drafts (steps that "
+              "drafted)"]
     lines += ["", f"bandwidth floor: {result['weight_bytes'] / 1e6:.0f} MB of weights at {result['copy_bandwidth_gbs']:.1f} GB/s "
               f"= {result['step_floor_ms']:.1f} ms per step; plain decoding takes {result['plain_step_ms']:.1f} ms per token "
               f"per sequence; peak memory {result['peak_memory_gib']:.2f} GiB"]
@@ -182,6 +185,13 @@ def to_markdown(result: dict) -> str:
         if "adaptive" in row:
             lines += ["", adaptive_markdown(row["method"], row["adaptive"])]
     return "\n".join(lines)
+
+
+def mal(row: dict) -> str:
+    """vLLM's mean acceptance length, 1 + accepted / drafts, beside tau (tokens per verify step); '-' in results
+    written before it was recorded."""
+    value = row.get("mean_acceptance_length")
+    return "-" if value is None else f"{value:.2f}"
 
 
 def adaptive_markdown(method: str, summary: dict) -> str:

@@ -58,6 +58,12 @@ class AcceptanceStats:
         return self.num_emitted / self.num_steps if self.num_steps else 0.0
 
     @property
+    def mean_acceptance_length(self) -> float:
+        """vLLM's mean acceptance length, 1 + accepted / drafts: tokens per drafting step (tau counts every verify
+        step, drafted for or not, and tokens a stop cut off as not emitted)."""
+        return 1 + sum(self.accepted) / self.num_drafts if self.num_drafts else 1.0
+
+    @property
     def acceptance_rate(self) -> float:
         return sum(self.accepted) / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
@@ -96,6 +102,7 @@ class AcceptanceStats:
         """The summary, with vLLM's metric names where the meaning matches."""
         return {
             "tau": self.tau,
+            "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_rate": self.acceptance_rate,
             "rows_per_step": self.rows_per_step,
             "num_verify_steps": self.num_steps,

@@ -6,12 +6,12 @@ import os
 
 import pytest
 
-import vllm_server
+from serving.bench import vllm_process
 
 
 @pytest.fixture(scope="session")
 def vllm_available():
-    reason = vllm_server.missing_reason()
+    reason = vllm_process.missing_reason()
     if reason is not None:
         if os.environ.get("CI"):
             pytest.fail(reason, pytrace=False)

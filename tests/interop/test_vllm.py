@@ -7,16 +7,21 @@ plain decoding), and so must the accepted drafts per position and the number of 
 One vLLM start per served head (about a minute each on 2 cores); the slowest part is that start."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import heads
 import tiny_heads
+from serving.bench.bench_serve import BenchServeConfig, arrival_times, load_first_turns, make_report, measure, to_markdown
 from serving.engine import Engine
 from serving.request import SamplingParams
 from training import export as exporting
-from vllm_server import VllmServer
+from training.data.generate import GenerateConfig, generate
+from training.data.store import Store
+from serving.bench.vllm_process import VllmServer
 
 pytestmark = pytest.mark.usefixtures("vllm_available")
 
@@ -79,19 +84,26 @@ def ours(target, spec: dict | None, prompt_ids) -> tuple[list[list[int]], dict |
     return outputs, counts
 
 
-def theirs(server: VllmServer, prompt_ids) -> tuple[list[list[int]], dict]:
-    """vLLM: the outputs of the prompts sent one at a time, and the counters its /metrics grew by."""
-    outputs = [server.complete(ids, MAX_TOKENS) for ids in prompt_ids]
-    counters = {}
+def spec_counters(server: VllmServer) -> dict:
+    """vLLM's drafting steps and accepted tokens per position so far, from /metrics."""
+    counters, per_position = {"num_drafts": 0}, {}
     for family in text_string_to_metric_families(server.metrics()):
         for sample in family.samples:
             if sample.name == "vllm:spec_decode_num_drafts_total":
                 counters["num_drafts"] = int(sample.value)
             if sample.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-                counters.setdefault("per_position", {})[int(sample.labels["position"])] = int(sample.value)
-    per_position = counters.pop("per_position", {})
-    counters["accepted"] = [per_position[i] for i in sorted(per_position)]
-    return outputs, counters
+                per_position[int(sample.labels["position"])] = int(sample.value)
+    counters["accepted"] = [per_position.get(i, 0) for i in range(K)]
+    return counters
+
+
+def theirs(server: VllmServer, prompt_ids) -> tuple[list[list[int]], dict]:
+    """vLLM: the outputs of the prompts sent one at a time, and what its counters grew by meanwhile."""
+    before = spec_counters(server)
+    outputs = [server.complete(ids, MAX_TOKENS) for ids in prompt_ids]
+    after = spec_counters(server)
+    return outputs, {"num_drafts": after["num_drafts"] - before["num_drafts"],
+                     "accepted": [a - b for a, b in zip(after["accepted"], before["accepted"])]}
 
 
 @pytest.fixture(scope="module")
@@ -106,15 +118,84 @@ def export_for_vllm(kind, folder, target, out):
     return exporting.export(head, "vllm", out)
 
 
+def compare(target, trained, spec, server, prompt_ids, plain) -> None:
+    our_outputs, our_counts = ours(target, {**spec, "model": str(trained), "draft_weights": "float32"}, prompt_ids)
+    their_outputs, their_counts = theirs(server, prompt_ids)
+    assert our_outputs == plain
+    assert their_outputs == plain, "vLLM's speculative outputs differ from plain greedy decoding"
+    assert sum(our_counts["accepted"]) > 0, f"the {spec['method']} head accepts nothing: the comparison would prove little"
+    assert their_counts == our_counts
+
+
+@pytest.fixture(scope="module")
+def speculators_server(workspace):
+    """vLLM serving the EAGLE-3 head's speculators export as its model, as vLLM's docs serve speculators: the
+    target is the verifier its config.json names, the draft length the one it proposes."""
+    root, target, trained = workspace
+    head = heads.load(trained["eagle3"])
+    exported = exporting.export(head, "speculators", root / "speculators-eagle3", verifier=target,
+                                num_speculative_tokens=K)
+    with VllmServer(exported, None) as server:
+        yield server
+
+
+def test_vllm_serves_our_speculators_export_given_as_its_model(workspace, prompt_ids, plain, speculators_server):
+    _, target, trained = workspace
+    compare(target, trained["eagle3"], {"method": "eagle3", "num_speculative_tokens": K}, speculators_server,
+            prompt_ids, plain)
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "eagle", "medusa"])
 def test_vllm_serves_our_export_with_our_outputs_and_acceptance(kind, workspace, prompt_ids, plain):
     root, target, trained = workspace
     exported = export_for_vllm(kind, trained[kind], target, root / f"vllm-{kind}")
     spec = {"method": kind, "num_speculative_tokens": K}
-    our_outputs, our_counts = ours(target, {**spec, "model": str(trained[kind]), "draft_weights": "float32"}, prompt_ids)
     with VllmServer(target, {**spec, "model": str(exported)}) as server:
-        their_outputs, their_counts = theirs(server, prompt_ids)
-    assert our_outputs == plain
-    assert their_outputs == plain, "vLLM's speculative outputs differ from plain greedy decoding"
-    assert sum(our_counts["accepted"]) > 0, f"the {kind} head accepts nothing: the comparison would prove little"
-    assert their_counts == our_counts
+        compare(target, trained[kind], spec, server, prompt_ids, plain)
+
+
+def test_generate_from_vllm_stores_what_the_engine_stores_where_the_answers_agree(workspace, speculators_server,
+                                                                                 tmp_path):
+    """`draftheads generate --endpoint` against vLLM: answers as vLLM's token ids (return_token_ids), hidden states
+    from this project's teacher-forced pass, so each item equals the in-process store's where the answers agree
+    (greedy float32 on both sides: here they all do)."""
+    _, target, _ = workspace
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": m}) + "\n"
+                               for i, m in enumerate(tiny_heads.prompts(4))))
+    # prefill in chunks of 16 on both sides: the in-process run's hidden states come from its prefill and decode
+    # steps, the endpoint's from one teacher-forced pass, and stored as bfloat16 they match bit for bit only when
+    # both passes see the same chunks (with 512-token chunks they differ by one bfloat16 step here and there)
+    common = dict(prompts=str(prompts), target=str(target), max_new_tokens=16, concurrency=4,
+                  aux_layers=tiny_heads.AUX_LAYERS, max_num_batched_tokens=16, max_model_len=256)
+    generate(GenerateConfig(out=str(tmp_path / "engine"), **common), progress=False)
+    summary = generate(GenerateConfig(out=str(tmp_path / "vllm"), endpoint=speculators_server.url + "/v1", **common),
+                       progress=False)
+    assert summary["answer_ids"] == {"num_token_ids": 4, "num_from_text": 0, "dropped": []}
+    in_process, from_vllm = Store(tmp_path / "engine"), Store(tmp_path / "vllm")
+    assert from_vllm.meta["answers"] == {"source": "endpoint", "model": "target", "endpoint": speculators_server.url}
+    expected = {item["id"]: item for item in in_process}
+    agreed = 0
+    for item in from_vllm:
+        other = expected[item["id"]]
+        if item["input_ids"].tolist() != other["input_ids"].tolist():
+            continue
+        agreed += 1
+        assert item["loss_mask"].tolist() == other["loss_mask"].tolist()
+        for key in ("last", "eagle3"):
+            torch.testing.assert_close(item["hidden"][key], other["hidden"][key], rtol=0, atol=0)
+    assert agreed == 4, "vLLM's greedy float32 answers differ from the engine's"
+
+
+def test_bench_serve_measures_vllm_with_its_acceptance(speculators_server, tmp_path):
+    """`draftheads bench-serve --endpoint VLLM`: the model it serves is found, every request completes, and the
+    acceptance comes from vLLM's counters (mean acceptance length 1 + accepted / drafts)."""
+    config = BenchServeConfig(endpoint=speculators_server.url, api="completions", prompts="mt-bench", num_prompts=2,
+                              max_new_tokens=16, ignore_eos=True, max_concurrency=1)
+    turns = load_first_turns(config.prompts, config.num_prompts)
+    run = measure(config.endpoint, turns, arrival_times(len(turns), config.request_rate, 0), config, "vllm")
+    assert run["model"] == "target" and run["num_completed"] == 2 and run["num_output_tokens"] == 32
+    accepted = run["acceptance"]
+    assert accepted["num_drafts"] > 0
+    assert accepted["mean_acceptance_length"] == 1 + accepted["num_accepted_tokens"] / accepted["num_drafts"]
+    assert "| vllm |" in to_markdown(make_report([run], config))

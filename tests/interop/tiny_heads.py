@@ -13,6 +13,9 @@ from training.fit import build_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_PROMPTS, MAX_NEW_TOKENS = 8, 24
+# EAGLE-3's aux layers: three distinct ones (the 4-layer target's default 2, L//2, L-3 names layer 2 twice, which the
+# speculators format cannot size fc for).
+AUX_LAYERS = (1, 2, 3)
 # Per kind: fit overrides and optimizer steps (those of tests/training/test_fit.py's overfit test, which reach tau
 # above 1.6 on this target). EAGLE-1's fc has no bias: vLLM's has none (and drops one it is given).
 FIT = {
@@ -20,6 +23,7 @@ FIT = {
     "eagle": ["--model.init_args.learning_rate=1e-2", "--model.init_args.noise=0", "--model.init_args.fc_bias=false",
               "--trainer.max_steps=40"],
     "eagle3": ["--model.init_args.learning_rate=1e-2", "--model.init_args.num_steps=4",
+               f"--model.init_args.aux_layers=[{','.join(map(str, AUX_LAYERS))}]",
                "--model.init_args.draft_vocab_size=512", "--trainer.max_steps=40"],
 }
 
@@ -41,7 +45,7 @@ def store(target: Path, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     source = folder / "prompts.jsonl"
     source.write_text("".join(json.dumps({"id": f"p{i}", "messages": m}) + "\n" for i, m in enumerate(prompts())))
-    generate(GenerateConfig(prompts=str(source), out=str(folder / "store"), target=str(target),
+    generate(GenerateConfig(prompts=str(source), out=str(folder / "store"), target=str(target), aux_layers=AUX_LAYERS,
                             max_new_tokens=MAX_NEW_TOKENS, concurrency=NUM_PROMPTS, shard_size=8), progress=False)
     return folder / "store"
 

@@ -62,6 +62,8 @@ def test_record_counts_per_position_by_hand():
     assert d["spec_decode_num_accepted_tokens"] == 4
     assert d["spec_decode_num_accepted_tokens_per_pos"] == [2, 1, 1]
     assert d["per_position"] == rows
+    # vLLM's mean acceptance length counts drafting steps only: 1 + 4 accepted / 3 drafts, beside tau's 8 / 4
+    assert stats.mean_acceptance_length == d["mean_acceptance_length"] == 1 + 4 / 3
 
 
 def test_survival_is_vllms_per_position_rate(tiny_llama):

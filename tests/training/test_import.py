@@ -280,8 +280,8 @@ def fit(kind, store, *extra):
 
 def test_a_fit_starts_from_an_imported_head(debug_store, tmp_path, in_tmp_path):
     debug = targets.resolve("debug")
-    head = perturbed(heads.Eagle.from_target(target_parts(debug)), 10)
-    exported = export(head, "sglang", tmp_path / "exported")
+    head = perturbed(heads.Eagle.from_target(target_parts(debug), fc_bias=False), 10)  # configs/eagle.yaml's
+    exported = export(head, "vllm", tmp_path / "exported")
     assert cli_main(import_args(exported, "eagle", "debug", tmp_path / "imported")) == 0
     frozen = fit("eagle", debug_store, "--model.init_args.learning_rate=0",
                  f"--model.init_args.init_from={tmp_path / 'imported'}")
@@ -298,8 +298,8 @@ def test_a_fit_starts_from_an_imported_head(debug_store, tmp_path, in_tmp_path):
 def test_a_fit_refuses_a_head_folder_of_another_kind_shape_or_target(debug_store, tiny_llama, tmp_path, in_tmp_path):
     debug = target_parts(targets.resolve("debug"))
     folders = {"medusa": heads.save(heads.Medusa.from_target(debug, num_heads=4), tmp_path / "medusa"),
-               "wide": heads.save(heads.Eagle.from_target(debug, intermediate_size=96), tmp_path / "wide"),
-               "other": heads.save(heads.Eagle.from_target(target_parts(tiny_llama)), tmp_path / "other")}
+               "wide": heads.save(heads.Eagle.from_target(debug, intermediate_size=96, fc_bias=False), tmp_path / "wide"),
+               "other": heads.save(heads.Eagle.from_target(target_parts(tiny_llama), fc_bias=False), tmp_path / "other")}
     refusals = {"medusa": "holds a head of kind medusa, but this config trains kind eagle (EagleModule)",
                 "wide": "whose settings differ from this config's: intermediate_size: folder 96, config 256",
                 "other": "made for another target"}

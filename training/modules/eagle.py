@@ -35,7 +35,7 @@ class EagleModule(DraftModule):
 
     def __init__(self, feature_weight: float = 1.0, token_weight: float = 0.1, noise: float = 0.1,
                  noise_length: int | None = None, seed: int = 0, num_unroll_steps: int = 1, decay: float = 0.8,
-                 fc_bias: bool = True, intermediate_size: int | None = None, **kwargs):
+                 fc_bias: bool = False, intermediate_size: int | None = None, **kwargs):
         """An EAGLE-1 layer and its loss.
 
         Args:
@@ -47,8 +47,8 @@ class EagleModule(DraftModule):
             seed: Seed of that noise.
             num_unroll_steps: Steps the layer is unrolled over its own outputs in training.
             decay: Loss weight decay^s of unrolled step s.
-            fc_bias: Give the fusing fc a bias, as EAGLE does (off for a head to export to vLLM, whose layer has
-                none).
+            fc_bias: Give the fusing fc a bias, as EAGLE's code does (off by default: vLLM's EAGLE-1 layer has
+                none, and a head with one is refused for it).
             intermediate_size: MLP width of the layer (null: the target's).
         """
         super().__init__(**kwargs)

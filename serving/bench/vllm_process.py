@@ -1,5 +1,6 @@
-"""`vllm serve` (vLLM's CPU build, in its own venv `.venv-vllm` made by `make vllm`) as a subprocess on 127.0.0.1
-for the interop tests: started with a bounded wait for /health, stopped with its whole process group."""
+"""`vllm serve` (vLLM's CPU build, in its own venv `.venv-vllm` made by `make vllm`) as a subprocess on 127.0.0.1,
+for the interop tests and benchmarks/vllm_side_by_side.py: started with a bounded wait for /health, stopped with
+its whole process group."""
 from __future__ import annotations
 
 import json
