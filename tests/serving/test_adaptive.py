@@ -226,8 +226,8 @@ DRAFTERS = ["ngram", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "
 
 
 def drafter_spec(name, folder, heads_root) -> dict:
-    if name in ("ngram",):
-        return {"method": "ngram"}
+    if name in ("ngram",):  # short suffixes, so that the tiny target's answers give lookups to choose from
+        return {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     if name == "draft_model":
         return {"method": "draft_model", "model": str(folder)}
     if name == "early_exit":

@@ -332,7 +332,8 @@ def test_bench_serve_command_writes_its_report(server, prompts_file, tmp_path, c
 
 def test_serve_and_bench_starts_measures_and_stops_both_servers(target, prompts_file, tmp_path):
     """The function `make demo` calls: the real command twice, speculative and plain."""
-    report = serve_and_bench(str(target), {"method": "ngram", "num_speculative_tokens": 3}, prompts=str(prompts_file),
+    report = serve_and_bench(str(target), {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                           "prompt_lookup_max": 3}, prompts=str(prompts_file),
                              num_prompts=3, max_new_tokens=8, request_rate=50.0, out=tmp_path,
                              serve_options=["--max-model-len", "256", "--num-threads", "1"])
     assert [run["label"] for run in report["runs"]] == ["ngram", "plain"]
