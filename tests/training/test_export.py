@@ -165,6 +165,13 @@ def test_the_cli_exports_a_saved_head(tiny_llama, tmp_path, capsys):
     assert cli_main(["export", str(saved), "--format", "sglang", "--out", str(tmp_path / "other")]) == 2
     assert "draftheads export: error: cannot export a medusa head for sglang" in capsys.readouterr().err
     assert not (tmp_path / "other").exists()
+    eagle3 = heads.save(heads.Eagle3.from_target(parts, aux_layers=(1, 2, 3)), tmp_path / "eagle3")
+    assert cli_main(["export", str(eagle3), "--format", "speculators", "--out", str(tmp_path / "speculators"),
+                     "--target", str(tiny_llama), "--num-speculative-tokens", "3"]) == 0
+    config, _ = read(tmp_path / "speculators")
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(tiny_llama)
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert config["draftheads"]["format"] == "speculators"
 
 
 def test_a_medusa_head_with_its_own_lm_heads_over_a_token_map_is_refused_for_vllm(tiny_llama, tmp_path):
