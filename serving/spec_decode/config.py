@@ -17,10 +17,11 @@ class SpeculativeConfig:
     method: str
     # the deepest draft (default 4; lookahead: ngram - 1, its candidates' length, which it may cap)
     num_speculative_tokens: int | None = None
-    # ngram, and heads with prompt_lookup_first: the shortest suffix to look up (default 1 for ngram, 2 for heads)
-    # and the longest
+    # ngram, and heads with prompt_lookup_first: the shortest suffix to look up and the longest. ngram defaults as
+    # vLLM's, so that one JSON means one drafter in both engines: a missing one takes the other's value, 5 and 5 when
+    # neither is given. Heads looking up first default to 2 and 3.
     prompt_lookup_min: int | None = None
-    prompt_lookup_max: int = 3
+    prompt_lookup_max: int | None = None
     model: str | None = None  # draft_model: a target name or folder; medusa/eagle/eagle3/mtp: a head folder
     num_layers: int | None = None  # early_exit: how many of the target's layers draft
     draft_temperature: float | None = None  # draft_model: sample drafts (supplying q) instead of greedy drafting
@@ -89,8 +90,7 @@ class SpeculativeConfig:
         if self.prompt_lookup_first and self.method not in HEADS:
             raise ValueError(f"prompt_lookup_first applies to {', '.join(HEADS)} heads, not {self.method!r}"
                              + (" (which drafts by prompt lookup alone)" if self.method == "ngram" else ""))
-        if self.prompt_lookup_min is None:
-            self.prompt_lookup_min = 2 if self.prompt_lookup_first else 1
+        self._default_lookup()
         looks_up = self.method == "ngram" or self.prompt_lookup_first
         if looks_up and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max={self.prompt_lookup_max} "
@@ -120,6 +120,16 @@ class SpeculativeConfig:
                              "(leave it unset to draft at every batch size)")
         if self.draft_temperature is not None and self.draft_temperature < 0:
             raise ValueError(f"draft_temperature={self.draft_temperature} must be >= 0")
+
+    def _default_lookup(self) -> None:
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.prompt_lookup_first:
+            low, high = 2 if low is None else low, 3 if high is None else high
+        elif low is None and high is None:
+            low = high = 5
+        else:
+            low, high = high if low is None else low, low if high is None else high
+        self.prompt_lookup_min, self.prompt_lookup_max = low, high
 
     def _check_lookahead(self) -> None:
         options = {"window": self.window, "ngram": self.ngram, "max_candidates": self.max_candidates}

@@ -420,7 +420,7 @@ def test_max_tokens_mid_run_gives_exactly_max_tokens(tiny_llama):
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     expected = plain_outputs(tiny_llama, prompts, params)
     for engine_spec in ({"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": k},
-                        {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": k}):
+                        {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, "num_speculative_tokens": k}):
         engine = make_engine(tiny_llama, engine_spec, block_size=3)
         outputs = engine.generate(prompts, params)
         for out, m, ref in zip(outputs, max_tokens, expected):
@@ -560,7 +560,7 @@ def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(tiny_llama
     outputs are plain decoding's throughout."""
     prompts = random_prompts([5, 9, 14, 20, 7, 11, 3, 16], seed=23)
     params = [SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
-    spec = {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 3, "disable_by_batch_size": 3}
+    spec = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, "num_speculative_tokens": 3, "disable_by_batch_size": 3}
     engine = make_engine(tiny_llama, spec, max_num_seqs=8)
     assert engine.speculator.config.label() == "ngram batch<=3"
     batch_sizes = []
@@ -597,8 +597,19 @@ def test_prompt_lookup_first_looks_up_two_tokens_or_more_unless_told():
     lookup_first = SpeculativeConfig(method="eagle", model="x", prompt_lookup_first=True, confidence_threshold=0.1)
     assert (lookup_first.prompt_lookup_min, lookup_first.prompt_lookup_max) == (2, 3)
     assert lookup_first.label() == "eagle+lookup2 p>=0.1"
-    assert SpeculativeConfig(method="ngram").prompt_lookup_min == 1
     assert SpeculativeConfig(method="mtp", model="x", prompt_lookup_first=True, prompt_lookup_min=1).label() == "mtp+lookup1"
+
+
+def test_ngram_lookup_lengths_default_as_vllms():
+    """vLLM's SpeculativeConfig: a missing bound takes the other's value, 5 and 5 when neither is given."""
+    def bounds(**given):
+        config = SpeculativeConfig(method="ngram", **given)
+        return config.prompt_lookup_min, config.prompt_lookup_max
+
+    assert bounds() == (5, 5)
+    assert bounds(prompt_lookup_max=3) == (3, 3)
+    assert bounds(prompt_lookup_min=2) == (2, 2)
+    assert bounds(prompt_lookup_min=1, prompt_lookup_max=4) == (1, 4)
 
 
 @pytest.mark.parametrize("num_layers", [4, 5])
@@ -634,7 +645,7 @@ def test_set_speculative_config_switches_drafters_while_idle(tiny_llama):
 
 DEVICE_CASES = {
     "plain": None,
-    "ngram": {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 3},
+    "ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, "num_speculative_tokens": 3},
     "draft_model-sampled": {"method": "draft_model", "model": "NOISY", "num_speculative_tokens": 3, "draft_temperature": 0.9},
     "early_exit": {"method": "early_exit", "num_layers": 1, "num_speculative_tokens": 3},
 }
