@@ -1,11 +1,11 @@
 """This project's server against vLLM's CPU build (`make vllm`) on one machine, one after the other, same target,
 same prompts, same settings: `draftheads serve` and `vllm serve` (float32, eager, max_num_seqs 16, 1 GiB of K/V,
 every core), each measured by `draftheads bench-serve` at each concurrency, for plain decoding, n-gram (vLLM's
-defaults, prompt_lookup_min = max = 5, in both) and, with --eagle3-head, an EAGLE-3 head
-(served by vLLM from its `draftheads export --format vllm` export). Requests are greedy chat completions that
+defaults, prompt_lookup_min = max = 5, in both) and each --head (served by vLLM from its
+`draftheads export --format vllm` export; ours with float32 draft weights, as vLLM's). Requests are greedy chat completions that
 ignore EOS, so both servers generate the same number of tokens. Prints one table and writes JSON and markdown.
 
-    python benchmarks/vllm_side_by_side.py [--target smollm2-135m-instruct] [--eagle3-head runs/eagle3/heads/best]
+    python benchmarks/vllm_side_by_side.py [--target smollm2-135m-instruct] [--head eagle3=runs/eagle3/heads/best]
         [--prompts mt-bench] [--num-prompts 8] [--max-new-tokens 64] [--concurrency 1 4 16] [--out results/vllm]
 """
 from __future__ import annotations
@@ -25,16 +25,19 @@ K = 4
 MAX_NUM_SEQS = 16
 
 
-def methods(eagle3_head: str | None, out: Path) -> list[tuple[str, dict | None, dict | None]]:
-    """(name, our speculative config, vLLM's) per method."""
+def methods(head_folders: list[str], out: Path) -> list[tuple[str, dict | None, dict | None]]:
+    """(name, our speculative config, vLLM's) per method: plain, ngram, then each head (KIND=FOLDER), served by
+    vLLM from its `--format vllm` export."""
     rows = [("plain", None, None), ("ngram", {"method": "ngram", "num_speculative_tokens": K},
                                      {"method": "ngram", "num_speculative_tokens": K})]
-    if eagle3_head:
-        exported = out / "eagle3-vllm"
-        exporting.export(heads.load(eagle3_head), "vllm", exported)
-        rows.append(("eagle3", {"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": K,
-                                "draft_weights": "float32"},
-                     {"method": "eagle3", "model": str(exported), "num_speculative_tokens": K}))
+    for given in head_folders:
+        kind, folder = given.split("=", 1)
+        head = heads.load(folder)
+        if head.config.kind != kind:
+            raise SystemExit(f"{folder} holds a {head.config.kind} head, not {kind}")
+        exported = exporting.export(head, "vllm", out / f"{kind}-vllm")
+        rows.append((kind, {"method": kind, "model": folder, "num_speculative_tokens": K, "draft_weights": "float32"},
+                     {"method": kind, "model": str(exported), "num_speculative_tokens": K}))
     return rows
 
 
@@ -47,7 +50,8 @@ def bench(url: str, label: str, turns, concurrency: int, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=targets.DEFAULT_TARGET)
-    parser.add_argument("--eagle3-head", default=None, help="an EAGLE-3 head folder for the target")
+    parser.add_argument("--head", action="append", default=[], metavar="KIND=FOLDER",
+                        help="a head folder for the target (eagle, eagle3, medusa), repeatable")
     parser.add_argument("--prompts", default="mt-bench")
     parser.add_argument("--num-prompts", type=int, default=8, help="per concurrency (at least the concurrency)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -63,7 +67,7 @@ def main() -> None:
     ours_options = ["--target", str(folder), "--dtype", "float32", "--max-num-seqs", str(MAX_NUM_SEQS),
                     "--kv-cache-memory-gib", "1", "--num-threads", threads, "--max-model-len", "2048"]
     rows = []
-    for name, ours_spec, vllm_spec in methods(args.eagle3_head, out):
+    for name, ours_spec, vllm_spec in methods(args.head, out):
         for engine in ("draftheads", "vllm"):
             spec = ours_spec if engine == "draftheads" else vllm_spec
             if engine == "draftheads":
