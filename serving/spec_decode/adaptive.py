@@ -85,7 +85,6 @@ class AdaptivePolicy:
             self.num_nodes = tuple(sum(len(path) <= d for path in config.medusa_choices) for d in range(k + 1))
         else:
             self.num_nodes = tuple(max(d, math.ceil(config.max_draft_nodes * d / k)) for d in range(k + 1))
-        self.estimates: dict[str, Estimate] = {}
         self.forced_depth: int | None = None  # calibration drafts every request to this depth
         self.chosen: dict[int, Counter] = defaultdict(Counter)  # running requests -> chosen depth -> times
         # bucket of rows (at most) -> [steps, predicted s, measured s] summed: bounded however long the engine serves
@@ -100,11 +99,10 @@ class AdaptivePolicy:
     def step_time(self, num_rows: int, num_seqs: int, num_logits_rows: int | None = None) -> float:
         return self.step_cost.predict(num_rows, num_seqs, num_logits_rows) + self.overhead
 
-    def choose(self, engine, ready: list, limits: dict[str, DraftBudget], prior: list[float]) -> dict[str, DraftBudget]:
+    def choose(self, scheduler, ready: list, limits: dict[str, DraftBudget], prior: list[float]) -> dict[str, DraftBudget]:
         """limits: what each ready request may carry at most (blocks, tokens, context, max_tokens); prior: the
         drafter's conditional acceptance at each depth up to num_speculative_tokens (`prior`). Returns the budgets of
         the requests that draft."""
-        scheduler = engine.scheduler
         if self.forced_depth is not None:
             return {rid: DraftBudget(min(limit.num_nodes, self.num_nodes[self.forced_depth]), min(limit.depth, self.forced_depth))
                     for rid, limit in limits.items()}
@@ -125,7 +123,7 @@ class AdaptivePolicy:
         ready = [request for request in ready if request.request_id in limits]
         for request in ready:
             limit = limits[request.request_id]
-            estimate = self.estimates.setdefault(request.request_id, Estimate()) if self.per_request else None
+            estimate = self.estimate(request) if self.per_request else None
             survival, worth = 1.0, math.inf
             for depth in range(1, limit.depth + 1):
                 num_new = self.num_nodes[depth] - self.num_nodes[depth - 1]
@@ -158,9 +156,16 @@ class AdaptivePolicy:
         return {rid: DraftBudget(min(limits[rid].num_nodes, self.num_nodes[depth]), depth, min_log_survival)
                 for rid, depth in depths.items() if depth > 0}
 
+    @staticmethod
+    def estimate(request) -> Estimate:
+        """The request's estimate (`request.spec.estimate`), made on first use."""
+        if request.spec.estimate is None:
+            request.spec.estimate = Estimate()
+        return request.spec.estimate
+
     def record(self, request, num_tried: int, num_accepted: int, depth: int) -> None:
         if self.per_request:
-            self.estimates.setdefault(request.request_id, Estimate()).update(num_tried, num_accepted, depth)
+            self.estimate(request).update(num_tried, num_accepted, depth)
 
     def record_step(self, num_rows: int, num_seqs: int, num_logits_rows: int, seconds: float, has_prefill: bool) -> None:
         """An engine step of `num_rows` rows, `num_logits_rows` of them with logits, took `seconds` before drafting:
@@ -175,9 +180,6 @@ class AdaptivePolicy:
         totals[2] += seconds
         if not has_prefill:
             self.overhead_s = OVERHEAD_DECAY * self.overhead_s + (1 - OVERHEAD_DECAY) * (seconds - forward)
-
-    def forget(self, request) -> None:
-        self.estimates.pop(request.request_id, None)
 
     def summary(self) -> dict:
         """The chosen depths per number of running requests, and the cost model's predicted against measured step

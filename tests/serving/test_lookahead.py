@@ -95,7 +95,8 @@ def test_window_rows_read_the_logits_of_their_trajectory(tiny_llama):
     drafter = engine.speculator.drafter
     observe, seen = drafter.observe, []
 
-    def spy(engine_, step):
+    def spy(ctx):
+        step = ctx.step
         batch = step.batch
         for i, (request, tree) in enumerate(zip(batch.requests, batch.trees)):
             if tree.lookahead is None:
@@ -105,7 +106,7 @@ def test_window_rows_read_the_logits_of_their_trajectory(tiny_llama):
             first = batch.logits_start[i] + 1 + len(tree)
             seen.append((request.token_ids[:newest + 1], tree.lookahead.tokens,
                          step.out.logits[first:first + w].clone()))
-        observe(engine_, step)
+        observe(ctx)
 
     drafter.observe = spy
     engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))

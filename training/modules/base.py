@@ -33,7 +33,7 @@ from heads import load_target_parts
 from heads.attention import DenseCausalAttention
 from heads.token_map import lm_head_rows, load_token_map
 from serving import targets
-from serving.engine import DTYPES
+from serving.config import DTYPES
 from serving.spec_decode.config import TAKES_TOKEN_MAP
 from training.data.store import HIDDEN_DTYPE
 from training.modules.calibration import Calibration
