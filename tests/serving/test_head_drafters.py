@@ -495,7 +495,6 @@ def test_a_head_that_skips_steps_catches_up_when_it_next_drafts(kind, tiny_llama
     grant = engine.scheduler.draft_budgets
     engine.scheduler.draft_budgets = lambda requests, most: {
         rid: n if r.num_output_tokens % 16 == 1 else 0 for r, (rid, n) in zip(requests, grant(requests, most).items())}
-    drafter = engine.speculator.drafter
     proposals = record_proposals(engine)
     a = engine.add_request(PROMPTS[3], greedy(24))  # 18 prompt tokens
     while engine.requests[a].num_output_tokens < 14:
