@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from serving import targets
 from serving.attention import PagedAttention
+from serving.cache_dir import cache_dir
 from serving.spec_decode.tree import path_to
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def cache_key(engine) -> dict:
 def load_or_measure(engine, remeasure: bool = False) -> StepCost:
     """The engine's step cost from the cache, or measured (and cached) when missing, unreadable, foreign or asked."""
     key = cache_key(engine)
-    path = cache_dir() / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    path = step_cost_dir() / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
     if path.exists() and not remeasure:
         try:
             cost = StepCost(**json.loads(path.read_text()))
@@ -135,8 +135,8 @@ def load_or_measure(engine, remeasure: bool = False) -> StepCost:
     return cost
 
 
-def cache_dir() -> Path:
-    return targets.cache_dir() / "step_cost"
+def step_cost_dir() -> Path:
+    return cache_dir() / "step_cost"
 
 
 @torch.inference_mode()

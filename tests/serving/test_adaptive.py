@@ -291,7 +291,7 @@ def test_adaptive_keeps_the_sampled_law(v8_target, monkeypatch):
 
 
 def test_step_cost_is_measured_once_then_read_from_the_cache(tiny_llama, monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(cost, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cost, "step_cost_dir", lambda: tmp_path)
     engine = make_engine(tiny_llama, max_num_seqs=4)
     measured = cost.load_or_measure(engine)
     assert measured.rows[0] == 1 and len(measured.rows) >= 8 and all(s > 0 for s in measured.seconds)
@@ -378,7 +378,7 @@ def test_adaptive_engine_calibrates_and_reports(tiny_llama):
 def test_bench_prints_the_cost_model(tiny_llama, tmp_path, monkeypatch, capsys):
     from training.cli import main
 
-    monkeypatch.setattr(cost, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cost, "step_cost_dir", lambda: tmp_path)
     assert main(["bench", "--cost-model", "--target", str(tiny_llama), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "| rows | ms, one row of logits | ms, logits on every row | vs 1 row |" in out and "\n| 128 | " in out
