@@ -63,8 +63,8 @@ def main() -> None:
     speculators = [Speculator(engine, config) if config else None for config in configs]
     drafters = [Timer() for _ in configs]
     for speculator, drafter in zip(speculators, drafters):
-        for name in ("observe", "propose"):
-            if speculator and hasattr(speculator.drafter, name):
+        if speculator:
+            for name in ("observe", "propose"):
                 drafter.wrap(speculator.drafter, name)
         engine.use_speculator(speculator)
         engine.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up
