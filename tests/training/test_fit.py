@@ -175,7 +175,7 @@ def test_a_full_run_logs_offline_and_exports_the_best_and_last_heads(debug_store
         training = json.loads((Path("runs/medusa/heads") / name / "config.json").read_text())["metadata"]["training"]
         assert isinstance(head, heads.Medusa) and training["kind"] == "medusa" and "val/tau" in training["metrics"]
         assert head.config.target_fingerprint == cli.model.target_fingerprint
-        temperatures = [training["metrics"][f"val/temperature_{i + 1}"] for i in range(cli.model.hparams.num_draft_tokens)]
+        temperatures = [training["metrics"][f"val/temperature_{i + 1}"] for i in range(cli.model.hparams.num_speculative_tokens)]
         assert head.config.confidence_temperatures == pytest.approx(temperatures)  # what the serving cut reads
 
 

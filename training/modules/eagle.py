@@ -103,9 +103,10 @@ class EagleModule(DraftModule):
 
     def validation_outputs(self, batch, hidden):
         last = hidden["last"]
+        k = self.hparams.num_speculative_tokens
         outs = unroll(self.head, batch["input_ids"], last, batch["padding_mask"],
-                      max(self.hparams.num_draft_tokens, self.hparams.num_unroll_steps), self.head.config.max_position_embeddings)
-        correct, valid, logits = self.chain_outcomes(batch, outs[:self.hparams.num_draft_tokens],
+                      max(k, self.hparams.num_unroll_steps), self.head.config.max_position_embeddings)
+        correct, valid, logits = self.chain_outcomes(batch, outs[:k],
                                                      lambda s, rows: self.head.logits(rows), self.target_ids)
         loss, _ = self._loss(batch["input_ids"], batch["loss_mask"], last, outs[:self.hparams.num_unroll_steps])
         return loss, correct, valid, logits
