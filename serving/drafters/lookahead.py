@@ -45,7 +45,7 @@ class NgramPool:
             del kept[0]
         kept.append(rest)
 
-    def catch_up(self, tokens: list[int]) -> None:
+    def extend(self, tokens: list[int]) -> None:
         """Pools the n-grams of the request's tokens not pooled yet."""
         for s in range(self.num_pooled, len(tokens) - self.n + 1):
             self.add(tokens[s], tuple(tokens[s + 1:s + self.n]))
@@ -99,7 +99,7 @@ class LookaheadDrafter(Drafter):
         for request in requests:
             state = request.spec.slots.get(self) or self._start(request)
             request.spec.slots[self] = state
-            state.pool.catch_up(request.token_ids)
+            state.pool.extend(request.token_ids)
             budget = budgets[request.request_id]
             lookahead = None
             if budget.num_nodes >= len(self.offsets):

@@ -206,11 +206,11 @@ def test_window_rows_follow_the_papers_mask():
 
 def test_pool_keeps_the_most_recent_followers():
     pool = NgramPool(3, max_per_key=2)
-    pool.catch_up([1, 2, 3, 1, 4, 5, 1, 2, 3])  # followers of 1: (2, 3), (4, 5), (2, 3) again: most recent
+    pool.extend([1, 2, 3, 1, 4, 5, 1, 2, 3])  # followers of 1: (2, 3), (4, 5), (2, 3) again: most recent
     assert pool.candidates(1) == [(2, 3), (4, 5)]
     pool.add(1, (6, 7))  # full: the oldest goes
     assert pool.candidates(1) == [(6, 7), (2, 3)]
-    pool.catch_up([1, 2, 3, 1, 4, 5, 1, 2, 3, 9])  # only the new n-gram (2, 3, 9)
+    pool.extend([1, 2, 3, 1, 4, 5, 1, 2, 3, 9])  # only the new n-gram (2, 3, 9)
     assert pool.candidates(2) == [(3, 9), (3, 1)] and pool.candidates(1) == [(6, 7), (2, 3)]
 
 

@@ -345,8 +345,8 @@ def greedy_before(module, last: torch.Tensor) -> torch.Tensor:
     """[B, S] the target's greedy token after each position, among the LM-head rows the head drafts from."""
     if module.kind == "eagle3":
         ids = module.head.draft_token_ids
-    elif module.hot_ids is not None:
-        ids = module.hot_ids
+    elif module.token_map_ids is not None:
+        ids = module.token_map_ids
     else:
         ids = torch.arange(module.target_parts.vocab_size)
     weight = load_target_parts(module.target_folder).lm_head.weight[ids]

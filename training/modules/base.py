@@ -84,17 +84,17 @@ class DraftModule(LightningModule):
         self.target_folder = targets.resolve(target)
         self.target_fingerprint = targets.fingerprint(self.target_folder)
         parts = load_target_parts(self.target_folder, DTYPES[target_dtype], fingerprint=self.target_fingerprint)
-        hot = None
+        ids = None
         if token_map:
             if self.kind not in TAKES_TOKEN_MAP:
                 raise ValueError(f"token_map applies to {', '.join(TAKES_TOKEN_MAP)} heads, not {self.kind}"
                                  + (": EAGLE-3 trains over its own draft vocabulary (draft_vocab_size)" if self.kind == "eagle3" else ""))
-            hot = load_token_map(token_map, parts.vocab_size)
-            parts.lm_head = lm_head_rows(parts.lm_head, hot)
+            ids = load_token_map(token_map, parts.vocab_size)
+            parts.lm_head = lm_head_rows(parts.lm_head, ids)
         # target id -> index in the token map, -1 outside it; empty without a map. Buffers outside the state dict.
-        self.register_buffer("hot_ids", hot, persistent=False)
-        self.register_buffer("hot_index", None if hot is None else torch.full((parts.vocab_size,), -1).index_copy_(
-            0, hot, torch.arange(len(hot))), persistent=False)
+        self.register_buffer("token_map_ids", ids, persistent=False)
+        self.register_buffer("token_map_index", None if ids is None else torch.full((parts.vocab_size,), -1).index_copy_(
+            0, ids, torch.arange(len(ids))), persistent=False)
         object.__setattr__(self, "target_parts", parts)  # frozen, never a submodule
         object.__setattr__(self, "target_model", None)  # the whole target, loaded for online data only
         self.chain = ChainAccuracy(num_speculative_tokens)
@@ -123,14 +123,14 @@ class DraftModule(LightningModule):
 
     def draft_labels(self, labels: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(labels as LM-head rows, valid and inside the token map); unchanged without a map."""
-        if self.hot_index is None:
+        if self.token_map_index is None:
             return labels, valid
-        rows = self.hot_index[labels]
+        rows = self.token_map_index[labels]
         return rows.clamp(min=0), valid & (rows >= 0)
 
     def target_ids(self, rows: torch.Tensor) -> torch.Tensor:
         """LM-head rows (argmax of the head's logits) as target token ids."""
-        return rows if self.hot_ids is None else self.hot_ids[rows]
+        return rows if self.token_map_ids is None else self.token_map_ids[rows]
 
     @torch.no_grad()
     def loss_labels(self, batch: dict, last: torch.Tensor, rows: torch.Tensor | None = None,

@@ -56,7 +56,7 @@ class EagleModule(DraftModule):
             raise ValueError(f"num_unroll_steps={num_unroll_steps} must be >= 1")
         if noise_length is not None and noise_length < 1:
             raise ValueError(f"noise_length={noise_length} must be >= 1, or null for a fixed amplitude")
-        self.head = Eagle.from_target(self.target_parts, self.hot_ids, fc_bias=fc_bias,
+        self.head = Eagle.from_target(self.target_parts, self.token_map_ids, fc_bias=fc_bias,
                                       intermediate_size=intermediate_size)
 
     def _step_loss(self, labels: torch.Tensor, has_label: torch.Tensor, last: torch.Tensor, out: torch.Tensor,

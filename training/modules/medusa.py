@@ -34,7 +34,7 @@ class MedusaModule(DraftModule):
         if self.hparams.num_speculative_tokens > num_heads:
             raise ValueError(f"num_speculative_tokens={self.hparams.num_speculative_tokens} exceeds num_heads={num_heads}: "
                              "Medusa drafts one token per head; lower num_speculative_tokens or add heads")
-        self.head = Medusa.from_target(self.target_parts, self.hot_ids, num_heads=num_heads, num_layers=num_layers,
+        self.head = Medusa.from_target(self.target_parts, self.token_map_ids, num_heads=num_heads, num_layers=num_layers,
                                        own_lm_head=own_lm_head)
 
     def _heads(self, labels: torch.Tensor, has_label: torch.Tensor, hidden: dict):

@@ -52,7 +52,7 @@ class MtpModule(DraftModule):
         if len(loss_weights) < max(depth, num_unroll_steps):
             raise ValueError(f"loss_weights has {len(loss_weights)} entries, but depth={depth} and num_unroll_steps="
                              f"{num_unroll_steps} predict up to {max(depth, num_unroll_steps)} offsets: give one weight each")
-        self.head = Mtp.from_target(self.target_parts, self.hot_ids, depth=depth, serve_mode=serve_mode,
+        self.head = Mtp.from_target(self.target_parts, self.token_map_ids, depth=depth, serve_mode=serve_mode,
                                    intermediate_size=intermediate_size)
 
     def _predictions(self, batch: dict, hidden: dict, num_unroll_steps: int, depth: int) -> list[tuple[int, int, torch.Tensor]]:
