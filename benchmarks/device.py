@@ -19,6 +19,7 @@ import heads
 from serving import targets
 from serving.bench.offline import run_bench
 from serving.bench.report import to_markdown
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.bench.prompts import first_turn, load_prompts
 from serving.spec_decode.config import SpeculativeConfig
@@ -55,7 +56,7 @@ def main() -> None:
                     for kind, path in new_heads(folder, Path(tmp)).items()]
         for dtype in args.dtypes.split(","):
             start = time.perf_counter()
-            engine = Engine(args.target, dtype=dtype, max_num_seqs=args.concurrency, device=args.device)
+            engine = Engine(EngineConfig(args.target, dtype=dtype, max_num_seqs=args.concurrency, device=args.device))
             result = run_bench(engine, messages, categories, configs, args.max_new_tokens, args.concurrency,
                                baseline="hf")
             print(to_markdown(result))

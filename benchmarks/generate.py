@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.bench.prompts import first_turn, load_prompts
 from serving.request import SamplingParams
@@ -50,8 +51,8 @@ def timed(engine: Engine, prompts: list, params: SamplingParams) -> tuple[list, 
 def one_pass_vs_two(prompts: list[dict], concurrency: int, max_new_tokens: int) -> dict:
     aux_layers = default_aux_layers(fingerprint(resolve(DEFAULT_TARGET))["num_layers"])
     settings = dict(max_num_seqs=concurrency, kv_cache_memory_gib=0.5)
-    plain = Engine(DEFAULT_TARGET, **settings)
-    capturing = Engine(DEFAULT_TARGET, capture_hidden=True, aux_layers=aux_layers, **settings)
+    plain = Engine(EngineConfig(DEFAULT_TARGET, **settings))
+    capturing = Engine(EngineConfig(DEFAULT_TARGET, capture_hidden=True, aux_layers=aux_layers, **settings))
     for engine in (plain, capturing):  # first calls pick kernels and touch the K/V pool
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     params = SamplingParams(max_tokens=max_new_tokens)

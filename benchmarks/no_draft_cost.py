@@ -21,11 +21,12 @@ import time
 
 import torch
 
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.bench.prompts import first_turn, load_prompts
 from serving.request import SamplingParams
 from serving.spec_decode.config import SpeculativeConfig
-from serving.spec_decode.step import Speculator
+from serving.spec_decode.speculator import Speculator
 from serving.targets import DEFAULT_TARGET
 
 
@@ -43,8 +44,8 @@ def main(argv=None) -> dict:
     p.add_argument("--num-threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.num_threads)
-    engine = Engine(args.target, device="cpu", max_num_seqs=args.num_prompts,
-                    enable_prefix_caching=not args.no_prefix_caching)
+    engine = Engine(EngineConfig(args.target, device="cpu", max_num_seqs=args.num_prompts,
+                    enable_prefix_caching=not args.no_prefix_caching))
     prompts = [first_turn(row["messages"]) for row in load_prompts(args.prompts, args.num_prompts)]
     # forced to draft nothing, every request runs to the end together; as chosen, they finish as they do in the bench
     params = [SamplingParams(max_tokens=args.max_new_tokens, ignore_eos=not args.as_chosen, temperature=args.temperature,

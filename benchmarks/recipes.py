@@ -50,6 +50,7 @@ from pathlib import Path
 
 from lightning.pytorch import Callback
 
+from heads.hf_folder import read_config
 from training import demo
 
 CONFIGS = demo.CONFIGS
@@ -206,7 +207,7 @@ def calibrate(kind: str, args, out: Path) -> dict[str, float]:
 
 def head_metrics(head: str) -> dict:
     """The held-out metrics a fit wrote into its best head's config.json (the validation that chose it)."""
-    training = json.loads((Path(head) / "config.json").read_text())["metadata"]["training"]
+    training = read_config(head)["metadata"]["training"]
     metrics = training["metrics"]
     keys = [f"val/acc_{i}" for i in range(1, NUM_DRAFTS + 1)] + ["val/tau", "val/tau_walk"]
     return {**{key: metrics[key] for key in keys}, "best_step": training["global_step"]}

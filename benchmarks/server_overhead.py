@@ -20,6 +20,7 @@ import time
 import torch
 
 from serving.bench.bench_serve import BenchServeConfig, ServerProcess, arrival_times, load_first_turns, measure
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.spec_decode.metrics import AcceptanceStats
@@ -61,8 +62,8 @@ def main() -> None:
                      str(args.num_threads)]
     if args.speculative_config:
         serve_options += ["--speculative-config", args.speculative_config]
-    engine = Engine(args.target, max_num_seqs=16, speculative_config=args.speculative_config,
-                    num_threads=args.num_threads)
+    engine = Engine(EngineConfig(args.target, max_num_seqs=16, speculative_config=args.speculative_config,
+                    num_threads=args.num_threads))
     few, many = load_first_turns(args.prompts, args.num_prompts), load_first_turns(args.prompts, 16)
     one = BenchServeConfig(num_prompts=len(few), max_new_tokens=args.max_new_tokens, max_concurrency=1, ignore_eos=True)
     sixteen = BenchServeConfig(num_prompts=16, max_new_tokens=args.max_new_tokens, max_concurrency=16, ignore_eos=True)

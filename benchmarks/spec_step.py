@@ -12,12 +12,13 @@ import time
 
 import torch
 
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.bench.prompts import first_turn, load_prompts
 from serving.request import SamplingParams
 from serving.spec_decode.config import SpeculativeConfig
 from serving.spec_decode.metrics import AcceptanceStats
-from serving.spec_decode.step import Speculator
+from serving.spec_decode.speculator import Speculator
 from serving.targets import DEFAULT_TARGET
 
 
@@ -48,7 +49,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()
     prompts = [first_turn(m) for m in load_prompts("mt-bench", args.num_prompts)["messages"]]
-    engine = Engine(args.target, max_num_seqs=1)
+    engine = Engine(EngineConfig(args.target, max_num_seqs=1))
     params = SamplingParams(max_tokens=args.max_new_tokens, ignore_eos=True)
     target = Timer()
     target.wrap(engine.model, "forward")
@@ -62,8 +63,8 @@ def main() -> None:
     speculators = [Speculator(engine, config) if config else None for config in configs]
     drafters = [Timer() for _ in configs]
     for speculator, drafter in zip(speculators, drafters):
-        for name in ("observe", "propose"):
-            if speculator and hasattr(speculator.drafter, name):
+        if speculator:
+            for name in ("observe", "propose"):
                 drafter.wrap(speculator.drafter, name)
         engine.use_speculator(speculator)
         engine.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up

@@ -14,20 +14,20 @@ import uuid
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from heads.config import FORMAT_VERSION
 from heads.draft_head import DraftHead
 from heads.eagle import Eagle
 from heads.eagle3 import Eagle3
+from heads.hf_folder import CONFIG_FILE, read_config, read_file
 from heads.medusa import Medusa
 from heads.mtp import Mtp
 from heads.target_parts import TargetParts
 from heads.token_map import check_token_ids
 
 HEADS: dict[str, type[DraftHead]] = {cls.config_class.kind: cls for cls in (Medusa, Eagle, Eagle3, Mtp)}
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+WEIGHTS_FILE = "model.safetensors"
 
 
 def save(module: DraftHead, path, metadata: dict | None = None) -> Path:
@@ -126,26 +126,14 @@ def _is_replaceable(path: Path) -> bool:
 def _read_config(path: Path) -> dict:
     if not path.is_dir():
         raise ValueError(f"no head checkpoint at {path}: expected a folder holding {CONFIG_FILE} and {WEIGHTS_FILE}")
-    config_file = path / CONFIG_FILE
-    if not config_file.is_file():
-        raise ValueError(f"{path} has no {CONFIG_FILE}: not a head checkpoint, or an incomplete copy of one")
-    try:
-        data = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{config_file} is malformed ({error}): the checkpoint is damaged; save the head again") from error
-    if not isinstance(data, dict):
-        raise ValueError(f"{config_file} is malformed: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_config(path, "not a head checkpoint, or an incomplete copy of one")
 
 
 def _read_tensors(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     weights_file = path / WEIGHTS_FILE
     if not weights_file.is_file():
         raise ValueError(f"{path} has no {WEIGHTS_FILE}: an incomplete copy of a head checkpoint")
-    try:
-        tensors = load_file(str(weights_file))
-    except (SafetensorError, OSError) as error:
-        raise ValueError(f"{weights_file} is unreadable ({error}): the checkpoint is damaged; save the head again") from error
+    tensors = read_file(weights_file)
     missing = sorted(expected.keys() - tensors.keys())
     if missing:
         raise ValueError(f"{weights_file} is missing tensor(s) {missing} that its config.json needs: "

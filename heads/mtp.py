@@ -75,12 +75,3 @@ class Mtp(DraftHead):
     def logits(self, j: int, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., hidden] module j's output -> [..., vocab] over x_{t+j+2}."""
         return self.target.lm_head(self.blocks[j].norm(hidden))
-
-    def serving_module(self, step: int) -> int:
-        """The module that proposes draft `step` (0-based) at serving time."""
-        if self.config.serve_mode == "reuse_first":
-            return 0
-        if not 0 <= step < self.config.depth:
-            raise ValueError(f"serve_mode 'chain' drafts at most depth={self.config.depth} tokens, asked for step {step}; "
-                             "draft fewer tokens or use serve_mode 'reuse_first'")
-        return step

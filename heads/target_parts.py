@@ -6,13 +6,12 @@ train or draft without loading the target's decoder layers.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
+from heads.hf_folder import read_config, read_tensors
 from heads.layer import LayerConfig, RMSNorm
 from heads.rope import rope_settings
 
@@ -58,13 +57,10 @@ def load_target_parts(folder, dtype: torch.dtype = torch.float32, device="cpu",
     when config.json ties them or the weights hold no lm_head.weight. weights=False reads config.json only and
     leaves the embedding and LM head on the meta device, for a caller that puts in tensors it already holds."""
     folder = Path(folder)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{folder} has no config.json: a target is a Hugging Face model folder")
-    config = json.loads(config_file.read_text())
+    config = read_config(folder, "a target is a Hugging Face model folder")
     tensors = {}
     if weights:
-        tensors = _read_tensors(folder, (EMBED, NORM, LM_HEAD))
+        tensors = read_tensors(folder, (EMBED, NORM, LM_HEAD))
         for name in (EMBED, NORM):
             if name not in tensors:
                 raise ValueError(f"{folder}: no tensor {name} in its *.safetensors files")
@@ -94,15 +90,3 @@ def load_target_parts(folder, dtype: torch.dtype = torch.float32, device="cpu",
                                  f"config.json implies {tuple(param.shape)}")
             param.copy_(tensors[name])
     return parts.to(device=device, dtype=dtype)
-
-
-def _read_tensors(folder: Path, names) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{folder} has no *.safetensors weights")
-    found = {}
-    for file in files:
-        with safe_open(file, framework="pt") as weights:
-            for name in set(names) & set(weights.keys()):
-                found[name] = weights.get_tensor(name)
-    return found

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from heads.attention import sdpa_gqa
+from serving.blocks import slot
 from serving.kernels import library
 
 MAX_BATCHED_QUERY_LEN = 16
@@ -29,10 +30,9 @@ class KVCache:
 
     def move(self, block_table: list[int], source: int, target: int) -> None:
         """Copies the K/V of a sequence's position `source` into position `target`, in every layer."""
-        size = self.block_size
-        slot = lambda position: block_table[position // size] * size + position % size
-        self.k[:, slot(target)] = self.k[:, slot(source)]
-        self.v[:, slot(target)] = self.v[:, slot(source)]
+        source, target = slot(block_table, source, self.block_size), slot(block_table, target, self.block_size)
+        self.k[:, target] = self.k[:, source]
+        self.v[:, target] = self.v[:, source]
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:

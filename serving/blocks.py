@@ -1,6 +1,6 @@
 """The block manager: the K/V pool as fixed-size blocks, handed to requests and shared by prefix.
 
-A request's K/V for position p lives in slot `block_ids[p // block_size] * block_size + p % block_size`.
+A request's K/V for position p lives in slot `slot(block_ids, p, block_size)`.
 Free blocks wait in an LRU queue: the block freed longest ago is reused first. A full block whose
 tokens are final is registered under a chained hash, hash((parent hash, its token ids)), so a later
 request with the same prefix takes the block instead of recomputing it. A registered block whose
@@ -15,6 +15,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from serving.request import Request
+
+
+def slot(block_ids: list[int], position: int, block_size: int) -> int:
+    """The pool slot that holds position `position` of the sequence with this block table."""
+    return block_ids[position // block_size] * block_size + position % block_size
 
 
 class BlockManager:
@@ -44,9 +49,6 @@ class BlockManager:
         num_needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
         return max(0, num_needed - len(request.block_ids))
 
-    def slot(self, request: Request, position: int) -> int:
-        return request.block_ids[position // self.block_size] * self.block_size + position % self.block_size
-
     def get_computed_tokens(self, request: Request) -> int:
         """At admission: take the longest chain of cached full blocks that starts `request.token_ids`
         and return how many tokens it covers. The last token is always left to compute, because
@@ -67,9 +69,6 @@ class BlockManager:
             request.block_hashes.append(block_hash)
             parent_hash = block_hash
         return len(request.block_ids) * self.block_size
-
-    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        return self.num_new_blocks(request, num_new_tokens) <= self.num_free_blocks
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Give `request` slots for `num_new_tokens` tokens after its computed ones. On failure

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+CONFIG_HELP = "YAML file whose keys are these options' names; options given on the command line override it"
+
 
 def merge_options(options: dict, known) -> dict:
     """options: the command line's, absent where not given, and `config`, the YAML file's path or None ->

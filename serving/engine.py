@@ -1,46 +1,31 @@
-"""The engine: requests in, tokens out. Each step the scheduler picks tokens, the model runs them as one
-flattened batch over the paged K/V pool, and the step's second half turns logits into tokens."""
+"""The engine: requests in, tokens out. One step reads top to bottom: the scheduler picks tokens, the model runner
+computes them as one flattened batch over the paged K/V pool, each request's logits rows become tokens (sampled, or
+its draft tree verified and rolled back), and the speculator drafts the next step's trees."""
 from __future__ import annotations
 
 import functools
 import itertools
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from serving import targets
-from serving.attention import KVCache, PagedAttention
-from serving.batch import Batch
+from serving.attention import KVCache
 from serving.blocks import BlockManager
-from serving.kernels import argmax
+from serving.config import EngineConfig, resolve_device
+from serving.drafters.context import StepOutputs
 from serving.model import Model
+from serving.model_runner import ModelRunner, RunOutput
 from serving.request import Request, RequestOutput, SamplingParams
 from serving.sampler import make_generator, next_token
 from serving.scheduler import Scheduler
 from serving.spec_decode.config import SpeculativeConfig
-from serving.spec_decode.step import Speculator, StepOutputs
+from serving.spec_decode.speculator import Speculator
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> torch.device:
-    """'auto' is the first CUDA GPU when torch sees one, else the CPU; any other name is torch's ('cpu', 'cuda:1')."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as error:
-        raise ValueError(f"device={device!r} is not a device: use auto, cpu, cuda or cuda:N ({error})") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but this torch build sees no CUDA GPU (torch {torch.__version__}): "
-                         "use device cpu, or install a CUDA build of torch")
-    if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: the engine runs on cpu or cuda")
-    return resolved
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -56,27 +41,24 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 class Engine:
-    def __init__(self, target: str = targets.DEFAULT_TARGET, *, dtype: str = "float32", block_size: int = 16,
-                 num_blocks: int | None = None, kv_cache_memory_gib: float = 1.0, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, capture_hidden: bool = False, aux_layers=(),
-                 speculative_config: SpeculativeConfig | str | dict | None = None, num_threads: int | None = None,
-                 device: str = "auto"):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        self.folder = targets.resolve(target)
-        self.dtype = DTYPES[dtype]
-        self.device = resolve_device(device)
-        self.model = Model.from_folder(self.folder, self.dtype, self.device)
-        config = self.model.config
-        self.max_model_len = _max_model_len(max_model_len, config.max_position_embeddings)
+    def __init__(self, config: EngineConfig | None = None):
+        config = config or EngineConfig()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.folder = targets.resolve(config.target)
+        self.dtype = config.torch_dtype
+        self.device = resolve_device(config.device)
+        model = Model.from_folder(self.folder, self.dtype, self.device)
+        model_config = model.config
+        self.max_model_len = _max_model_len(config.max_model_len, model_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(self.folder)
-        layer = config.layer
-        bytes_per_block = KVCache.bytes_per_block(config.num_layers, block_size, layer.num_kv_heads, layer.head_dim, self.dtype)
+        layer, block_size = model_config.layer, config.block_size
+        bytes_per_block = KVCache.bytes_per_block(model_config.num_layers, block_size, layer.num_kv_heads, layer.head_dim,
+                                                  self.dtype)
+        num_blocks = config.num_blocks
         if num_blocks is None:
-            num_blocks = max(int(kv_cache_memory_gib * 2**30) // bytes_per_block, -(-self.max_model_len // block_size))
+            num_blocks = max(int(config.kv_cache_memory_gib * 2**30) // bytes_per_block, -(-self.max_model_len // block_size))
         available = available_memory_bytes(self.device)
         if num_blocks * bytes_per_block > 0.9 * available:
             fits = int(0.9 * available) // bytes_per_block
@@ -84,20 +66,28 @@ class Engine:
                              f"only {available / 2**30:.1f} GiB is available on {self.device}: at most {fits} blocks of "
                              f"{block_size} tokens fit")
         self.block_size = block_size
-        self.cache = KVCache(config.num_layers, num_blocks, block_size, layer.num_kv_heads, layer.head_dim, self.dtype,
-                             self.device)
+        cache = KVCache(model_config.num_layers, num_blocks, block_size, layer.num_kv_heads, layer.head_dim, self.dtype,
+                        self.device)
+        self.runner = ModelRunner(model, cache, block_size, self.dtype, self.device)
         # Prefix-cache hits skip the forward, so a capturing engine would miss those hidden states.
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching and not capture_hidden)
-        self.scheduler = Scheduler(self.block_manager, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens)
-        self.capture_hidden = capture_hidden
-        self.aux_layers = tuple(aux_layers)
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching and not config.capture_hidden)
+        self.scheduler = Scheduler(self.block_manager, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.capture_hidden = config.capture_hidden
+        self.aux_layers = config.aux_layers
         self.requests: dict[str, Request] = {}
-        self.generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
         self._ids = itertools.count()
         self.speculator = None
-        self.set_speculative_config(speculative_config)
+        self.set_speculative_config(config.speculative_config)
+
+    @property
+    def model(self) -> Model:
+        return self.runner.model
+
+    @property
+    def cache(self) -> KVCache:
+        return self.runner.cache
 
     def set_speculative_config(self, config: SpeculativeConfig | str | dict | None) -> None:
         """Switches drafting on (or off with None) for the requests added from now on; the target stays loaded."""
@@ -138,16 +128,7 @@ class Engine:
 
     def encode(self, prompt) -> list[int]:
         """A prompt is token ids, a string, or chat messages (rendered by the target's chat template)."""
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-            if self.tokenizer is None or not self.tokenizer.chat_template:
-                raise ValueError(f"target {self.folder} has no chat template: pass a string or token ids")
-            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"target {self.folder} has no tokenizer: pass token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return [int(t) for t in prompt]
+        return encode(self.tokenizer, prompt, self.folder)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         params = params or SamplingParams()
@@ -158,10 +139,9 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         eos = () if params.ignore_eos else self.model.config.eos_token_ids
         request = Request(request_id, ids, params, eos)
-        request.captured = []  # (hidden rows, {layer: rows}) per computed chunk, in token order
-        self.requests[request_id] = request
         if not params.is_greedy:
-            self.generators[request_id] = make_generator(params.seed)
+            request.generator = make_generator(params.seed)
+        self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
 
@@ -189,9 +169,7 @@ class Engine:
         if request is None:
             return False
         self.scheduler.finish(request, "abort")
-        self.generators.pop(request_id, None)
-        if self.speculator:
-            self.speculator.reset(request)
+        self._forget(request)
         return True
 
     # ---- one step -------------------------------------------------------------------------------------
@@ -199,80 +177,82 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns the outputs of requests that finished in it."""
         step_start = time.perf_counter()
-        scheduled = self.scheduler.schedule()
-        for request in scheduled.preempted:
-            request.captured = []
-            if self.speculator:
-                self.speculator.reset(request)
-        if not scheduled.scheduled:
+        plan = self.scheduler.schedule()
+        for request in plan.preempted:
+            self._forget(request)
+        if not plan.scheduled:
             if self.scheduler.running or self.scheduler.waiting:
                 raise RuntimeError("the K/V pool is too small to schedule any request: raise num_blocks")
             return []
-        batch = Batch.build(scheduled.scheduled, self.block_size, self.device)
-        out = self.model(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.meta), batch.logits_rows,
-                         return_hidden=self.capture_hidden or bool(self.speculator and self.speculator.drafter.needs_hidden),
-                         aux_layers=self.aux_layers)
+        needs_hidden = self.capture_hidden or bool(self.speculator and self.speculator.drafter.needs_hidden)
+        run = self.runner.run(plan.scheduled, needs_hidden, self.aux_layers)
         self.num_steps += 1
-        finishing, accepted_paths = [], {}
-        best = argmax(out.logits) if out.logits is not None else []  # one call for the whole batch
-        for i, (request, num) in enumerate(scheduled.scheduled):
+        accepted_paths = self._emit(run)  # tokens sampled, or trees verified and rolled back
+        # A capturing request runs one more step over its last token, so every token has its hidden state.
+        finishing = [r for r in run.batch.requests if r.finish_reason and not (
+            self.capture_hidden and r.num_computed_tokens < r.num_tokens)]
+        step = StepOutputs(run, accepted_paths, time.perf_counter() - step_start)
+        if self.speculator:
+            self.speculator.observe(step)  # before finishing requests leave: the blocks they register need it
+        finished = [self._finish(request) for request in finishing]
+        if self.speculator:
+            self.speculator.propose(step)
+        for request in run.batch.requests:  # after drafting, whose slot reservations trim nothing kept
+            if not request.is_finished:
+                self._cache_blocks(request)
+        return finished
+
+    def _emit(self, run: RunOutput) -> dict[str, list[int]]:
+        """Each request's computed tokens advance; one whose chunk reached its end emits: plain decoding samples one
+        token from its first logits row, speculation verifies its tree over 1 + nodes rows and rolls back. Returns the
+        accepted path of each verified tree."""
+        batch, out, accepted_paths = run.batch, run.out, {}
+        for i, (request, num) in enumerate(zip(batch.requests, batch.num_scheduled)):
             if self.capture_hidden:
                 rows = slice(batch.token_start[i], batch.token_start[i] + num)
                 request.captured.append((_to_host(out.hidden[rows]), {k: _to_host(v[rows]) for k, v in out.aux.items()}))
             request.num_computed_tokens += num
             row = batch.logits_start[i]
-            if row >= 0 and not request.finish_reason:
-                rows = slice(row, row + 1 + len(request.spec_tree))
-                self._emit(request, out.logits[rows], best[rows], accepted_paths)
-            # A capturing request runs one more step over its last token, so every token has its hidden state.
-            is_capture_pending = self.capture_hidden and request.num_computed_tokens < request.num_tokens
-            if request.finish_reason and not is_capture_pending:
-                finishing.append(request)
-            elif not self.speculator:
-                self._cache_blocks(request)
-        step = None
+            if row < 0 or request.finish_reason:
+                continue
+            rows = slice(row, row + 1 + len(request.spec.tree))
+            logits, best = out.logits[rows], run.best[rows]
+            is_decode = request.num_output_tokens > 0
+            speculating = self.speculator is not None and self.speculator.can_speculate(request)
+            num_before = request.num_tokens
+            if speculating and request.spec.tree.num_rows:
+                tree, path, tokens = self.speculator.verify(request, logits, best)
+                self._append(request, tokens, [None] * len(tokens))
+                accepted_paths[request.request_id] = path
+                if is_decode:
+                    self.speculator.record(request, tree, path, request.num_tokens - num_before)
+            else:  # plain decoding, or a speculated step with no drafts
+                token, logprob = next_token(logits[0], request, request.generator, best[0])
+                self._append(request, [token], [logprob])
+                if speculating and is_decode:  # counted as a verify step
+                    self.speculator.record_undrafted(request, request.num_tokens - num_before)
+        return accepted_paths
+
+    def _finish(self, request: Request) -> RequestOutput:
+        self._cache_blocks(request)
+        self.scheduler.finish(request, request.finish_reason)
+        output = self.output(request)
+        del self.requests[request.request_id]
+        self._forget(request)
+        return output
+
+    def _forget(self, request: Request) -> None:
+        """Drops what a request built while it ran: its captured rows and its speculative state (preempted ones start
+        over; finished and aborted ones leave)."""
+        request.captured = []
         if self.speculator:
-            step = StepOutputs(batch, out, accepted_paths, time.perf_counter() - step_start)
-            self.speculator.observe(self, step)  # before finishing requests leave: the blocks they register need it
-        finished = []
-        for request in finishing:
-            self._cache_blocks(request)
-            self.scheduler.finish(request, request.finish_reason)
-            finished.append(self.output(request))
-            del self.requests[request.request_id]
-            self.generators.pop(request.request_id, None)
-            if self.speculator:
-                self.speculator.reset(request)
-        if self.speculator:
-            self.speculator.propose(self, step)
-            for request, _ in scheduled.scheduled:  # after drafting, whose slot reservations trim nothing kept
-                if not request.is_finished:
-                    self._cache_blocks(request)
-        return finished
+            self.speculator.reset(request)
 
     def _cache_blocks(self, request: Request) -> None:
         num_before = len(request.block_hashes)
         self.block_manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
         if self.speculator and len(request.block_hashes) > num_before:
-            self.speculator.drafter.registered(request, num_before)
-
-    def _emit(self, request: Request, logits: torch.Tensor, best: list[int], accepted_paths: dict) -> None:
-        """logits: [1 + draft nodes, vocab]; best: each row's argmax. Plain decoding samples one token; speculation
-        verifies and rolls back, noting the accepted path."""
-        is_decode = request.num_output_tokens > 0
-        speculating = self.speculator is not None and self.speculator.can_speculate(request)
-        num_before = request.num_tokens
-        if not (speculating and request.spec_tree.num_rows):  # plain decoding, or a speculated step with no drafts
-            token, logprob = next_token(logits[0], request, self.generators.get(request.request_id), best[0])
-            self._append(request, [token], [logprob])
-            if speculating and is_decode:  # counted as a verify step
-                self.speculator.record_undrafted(request, request.num_tokens - num_before)
-            return
-        tree, path, tokens = self.speculator.verify(self, request, logits, best)
-        self._append(request, tokens, [None] * len(tokens))
-        accepted_paths[request.request_id] = path
-        if is_decode:
-            self.speculator.record(request, tree, path, request.num_tokens - num_before)
+            self.speculator.registered(request, num_before)
 
     def _append(self, request: Request, tokens: list[int], logprobs: list) -> None:
         """Appends emitted tokens, stopping at the first that ends the request."""
@@ -313,8 +293,8 @@ class Engine:
             "time_to_first_token_s": (request.first_token_time or end) - request.arrival_time,
             "latency_s": end - request.arrival_time,
         }
-        if hasattr(request, "spec_stats"):
-            metrics["spec"] = request.spec_stats.to_dict()
+        if request.spec.stats is not None:
+            metrics["spec"] = request.spec.stats.to_dict()
         output = RequestOutput(request.request_id, request.token_ids[:request.num_prompt_tokens], request.output_token_ids,
                                text, request.finish_reason, request.is_finished,
                                request.logprobs if request.params.logprobs else None, metrics)
@@ -365,6 +345,21 @@ def _max_model_len(asked, model_max: int) -> int:
                     model_max, model_max)
         return model_max
     return asked
+
+
+def encode(tokenizer, prompt, folder: Path) -> list[int]:
+    """A prompt as token ids: token ids as they are, a string tokenized without special tokens, chat messages rendered by
+    the target's chat template. `folder` names the target in errors."""
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        if tokenizer is None or not tokenizer.chat_template:
+            raise ValueError(f"target {folder} has no chat template: pass a string or token ids")
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"target {folder} has no tokenizer: pass token ids")
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    return [int(t) for t in prompt]
 
 
 def _to_host(rows: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from heads.layer import RMSNorm
-from serving.targets import cache_dir
+from serving.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 

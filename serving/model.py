@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
+from heads.hf_folder import read_config, read_tensors
 from heads.layer import DecoderLayer, LayerConfig, RMSNorm
 from heads.rope import Rope, rope_settings
 from serving.kernels import FusedRMSNorm, PackedLinear, for_inference
@@ -64,7 +64,7 @@ class ModelConfig:
     @classmethod
     def from_folder(cls, folder) -> "ModelConfig":
         folder = Path(folder)
-        config = json.loads((folder / "config.json").read_text())
+        config = read_config(folder)
         architecture = (config.get("architectures") or ["?"])[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"{folder}: architecture {architecture} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -129,16 +129,11 @@ class Model(nn.Module):
 
     def load_safetensors(self, folder: Path):
         shards: dict[str, dict[int, torch.Tensor]] = {}
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{folder} has no *.safetensors weights")
-        for file in files:
-            with safe_open(file, framework="pt") as f:
-                for hf_name in f.keys():
-                    ours, shard = _map_name(hf_name)
-                    if ours is None:
-                        raise ValueError(f"{file.name}: unexpected tensor {hf_name} (not in serving.model.WEIGHT_MAP)")
-                    shards.setdefault(ours, {})[shard or 0] = f.get_tensor(hf_name)
+        for hf_name, tensor in read_tensors(folder).items():
+            ours, shard = _map_name(hf_name)
+            if ours is None:
+                raise ValueError(f"{folder}: unexpected tensor {hf_name} (not in serving.model.WEIGHT_MAP)")
+            shards.setdefault(ours, {})[shard or 0] = tensor
         own = dict(self.named_parameters(remove_duplicate=False))
         expected = {n for n in own if not (self.config.tie_word_embeddings and n == "lm_head.weight")}
         missing = expected - shards.keys()

@@ -6,6 +6,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from serving.spec_decode.metrics import AcceptanceStats
 from serving.spec_decode.tree import DraftTree
 
 
@@ -86,10 +87,24 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class SpecState:
+    """One request's speculative state. `reset` (preemption, abort, finish) drops its drafts, the policy's estimate
+    and every drafter's state at once; the acceptance counts stay, as they describe the whole request."""
+    tree: DraftTree = field(default_factory=DraftTree)  # the drafts scheduled behind the newest token, to verify
+    stats: AcceptanceStats | None = None  # its verify steps' acceptance counts, from its first verify step
+    estimate: object = None  # the adaptive policy's view of its acceptance (serving.spec_decode.adaptive.Estimate)
+    slots: dict = field(default_factory=dict)  # drafter -> that drafter's state for this request
+
+    def reset(self) -> None:
+        self.tree, self.estimate = DraftTree(), None
+        self.slots.clear()
+
+
 class Request:
     """One sequence in the engine. `token_ids` holds the prompt then every emitted token;
     `num_computed_tokens` of them have their K/V in the cache (the last emitted token never does
-    until the next step computes it). `spec_tree` holds the drafts scheduled behind it for verification, a token
+    until the next step computes it). `spec.tree` holds the drafts scheduled behind it for verification, a token
     tree whose nodes follow the last token in topological order; `spec_token_ids` are its tokens (setting a list
     schedules them as a chain)."""
 
@@ -104,7 +119,9 @@ class Request:
         self.num_cached_tokens = 0  # prefix-cache hits at the last admission
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []
-        self.spec_tree = DraftTree()
+        self.spec = SpecState()
+        self.generator = None  # torch.Generator of a sampled request, seeded by its params
+        self.captured: list = []  # (hidden rows, {layer: rows}) per computed chunk in token order, when capturing
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.logprobs: list[float] = []
@@ -118,15 +135,15 @@ class Request:
 
     @property
     def spec_token_ids(self) -> list[int]:
-        return list(self.spec_tree.tokens)
+        return list(self.spec.tree.tokens)
 
     @spec_token_ids.setter
     def spec_token_ids(self, tokens: list[int]) -> None:
-        self.spec_tree = DraftTree.chain(tokens)
+        self.spec.tree = DraftTree.chain(tokens)
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return len(self.token_ids) + self.spec_tree.num_rows
+        return len(self.token_ids) + self.spec.tree.num_rows
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -135,10 +152,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -23,10 +23,6 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # running first, then admitted
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(num_tokens for _, num_tokens in self.scheduled)
-
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_model_len: int, max_num_seqs: int = 64,
@@ -61,8 +57,8 @@ class Scheduler:
         while index < len(self.running) and num_budget_tokens > 0:
             request = self.running[index]
             num_new = min(self._num_wanted(request), num_budget_tokens)
-            if request.spec_tree and num_new < self._num_wanted(request):
-                request.spec_tree = DraftTree()  # a tree is verified whole or not at all
+            if request.spec.tree and num_new < self._num_wanted(request):
+                request.spec.tree = DraftTree()  # a tree is verified whole or not at all
                 num_new = min(self._num_wanted(request), num_budget_tokens)
             while not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
@@ -78,7 +74,7 @@ class Scheduler:
         while (self.waiting and num_budget_tokens > 0 and len(self.running) < self.max_num_seqs
                and not output.preempted):
             request = self.waiting[0]
-            assert request.num_computed_tokens == 0 and not request.spec_tree
+            assert request.num_computed_tokens == 0 and not request.spec.tree
             request.num_computed_tokens = request.num_cached_tokens = self.block_manager.get_computed_tokens(request)
             num_new = min(self._num_wanted(request), num_budget_tokens)
             if not self.block_manager.allocate_slots(request, num_new):
@@ -140,7 +136,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
-        request.spec_tree = DraftTree()
+        request.spec.tree = DraftTree()
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)

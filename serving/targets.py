@@ -27,6 +27,9 @@ from typing import Callable
 
 import torch
 
+from heads.hf_folder import CONFIG_FILE, read_config, tensor_shapes
+from serving.cache_dir import cache_dir
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -45,10 +48,6 @@ _TINY_DEFAULTS = dict(
 )
 # Qwen2 adds q/k/v biases and Qwen3 q/k RMSNorm by construction; the embedding tying differs per family.
 _TINY_TIED = {"llama": False, "qwen2": True, "qwen3": False}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DRAFTHEADS_CACHE") or Path.home() / ".cache" / "draftheads").expanduser()
 
 
 def resolve(name: str) -> Path:
@@ -73,7 +72,7 @@ def resolve(name: str) -> Path:
 def fingerprint(folder: str | Path) -> dict:
     """Architecture, sizes and vocabulary hash of a target: what a head or store must agree with."""
     folder = Path(folder)
-    config = _config(folder)
+    config = read_config(folder)
     num_heads = config["num_attention_heads"]
     fields = dict(
         architecture=config["model_type"],
@@ -94,7 +93,7 @@ def fingerprint(folder: str | Path) -> dict:
 def target_info(name: str) -> dict:
     """What `draftheads info --target NAME` prints: where the target lives, its shape, dtype and fingerprint."""
     folder = resolve(name)
-    config = _config(folder)
+    config = read_config(folder)
     num_heads = config["num_attention_heads"]
     return dict(
         name=name,
@@ -132,7 +131,7 @@ def build_tiny_model(
     folder = Path(folder)
     settings = dict(_TINY_DEFAULTS, tie_word_embeddings=_TINY_TIED[arch])
     if tokenizer_from is not None:
-        source = _config(Path(tokenizer_from))
+        source = read_config(tokenizer_from)
         inherited = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
         settings.update({key: source[key] for key in inherited if key in source})
     settings.update(overrides)
@@ -157,7 +156,7 @@ def build_tiny_model(
 
 def _build_once(name: str, build: Callable[[Path], None]) -> Path:
     folder = cache_dir() / "targets" / name
-    if (folder / "config.json").is_file():
+    if (folder / CONFIG_FILE).is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=folder.parent))
@@ -169,7 +168,7 @@ def _build_once(name: str, build: Callable[[Path], None]) -> Path:
             os.rename(partial, folder)
         except OSError:
             # Another process may have finished the same build first; its copy is as good as ours.
-            if not (folder / "config.json").is_file():
+            if not (folder / CONFIG_FILE).is_file():
                 raise
         log.info("built target %s in %.1f s", name, time.perf_counter() - start)
     finally:
@@ -220,7 +219,7 @@ def _build_debug(folder: Path) -> None:
 def _local(path: Path) -> Path:
     if not path.is_dir():
         raise ValueError(f"target {path} is not a folder: a target is a Hugging Face model folder")
-    if not (path / "config.json").is_file():
+    if not (path / CONFIG_FILE).is_file():
         raise ValueError(
             f"target folder {path} has no config.json: a target is a Hugging Face model folder "
             "(config.json, *.safetensors, tokenizer files)"
@@ -250,10 +249,6 @@ def _from_hub(repo_id: str) -> Path:
     return _local(path)
 
 
-def _config(folder: Path) -> dict:
-    return json.loads((folder / "config.json").read_text())
-
-
 def _vocab_hash(folder: Path, vocab_size: int) -> str:
     tokenizer_file = folder / "tokenizer.json"
     if tokenizer_file.is_file():
@@ -272,13 +267,7 @@ def _vocab_hash(folder: Path, vocab_size: int) -> str:
 
 
 def _num_parameters(folder: Path) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as weights:
-            total += sum(math.prod(weights.get_slice(key).get_shape()) for key in weights.keys())
-    return total
+    return sum(math.prod(shape) for shape in tensor_shapes(folder).values())
 
 
 def _has_chat_template(folder: Path) -> bool:

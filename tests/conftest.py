@@ -35,7 +35,7 @@ def private_cache_dir(tmp_path_factory):
     """Step-cost tables measured by tests stay out of the user's cache (serving/spec_decode/cost.py)."""
     folder = tmp_path_factory.mktemp("step_cost")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("serving.spec_decode.cost.cache_dir", lambda: folder)
+        patch.setattr("serving.spec_decode.cost.step_cost_dir", lambda: folder)
         yield
 
 

@@ -223,6 +223,7 @@ def bench_prompts(args):
 
 
 def bench(args, heads: dict) -> dict:
+    from serving.config import EngineConfig
     from serving.engine import Engine
     from serving.bench.report import write_report
     from serving.spec_decode.config import SpeculativeConfig
@@ -241,7 +242,7 @@ def bench(args, heads: dict) -> dict:
         configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k, adaptive=True,
                                       confidence_threshold=CONFIDENCE_THRESHOLD, prompt_lookup_first=True)
                     for kind, folder in heads.items()]
-    engine = Engine(args.target, max_num_seqs=16, device=args.device)
+    engine = Engine(EngineConfig(args.target, max_num_seqs=16, device=args.device))
     pairs = [(0.0, 1)] + ([(0.0, 4), (0.0, 16), (0.7, 1), (0.7, 4), (0.7, 16)] if args.full else [])
     prompt_sets = bench_prompts(args)
     # transformers' generate is timed alongside in the goal's setting only

@@ -41,6 +41,17 @@ def module_options(module: type) -> list[str]:
 
 
 class DraftParser(LightningArgumentParser):
+    def parse_object(self, cfg_obj, *args, **kwargs):
+        """LightningCLI parses the module settings of a checkpoint file it resumes from (as {subcommand: {"model":
+        {"class_path", "dict_kwargs"}}}); one written before k was named num_speculative_tokens names it
+        num_draft_tokens."""
+        commands = cfg_obj.values() if isinstance(cfg_obj, dict) else ()
+        for settings in (command.get("model", {}).get("dict_kwargs", {}) for command in commands
+                         if isinstance(command, dict)):
+            if "num_draft_tokens" in settings:
+                settings["num_speculative_tokens"] = settings.pop("num_draft_tokens")
+        return super().parse_object(cfg_obj, *args, **kwargs)
+
     def error(self, message: str, ex: Exception | None = None):
         unknown = UNKNOWN_OPTION.search(message)
         modules = {cls.__name__: cls for cls in MODULES.values()}

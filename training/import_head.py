@@ -20,17 +20,15 @@ temperatures are not part of these layouts: `draftheads fit --model.init_args.in
 """
 from __future__ import annotations
 
-import json
 import pickle
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 import heads
 from heads.checkpoint import HEADS
 from heads.draft_head import DraftHead
+from heads.hf_folder import read_config, read_file, weight_files
 from heads.token_map import check_token_ids, lm_head_rows
 from training.cli import DocHelpFormatter
 from training.formats import LAYOUTS, SOURCES, Layout, speculators_config_fields, to_ours
@@ -73,7 +71,7 @@ def import_head(src, kind: str, target, source: str | None = None) -> tuple[Draf
     from serving import targets
 
     src = Path(src)
-    config = _read_config(src)
+    config = read_config(src, "import reads a head's folder (config.json and its weights)")
     layout = _layout(config, kind, source, src)
     if layout.source == "speculators":
         config = speculators_config_fields(config)
@@ -103,19 +101,6 @@ def import_head(src, kind: str, target, source: str | None = None) -> tuple[Draf
     if head.token_map is not None:
         parts.lm_head = lm_head_rows(parts.lm_head, head.token_map)
     return head.bind_target(parts), layout
-
-
-def _read_config(src: Path) -> dict:
-    config_file = src / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{src} has no config.json: import reads a head's folder (config.json and its weights)")
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{config_file} is malformed ({error})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_file} is malformed: expected a JSON object")
-    return config
 
 
 def _layout(config: dict, kind: str, source: str | None, src: Path) -> Layout:
@@ -160,15 +145,15 @@ def _check_sizes(config: dict, parts, where: str) -> None:
 
 
 def _read_tensors(src: Path) -> dict[str, torch.Tensor]:
-    files = sorted(src.glob("*.safetensors")) or [src / name for name in TORCH_FILES if (src / name).is_file()]
+    files = weight_files(src) or [src / name for name in TORCH_FILES if (src / name).is_file()]
     if not files:
         raise ValueError(f"{src} has no weights: expected *.safetensors, {' or '.join(TORCH_FILES)}")
     tensors = {}
     for file in files:
         try:
-            read = load_file(str(file)) if file.suffix == ".safetensors" else torch.load(
+            read = read_file(file) if file.suffix == ".safetensors" else torch.load(
                 file, map_location="cpu", weights_only=True)
-        except (SafetensorError, OSError, RuntimeError, pickle.UnpicklingError) as error:
+        except (OSError, RuntimeError, pickle.UnpicklingError) as error:
             raise ValueError(f"{file} is unreadable ({error})") from None
         prefix = "medusa_head." if file.stem == MEDUSA_FILE else ""
         tensors.update({prefix + name: tensor for name, tensor in read.items()})

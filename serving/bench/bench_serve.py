@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from serving.config_file import add_options, merge_options
+from serving.config_file import CONFIG_HELP, add_options, merge_options
 
 HELP = {
-    "config": "YAML file whose keys are these options' names; options given on the command line override it",
+    "config": CONFIG_HELP,
     "endpoint": "the server's base URL (its OpenAI API under /v1, Prometheus metrics at /metrics)",
     "compare_endpoint": "a second server's base URL, measured after the first on the same prompts and arrival "
                         "schedule; the report gives first / second for each figure",

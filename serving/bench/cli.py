@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from serving.config import HELP as ENGINE_HELP, EngineConfig, resolve_device
 from serving.config_file import add_options, merge_options
 from serving.request import SamplingParams
 from serving.spec_decode.config import SpeculativeConfig
@@ -23,7 +24,7 @@ from serving.targets import DEFAULT_TARGET
 HELP = {
     "config": "YAML file whose keys are these options' names (configs/bench.yaml); options given on the command "
               "line override it, --speculative-config its whole list",
-    "target": "target name or folder (see `draftheads info`)",
+    "target": ENGINE_HELP["target"],
     "prompts": "prompt source: mt-bench (one question per category in turn), humaneval, sharegpt-heldout, or a JSONL file",
     "num_prompts": "first N prompts of the source (first turns)",
     "max_new_tokens": "tokens generated per prompt",
@@ -33,10 +34,9 @@ HELP = {
     "seed": "per-request seeds are seed + index",
     "speculative_config": 'a speculative config, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; repeat for more rows',
     "baseline": "hf also times transformers' generate on the same prompts",
-    "dtype": "weights and activations; greedy outputs equal plain decoding's only in float32 (bfloat16 operators are "
-             "not batch-invariant, so near-ties can flip between a decode and a verify step)",
-    "block_size": "K/V block size in tokens",
-    "device": "where the target runs: auto (the first CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N",
+    "dtype": ENGINE_HELP["dtype"],
+    "block_size": ENGINE_HELP["block_size"],
+    "device": ENGINE_HELP["device"],
     "json": "also write the results as JSON to this path (a list of them for several settings)",
     "out": "write bench.json, bench.md, acceptance.png, summary.json (every setting and method: tau, speedup over "
            "plain in that setting, rows/step, identical, tokens/s), summary.md and speedup_vs_concurrency.png to DIR and "
@@ -84,8 +84,6 @@ class BenchConfig:
                                    for c in self.speculative_config]
         for temperature in self.temperature:
             SamplingParams(max_tokens=self.max_new_tokens, temperature=temperature, seed=self.seed)
-        from serving.engine import resolve_device
-
         resolve_device(self.device)  # a bad device fails before the prompts load
 
 
@@ -116,13 +114,13 @@ def run(args) -> None:
     if show_cost_model:
         from serving.spec_decode.cost import load_or_measure
 
-        engine = Engine(config.target, dtype=config.dtype, block_size=config.block_size, device=config.device)
+        engine = Engine(EngineConfig(config.target, dtype=config.dtype, block_size=config.block_size, device=config.device))
         print(load_or_measure(engine, remeasure=remeasure).table())
         return
     dataset = load_prompts(config.prompts, config.num_prompts)
     messages = [first_turn(m) for m in dataset["messages"]]
-    engine = Engine(config.target, dtype=config.dtype, block_size=config.block_size,
-                    max_num_seqs=max(config.concurrency), device=config.device)
+    engine = Engine(EngineConfig(config.target, dtype=config.dtype, block_size=config.block_size,
+                                 max_num_seqs=max(config.concurrency), device=config.device))
     settings = [Setting(config.prompts, float(t), c, config.baseline) for t in config.temperature for c in config.concurrency]
     results = run_settings(engine, {config.prompts: (messages, list(dataset["category"]))}, settings,
                            config.speculative_config, config.max_new_tokens, config.seed, out=config.out)

@@ -11,7 +11,7 @@ import torch
 
 from serving.request import SamplingParams
 from serving.spec_decode.metrics import AcceptanceStats
-from serving.spec_decode.step import Speculator
+from serving.spec_decode.speculator import Speculator
 
 
 def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency, temperature=0.0, seed=0,

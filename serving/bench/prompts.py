@@ -28,6 +28,8 @@ from typing import IO
 
 import datasets
 
+from serving.cache_dir import cache_dir
+
 SOURCES = ("sharegpt", "sharegpt-heldout", "mt-bench", "humaneval")
 ROLES = ("user", "assistant", "system")
 FEATURES = datasets.Features(
@@ -169,10 +171,6 @@ def is_heldout(conversation_id: str) -> bool:
 
 def split_sharegpt(dataset: datasets.Dataset, heldout: bool) -> datasets.Dataset:
     return dataset.select([i for i, cid in enumerate(dataset["id"]) if is_heldout(cid) == heldout])
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DRAFTHEADS_CACHE") or Path.home() / ".cache" / "draftheads")
 
 
 def cached_sharegpt(path: Path) -> datasets.Dataset:

@@ -4,10 +4,11 @@ MTP reusing its first module), mtp.py (MTP, one module per draft), lookup_first.
 lookahead.py (lookahead decoding: Jacobi iteration and an n-gram pool)."""
 from __future__ import annotations
 
+from serving.drafters.context import DraftContext
 from serving.spec_decode.config import SpeculativeConfig
 
 
-def make_drafter(engine, config: SpeculativeConfig):
+def make_drafter(ctx: DraftContext, config: SpeculativeConfig):
     if config.method == "ngram":
         from serving.drafters.ngram import NgramDrafter
 
@@ -19,14 +20,14 @@ def make_drafter(engine, config: SpeculativeConfig):
     if config.method == "draft_model":
         from serving.drafters.draft_model import DraftModelDrafter
 
-        return DraftModelDrafter(engine, config)
+        return DraftModelDrafter(ctx, config)
     if config.method == "early_exit":
         from serving.drafters.early_exit import EarlyExitDrafter
 
-        return EarlyExitDrafter(engine, config)
+        return EarlyExitDrafter(ctx, config)
     from serving.drafters.head import make_head_drafter
 
-    drafter = make_head_drafter(engine, config)
+    drafter = make_head_drafter(ctx, config)
     if config.prompt_lookup_first:
         from serving.drafters.lookup_first import LookupFirst
         from serving.drafters.ngram import NgramDrafter

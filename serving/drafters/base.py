@@ -11,12 +11,14 @@ declared here, never probed:
   leaves each draft's fate to that cut, rather than one request's few recent verify steps;
 - `num_lookahead`: tokens after a block that its own K/V there depends on, so that the prefix cache shares a block
   only where those tokens agree too (EAGLE and MTP: their entry at position p reads token p + 1).
-`observe(engine, step)` runs every step, before requests finishing in it leave and before `propose`, for drafters
-that catch up over what the target kept; a drafter with a pool of its own may defer that work until a request
-drafts (`catch_up`), handing what it deferred to the blocks the prefix cache registers (`registered`), so that a
-request sharing them completes it when it drafts;
-`reset(request)` forgets a request that finished or was preempted; `summary()` is what a drafter reports beside the
-acceptance counts (lookahead: its pool's hit rate).
+A drafter sees a `DraftContext` (serving/drafters/context.py: the model runner, the engine's limits, the step's
+outputs), never the engine. Its state for one request lives in that request's slot, `request.spec.slots[drafter]`,
+which the speculator clears when the request finishes, is preempted or aborted.
+`observe(ctx)` runs every step, before requests finishing in it leave and before `propose`, for drafters that catch
+up over what the target kept; a `PooledDrafter` (a K/V pool of its own) may defer that work until a request drafts
+(`catch_up`), handing what it deferred to the blocks the prefix cache registers (`registered`), so that a request
+sharing them completes it when it drafts; `summary()` is what a drafter reports beside the acceptance counts
+(lookahead: its pool's hit rate).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import abc
 import math
 from typing import NamedTuple
 
+from serving.drafters.context import DraftContext
 from serving.spec_decode.tree import DraftTree
 
 
@@ -48,26 +51,30 @@ class Drafter(abc.ABC):
     num_lookahead: int = 0
 
     @abc.abstractmethod
-    def propose(self, engine, requests: list, budgets: dict[str, DraftBudget], step) -> dict[str, DraftTree]:
-        """A tree per request id (a request left out gets none). `step` is the target pass that just ran
-        (`serving.spec_decode.step.StepOutputs`)."""
+    def propose(self, ctx: DraftContext, requests: list, budgets: dict[str, DraftBudget]) -> dict[str, DraftTree]:
+        """A tree per request id (a request left out gets none). `ctx.step` is the target pass that just ran."""
 
-    def observe(self, engine, step) -> None:
-        """Catch up over the tokens the target kept this step (drafters with a pool of their own)."""
+    def observe(self, ctx: DraftContext) -> None:
+        """Note what the target kept this step (`ctx.step`), every request of it, finishing ones included."""
 
-    def catch_up(self, engine, requests: list) -> int:
+    def reset(self, request) -> None:
+        """Forget a request: for state a drafter keeps beyond the request's own slot (`request.spec.slots`), which
+        the speculator clears."""
+
+    def summary(self) -> dict:
+        """What this drafter reports beside the acceptance counts (the bench adds it to the method's row)."""
+        return {}
+
+
+class PooledDrafter(Drafter):
+    """A drafter with a K/V pool of its own addressed by the target's block tables (a draft model's, a head's)."""
+
+    def catch_up(self, ctx: DraftContext, requests: list) -> int:
         """Before drafting for `requests`: complete the work `observe` deferred for them and for the shared blocks
-        they hold (a drafter with a pool of its own). Only drafting pays for it, so the adaptive policy prices this
-        call with drafting. Returns the rows it ran over."""
+        they hold. Only drafting pays for it, so the adaptive policy prices this call with drafting. Returns the
+        rows it ran over."""
         return 0
 
     def registered(self, request, first_block: int) -> None:
         """The prefix cache registered the request's blocks from index `first_block` to len(request.block_hashes),
         and may share them from now on: a drafter that defers its pool's work keeps what those blocks still need."""
-
-    def reset(self, request) -> None:
-        """Forget a request."""
-
-    def summary(self) -> dict:
-        """What this drafter reports beside the acceptance counts (the bench adds it to the method's row)."""
-        return {}

@@ -8,45 +8,47 @@ import torch
 
 from serving import targets
 from serving.attention import KVCache
-from serving.drafters.base import Drafter
-from serving.drafters.runner import num_reusable, paged_forward, pick
+from serving.drafters.base import PooledDrafter
 from serving.model import Model
+from serving.sampler import sample
 from serving.spec_decode.tree import DraftTree
 
 
-class DraftModelDrafter(Drafter):
-    def __init__(self, engine, config):
+class DraftModelDrafter(PooledDrafter):
+    """Its slot per request: (tokens before which its pool holds all, the drafts it fed after them)."""
+
+    def __init__(self, ctx, config):
+        runner = ctx.runner
         folder = targets.resolve(config.model)
-        if folder == engine.folder:
-            self.model = engine.model  # the target drafting for itself: same weights, its own pool
+        if folder == ctx.target:
+            self.model = runner.model  # the target drafting for itself: same weights, its own pool
         else:
-            draft_fp, target_fp = targets.fingerprint(folder), engine.fingerprint
+            draft_fp, target_fp = targets.fingerprint(folder), ctx.fingerprint
             if (draft_fp["vocab_size"], draft_fp["vocab_hash"]) != (target_fp["vocab_size"], target_fp["vocab_hash"]):
                 raise ValueError(f"draft model {config.model} has another vocabulary than the target "
                                  f"({draft_fp['vocab_size']} tokens, hash {draft_fp['vocab_hash']} vs "
                                  f"{target_fp['vocab_size']}, {target_fp['vocab_hash']}): it must share the target's tokenizer")
-            self.model = Model.from_folder(folder, engine.dtype, engine.device)
+            self.model = Model.from_folder(folder, runner.dtype, runner.device)
         c = self.model.config
-        self.cache = KVCache(c.num_layers, engine.cache.num_blocks, engine.block_size, c.layer.num_kv_heads,
-                             c.layer.head_dim, engine.dtype, engine.device)
-        self.block_size = engine.block_size
+        self.cache = KVCache(c.num_layers, runner.cache.num_blocks, runner.block_size, c.layer.num_kv_heads,
+                             c.layer.head_dim, runner.dtype, runner.device)
         self.temperature = config.draft_temperature
-        self.fed: dict[str, tuple[int, list[int]]] = {}  # request id -> (tokens before it all in the pool, drafts fed after)
 
-    def propose(self, engine, requests, budgets, step=None):
+    def propose(self, ctx, requests, budgets):
         budgets = {rid: budget.chain_length for rid, budget in budgets.items()}  # a chain
+        runner = ctx.runner
         chunks, starts = [], []
         for r in requests:
-            start, fed = self.fed.get(r.request_id, (0, []))
+            start, fed = r.spec.slots.get(self, (0, []))
             num_valid = num_reusable(fed, start, r.token_ids)
             chunks.append((r.token_ids[num_valid:], num_valid, r.block_ids))
             starts.append(r.num_tokens)
         sampled = [bool(self.temperature) and not r.params.is_greedy for r in requests]
-        generators = [engine.generators.get(r.request_id) for r in requests]
+        generators = [r.generator for r in requests]
         drafts = {r.request_id: [] for r in requests}
         probs = {r.request_id: [] for r in requests}
         active = list(range(len(requests)))
-        logits = paged_forward(self.model, self.cache, self.block_size, chunks)
+        logits = runner.forward_chunks(self.model, self.cache, chunks)
         for i in range(max(budgets[r.request_id] for r in requests)):
             tokens, q = pick(logits, self.temperature if any(sampled[j] for j in active) else None, [generators[j] for j in active])
             if q is not None:  # greedy requests in the batch still draft greedily
@@ -60,13 +62,28 @@ class DraftModelDrafter(Drafter):
             if not active:
                 break
             chunks = [([drafts[requests[j].request_id][-1]], starts[j] + i, requests[j].block_ids) for j in active]
-            logits = paged_forward(self.model, self.cache, self.block_size, chunks)
+            logits = runner.forward_chunks(self.model, self.cache, chunks)
         trees = {}
         for r, start in zip(requests, starts):
             rid = r.request_id
-            self.fed[rid] = (start, drafts[rid][:-1])
+            r.spec.slots[self] = (start, drafts[rid][:-1])
             trees[rid] = DraftTree.chain(drafts[rid], torch.stack(probs[rid]) if probs[rid] else None)
         return trees
 
-    def reset(self, request):
-        self.fed.pop(request.request_id, None)
+
+def pick(logits: torch.Tensor, temperature: float | None, generators: list) -> tuple[list[int], torch.Tensor | None]:
+    """Greedy drafts, or sampled drafts with their distributions q when `temperature` is set (> 0)."""
+    if not temperature:
+        return logits.argmax(-1).tolist(), None
+    probs = torch.softmax(logits / temperature, dim=-1)
+    tokens = [sample(p, g) for p, g in zip(probs, generators)]
+    return tokens, probs
+
+
+def num_reusable(fed: list[int], start: int, tokens: list[int]) -> int:
+    """How many leading tokens of `tokens` a drafter's pool still holds, when it holds every token before
+    `start` and last fed the drafts `fed` from there: those drafts count while the target accepted them."""
+    num = start
+    while num - start < len(fed) and num < len(tokens) - 1 and tokens[num] == fed[num - start]:
+        num += 1
+    return num  # never past the newest token: its logits give the first draft

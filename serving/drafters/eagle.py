@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.attention import KVCache, PagedAttention, PagedMetadata
-from serving.drafters.base import Drafter
+from serving.attention import KVCache, PagedAttention
+from serving.drafters.base import PooledDrafter
 from serving.drafters.head import Confidence, top_log_probs
-from serving.drafters.runner import flatten
 from serving.drafters.tree_search import grow
 from serving.spec_decode.tree import path_to
 
@@ -43,33 +42,44 @@ class Pending:
 
 
 @dataclass
+class HeadState:
+    """One request's slot: the kept pairs the head has not run over yet, and its output at the newest pair (what the
+    first depth of the next tree reads), until drafted from."""
+    pending: Pending | None = None
+    last_output: torch.Tensor | None = None  # [hidden]
+
+
+@dataclass
 class Unrun:
     """A registered block's pairs the head has not run over: its last ones (the head may have run over the first)."""
     block_hash: int
     pairs: Pending
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(PooledDrafter):
     needs_hidden = True
     is_calibrated = True
     num_lookahead = 1  # its K/V at position p depends on token p + 1
 
-    def __init__(self, engine, head, hot, config):
-        self.head, self.kind, self.hot = head, head.config.kind, hot
+    def __init__(self, ctx, head, token_map, config):
+        self.head, self.kind, self.token_map = head, head.config.kind, token_map
         self.confidence, self.topk = Confidence(head, config.confidence_threshold), config.topk
         self.aux_layers = tuple(head.config.aux_layers) if self.kind == "eagle3" else ()
         layer = head.config.layer_config()
-        self.block_size, self.device = engine.block_size, engine.device
+        runner = ctx.runner
+        self.block_size, self.device = runner.block_size, runner.device
         # scratch: one run of slots for each of up to max_num_seqs requests drafted at once, one per node expanded
         self.num_scratch = config.topk * max(config.num_speculative_tokens - 1, 0)
-        self.scratch_start = engine.cache.num_blocks * engine.block_size
-        self.max_requests = engine.scheduler.max_num_seqs
-        num_scratch_blocks = -(-self.max_requests * self.num_scratch // engine.block_size)
-        self.cache = KVCache(1, engine.cache.num_blocks + num_scratch_blocks, engine.block_size, layer.num_kv_heads,
-                             layer.head_dim, engine.dtype, engine.device)
-        self.pending: dict[str, Pending] = {}  # request id -> kept pairs the head has not run over yet
+        self.scratch_start = runner.cache.num_blocks * runner.block_size
+        self.max_requests = ctx.max_num_seqs
+        num_scratch_blocks = -(-self.max_requests * self.num_scratch // runner.block_size)
+        self.cache = KVCache(1, runner.cache.num_blocks + num_scratch_blocks, runner.block_size, layer.num_kv_heads,
+                             layer.head_dim, runner.dtype, runner.device)
         self.unrun: dict[int, Unrun] = {}  # block id -> the pairs moved there when the prefix cache registered it
-        self.newest: dict[str, torch.Tensor] = {}  # request id -> the head's output at its newest pair, until drafted
+
+    def state(self, request) -> HeadState:
+        """The request's slot, made on first use."""
+        return request.spec.slots.setdefault(self, HeadState())
 
     def _features(self, step, rows: torch.Tensor) -> torch.Tensor:
         """The target's rows the head reads, as noted: EAGLE-3's aux layers side by side, fused only at catch-up (one
@@ -90,15 +100,15 @@ class EagleDrafter(Drafter):
         log_probs, best = top_log_probs(logits, self.topk, self.confidence.temperature(depth))
         if self.kind == "eagle3":
             return log_probs, self.head.to_target_ids(best)
-        return log_probs, best if self.hot is None else self.hot[best]
+        return log_probs, best if self.token_map is None else self.token_map[best]
 
     @torch.inference_mode()
-    def observe(self, engine, step):
+    def observe(self, ctx):
         """Notes every token the target computed and kept this step: the pair (h_p, x_{p+1}) at position p, with its
         feature row. The head runs over them when the request drafts next (`catch_up`). A finishing request's last
         pairs are noted too while the prefix cache is on: the blocks it registers hold them."""
-        rows, owners = [], []
-        keep_finishing = engine.block_manager.enable_prefix_caching
+        step, rows, owners = ctx.step, [], []
+        keep_finishing = ctx.enable_prefix_caching
         for request in step.batch.requests:
             if request.finish_reason and not keep_finishing:
                 continue
@@ -111,7 +121,10 @@ class EagleDrafter(Drafter):
         features = self._features(step, torch.tensor(rows, device=self.device))  # [rows, features]
         first = 0
         for request, start, num in owners:
-            chunk = self.pending.setdefault(request.request_id, Pending(start, [], []))
+            state = self.state(request)
+            if state.pending is None:
+                state.pending = Pending(start, [], [])
+            chunk = state.pending
             assert chunk.end == start, "kept tokens follow the pending ones"
             chunk.tokens += request.token_ids[start + 1:start + 1 + num]
             chunk.features.append(features[first:first + num])
@@ -123,8 +136,8 @@ class EagleDrafter(Drafter):
         num_blocks = len(request.block_hashes)
         for index in range(first_block, num_blocks):
             self.unrun.pop(request.block_ids[index], None)
-        chunk = self.pending.get(request.request_id)
-        end = num_blocks * self.block_size
+        state = self.state(request)
+        chunk, end = state.pending, num_blocks * self.block_size
         if chunk is None or chunk.start >= end:
             return
         features = torch.cat(chunk.features)
@@ -136,10 +149,9 @@ class EagleDrafter(Drafter):
                                                          Pending(position, chunk.tokens[offset], [features[offset]]))
             position = upto
         if chunk.end > end:
-            self.pending[request.request_id] = Pending(end, chunk.tokens[end - chunk.start:],
-                                                       [features[end - chunk.start:]])
+            state.pending = Pending(end, chunk.tokens[end - chunk.start:], [features[end - chunk.start:]])
         else:
-            del self.pending[request.request_id]
+            state.pending = None
 
     def _unrun_pairs(self, request) -> list[Pending]:
         """Takes the pairs of the request's registered blocks the head has not run over (the last of them)."""
@@ -150,13 +162,14 @@ class EagleDrafter(Drafter):
         return [self.unrun.pop(request.block_ids[index]).pairs for index in range(first, len(request.block_hashes))]
 
     @torch.inference_mode()
-    def catch_up(self, engine, requests) -> int:
+    def catch_up(self, ctx, requests) -> int:
         """Runs the head over the pending pairs of `requests` (those of their shared blocks first) in one forward,
         writing their K/V into the pool; keeps each one's newest output, which its first draft reads."""
-        chunks, features, last, num_rows = [], [], {}, 0
+        chunks, features, last, num_rows = [], [], [], 0
         for request in requests:
             parts = self._unrun_pairs(request)
-            own = self.pending.pop(request.request_id, None)
+            state = self.state(request)
+            own, state.pending = state.pending, None
             parts += [own] if own else []
             if not parts:
                 continue
@@ -165,32 +178,29 @@ class EagleDrafter(Drafter):
             chunks.append((tokens, parts[0].start, request.block_ids))
             features += [f for part in parts for f in part.features]
             num_rows += len(tokens)
-            last[request.request_id] = num_rows - 1
+            last.append((state, num_rows - 1))
         if not chunks:
             return 0
-        ids, positions, meta, _ = flatten(chunks, self.block_size, self.device)
+        ids, positions, meta, _ = ctx.runner.flatten(chunks)
         features = torch.cat(features)
         out = self._forward(ids, self.head.fuse(features) if self.kind == "eagle3" else features, positions, meta)
-        self.newest.update({rid: out[row] for rid, row in last.items()})  # [hidden] each
+        for state, row in last:
+            state.last_output = out[row]
         return num_rows
 
-    def reset(self, request) -> None:
-        self.pending.pop(request.request_id, None)
-        self.newest.pop(request.request_id, None)
-
-    def propose(self, engine, requests, budgets, step):
-        self.catch_up(engine, requests)
-        requests = [r for r in requests if r.request_id in self.newest]
+    def propose(self, ctx, requests, budgets):
+        self.catch_up(ctx, requests)
+        requests = [r for r in requests if self.state(r).last_output is not None]
         trees = {}
         for first in range(0, len(requests), self.max_requests):  # more only if max_num_seqs grew since
-            trees.update(self._draft(requests[first:first + self.max_requests], budgets))
+            trees.update(self._draft(ctx, requests[first:first + self.max_requests], budgets))
         for request in requests:
-            del self.newest[request.request_id]  # it is drafted from once
+            self.state(request).last_output = None  # it is drafted from once
         return trees
 
     @torch.inference_mode()
-    def _draft(self, requests, budgets):
-        newest = torch.stack([self.newest[r.request_id] for r in requests])  # [requests, hidden]
+    def _draft(self, ctx, requests, budgets):
+        newest = torch.stack([self.state(r).last_output for r in requests])  # [requests, hidden]
         outputs, slots, num_used = {}, {}, [0] * len(requests)  # (request, node) -> its output, its scratch slot
 
         def expand(depth, nodes, found):
@@ -203,9 +213,8 @@ class EagleDrafter(Drafter):
                 num_used[r] += 1
                 paths.setdefault(r, []).append([slots[r, n] for n in path_to(found[r].parents, c)])
             order = list(paths)  # requests in the order their nodes come
-            meta = PagedMetadata.build([0] * len(order), [requests[r].num_tokens - 1 for r in order],
-                                       [requests[r].block_ids for r in order], self.block_size, self.device,
-                                       [paths[r] for r in order])
+            meta = ctx.runner.metadata([0] * len(order), [requests[r].num_tokens - 1 for r in order],
+                                       [requests[r].block_ids for r in order], [paths[r] for r in order])
             ids = torch.tensor([found[r].tokens[c] for r, c in nodes], device=self.device)
             # a node at depth d is the input at position (newest token's) + d - 1
             positions = torch.tensor([requests[r].num_tokens - 2 + depth for r, _ in nodes], device=self.device)

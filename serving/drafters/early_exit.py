@@ -6,24 +6,24 @@ and the drafts into the same slots the next verify pass overwrites with identica
 from __future__ import annotations
 
 from serving.drafters.base import Drafter
-from serving.drafters.runner import paged_forward
 from serving.spec_decode.tree import DraftTree
 
 
 class EarlyExitDrafter(Drafter):
-    def __init__(self, engine, config):
-        num_target_layers = engine.model.config.num_layers
+    def __init__(self, ctx, config):
+        num_target_layers = ctx.runner.model.config.num_layers
         if config.num_layers >= num_target_layers:
             raise ValueError(f"early_exit num_layers={config.num_layers} must be below the target's {num_target_layers} layers")
         self.num_layers = config.num_layers
 
-    def propose(self, engine, requests, budgets, step=None):
+    def propose(self, ctx, requests, budgets):
         budgets = {rid: budget.chain_length for rid, budget in budgets.items()}  # a chain
+        runner = ctx.runner
         drafts = {r.request_id: [] for r in requests}
         chunks = [([r.token_ids[-1]], r.num_tokens - 1, r.block_ids) for r in requests]
         active = list(requests)
         for i in range(max(budgets.values())):
-            logits = paged_forward(engine.model, engine.cache, engine.block_size, chunks, num_layers=self.num_layers)
+            logits = runner.forward_chunks(runner.model, runner.cache, chunks, num_layers=self.num_layers)
             for r, token in zip(active, logits.argmax(-1).tolist()):
                 drafts[r.request_id].append(token)
             active = [r for r in active if budgets[r.request_id] > i + 1]

@@ -16,28 +16,30 @@ from heads.token_map import lm_head_rows, load_token_map
 from serving.kernels import PackedLinear, for_inference
 
 
-def make_head_drafter(engine, config):
-    head = heads.load(config.model, engine.fingerprint)
-    parts = heads.load_target_parts(engine.folder, fingerprint=engine.fingerprint, weights=False)
+def make_head_drafter(ctx, config):
+    runner = ctx.runner
+    head = heads.load(config.model, ctx.fingerprint)
+    parts = heads.load_target_parts(ctx.target, fingerprint=ctx.fingerprint, weights=False)
     weight_dtype = getattr(torch, config.draft_weights or "bfloat16")
-    hot = head.token_map
+    token_map = head.token_map
     if config.token_map:
         given = load_token_map(config.token_map, parts.vocab_size)
-        if hot is not None and not torch.equal(given, hot):
-            raise ValueError(f"{config.model} drafts among the {len(hot)} tokens of the token map it was trained over, "
+        if token_map is not None and not torch.equal(given, token_map):
+            raise ValueError(f"{config.model} drafts among the {len(token_map)} tokens of the token map it was trained over, "
                              f"and {config.token_map} is another map: drop token_map from the speculative config (a "
                              "head keeps its own map)")
-        if getattr(head.config, "own_lm_head", False) and hot is None:
+        if head.config.kind == "medusa" and head.config.own_lm_head and token_map is None:
             raise ValueError(f"{config.model} is a Medusa head with LM heads of its own over the whole vocabulary: a "
                              "token_map applies to heads that read the target's LM head; train it with the map instead")
-        hot = given
-    if hot is not None:
-        hot = hot.to(engine.device)
-        lm_head = PackedLinear(lm_head_rows(engine.model.lm_head, hot), weight_dtype)
+        token_map = given
+    model = runner.model
+    if token_map is not None:
+        token_map = token_map.to(runner.device)
+        lm_head = PackedLinear(lm_head_rows(model.lm_head, token_map), weight_dtype)
     else:
-        lm_head = engine.model.packed_lm_head(weight_dtype)
-    parts.embed, parts.norm, parts.lm_head = engine.model.embed, engine.model.norm, lm_head
-    head = head.bind_target(parts).to(engine.device, engine.dtype).eval().requires_grad_(False)
+        lm_head = model.packed_lm_head(weight_dtype)
+    parts.embed, parts.norm, parts.lm_head = model.embed, model.norm, lm_head
+    head = head.bind_target(parts).to(runner.device, runner.dtype).eval().requires_grad_(False)
     head = for_inference(head, weight_dtype)
     kind = head.config.kind
     if kind != config.method:
@@ -49,7 +51,7 @@ def make_head_drafter(engine, config):
         if config.num_speculative_tokens > head.config.num_heads:
             raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds this Medusa head's "
                              f"{head.config.num_heads} heads")
-        return MedusaDrafter(head, hot, config)
+        return MedusaDrafter(head, token_map, config)
     if kind == "mtp" and head.config.serve_mode == "chain":
         from serving.drafters.mtp import MtpChainDrafter
 
@@ -60,10 +62,10 @@ def make_head_drafter(engine, config):
             raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds this MTP head's depth "
                              f"{head.config.depth} (serve_mode 'chain' drafts one token per module): draft fewer "
                              "tokens or set serve_mode 'reuse_first' in its config.json")
-        return MtpChainDrafter(engine, head, hot, config.confidence_threshold)
+        return MtpChainDrafter(ctx, head, token_map, config.confidence_threshold)
     from serving.drafters.eagle import EagleDrafter
 
-    return EagleDrafter(engine, head, hot, config)
+    return EagleDrafter(ctx, head, token_map, config)
 
 
 def log_confidence(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -45,7 +45,7 @@ class NgramPool:
             del kept[0]
         kept.append(rest)
 
-    def catch_up(self, tokens: list[int]) -> None:
+    def extend(self, tokens: list[int]) -> None:
         """Pools the n-grams of the request's tokens not pooled yet."""
         for s in range(self.num_pooled, len(tokens) - self.n + 1):
             self.add(tokens[s], tuple(tokens[s + 1:s + self.n]))
@@ -78,8 +78,6 @@ class RequestState:
     pool: NgramPool
     newest: int = -1  # the newest token when `proposed` was drafted
     proposed: LookaheadRows | None = None  # the window's rows in the tree last drafted
-    num_lookups: int = 0
-    num_hits: int = 0  # lookups whose newest token had n-grams pooled
 
 
 class LookaheadDrafter(Drafter):
@@ -94,15 +92,14 @@ class LookaheadDrafter(Drafter):
                 trajectory = [row(0, c) for c in range(1, column + 1)] + [row(l, column) for l in range(1, level + 1)]
                 sees.append(tuple(trajectory))
         self.offsets, self.sees = tuple(offsets), tuple(sees)
-        self.states: dict[str, RequestState] = {}
-        self.num_lookups = self.num_hits = 0
+        self.num_lookups = self.num_hits = 0  # hits: lookups whose newest token had n-grams pooled
 
-    def propose(self, engine, requests, budgets, step=None):
+    def propose(self, ctx, requests, budgets):
         trees = {}
         for request in requests:
-            state = self.states.get(request.request_id) or self._start(request)
-            self.states[request.request_id] = state
-            state.pool.catch_up(request.token_ids)
+            state = request.spec.slots.get(self) or self._start(request)
+            request.spec.slots[self] = state
+            state.pool.extend(request.token_ids)
             budget = budgets[request.request_id]
             lookahead = None
             if budget.num_nodes >= len(self.offsets):
@@ -110,17 +107,18 @@ class LookaheadDrafter(Drafter):
                                           self.sees, self.width)
             newest = request.token_ids[-1]
             candidates = state.pool.candidates(newest)
-            state.num_lookups += 1
-            state.num_hits += bool(candidates)
+            self.num_lookups += 1
+            self.num_hits += bool(candidates)
             tokens, parents = trie(candidates, budget.num_nodes - (len(lookahead) if lookahead else 0), budget.depth)
             state.newest, state.proposed = newest, lookahead
             trees[request.request_id] = DraftTree(tokens, parents, lookahead=lookahead)
         return trees
 
-    def observe(self, engine, step) -> None:
+    def observe(self, ctx) -> None:
         """Reads the last level's argmaxes of every request whose window the step computed, and iterates it."""
+        step = ctx.step
         for i, request in enumerate(step.batch.requests):
-            state, lookahead = self.states.get(request.request_id), step.batch.trees[i].lookahead
+            state, lookahead = request.spec.slots.get(self), step.batch.trees[i].lookahead
             if state is None or lookahead is None or lookahead is not state.proposed:
                 continue
             first = step.batch.logits_start[i] + 1 + len(step.batch.trees[i])
@@ -128,17 +126,9 @@ class LookaheadDrafter(Drafter):
             state.window.advance(state.newest, outputs, state.pool)
             state.proposed = None
 
-    def reset(self, request) -> None:
-        state = self.states.pop(request.request_id, None)
-        if state is not None:
-            self.num_lookups += state.num_lookups
-            self.num_hits += state.num_hits
-
     def summary(self) -> dict:
-        """The pool's hit rate: of the steps drafted for, those whose newest token had n-grams pooled (requests
-        finished or preempted so far, and those running)."""
-        lookups = self.num_lookups + sum(s.num_lookups for s in self.states.values())
-        hits = self.num_hits + sum(s.num_hits for s in self.states.values())
+        """The pool's hit rate: of the steps drafted for, those whose newest token had n-grams pooled."""
+        lookups, hits = self.num_lookups, self.num_hits
         return {"pool_lookups": lookups, "pool_hits": hits, "pool_hit_rate": hits / lookups if lookups else 0.0}
 
     def _start(self, request) -> RequestState:

@@ -20,8 +20,8 @@ class MedusaDrafter(Drafter):
     needs_hidden = True
     is_calibrated = True
 
-    def __init__(self, head, hot, config):
-        self.head, self.hot = head, hot
+    def __init__(self, head, token_map, config):
+        self.head, self.token_map = head, token_map
         self.confidence, self.topk = Confidence(head, config.confidence_threshold), config.topk
         # in topological order, or None; no deeper than num_speculative_tokens, itself at most the head's heads
         self.choices = config.medusa_choices
@@ -29,10 +29,11 @@ class MedusaDrafter(Drafter):
 
     def _top(self, logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         log_probs, best = top_log_probs(logits, self.num_ranks, self.confidence.temperature(depth))
-        return log_probs, best if self.hot is None else self.hot[best]
+        return log_probs, best if self.token_map is None else self.token_map[best]
 
     @torch.inference_mode()
-    def propose(self, engine, requests, budgets, step):
+    def propose(self, ctx, requests, budgets):
+        step = ctx.step
         requests = [r for r in requests if r.request_id in step.index]
         if not requests:
             return {}

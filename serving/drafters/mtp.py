@@ -5,50 +5,54 @@ from __future__ import annotations
 import torch
 
 from serving.attention import KVCache, PagedAttention
-from serving.drafters.base import Drafter
+from serving.drafters.base import PooledDrafter
 from serving.drafters.head import Confidence, top_log_probs
-from serving.drafters.runner import flatten
 from serving.spec_decode.tree import DraftTree
 
 
-class MtpChainDrafter(Drafter):
+class MtpChainDrafter(PooledDrafter):
     """MTP with serve_mode 'chain': module j (0-based) drafts token j + 1, as the modules were trained.
 
     Module j at position t reads (h^j_t, x_{t+j+1}), so its K/V reaches position c - 1 - j with real tokens when
     the target has kept c tokens; drafting token j + 1 runs module j over positions c - j .. c - 1, whose inputs
     are the drafts before it and module j - 1's outputs there. Each step's catch-up rewrites those speculative
-    entries, starting module j at c_before - j from module j - 1's output kept from the previous step."""
+    entries, starting module j at c_before - j from module j - 1's output kept from the previous step.
+
+    Its slot per request: module j -> (position, module j's output there), the last each module computed."""
 
     needs_hidden = True
     is_calibrated = True
 
-    def __init__(self, engine, head, hot=None, threshold=0.0):
-        self.head, self.depth, self.hot, self.confidence = head, head.config.depth, hot, Confidence(head, threshold)
-        layer = head.config.layer_config()
-        self.cache = KVCache(self.depth, engine.cache.num_blocks, engine.block_size, layer.num_kv_heads, layer.head_dim,
-                             engine.dtype, engine.device)
-        self.block_size, self.device = engine.block_size, engine.device
+    def __init__(self, ctx, head, token_map=None, threshold=0.0):
+        self.head, self.depth, self.confidence = head, head.config.depth, Confidence(head, threshold)
+        self.token_map = token_map
+        layer, runner = head.config.layer_config(), ctx.runner
+        self.cache = KVCache(self.depth, runner.cache.num_blocks, runner.block_size, layer.num_kv_heads, layer.head_dim,
+                             runner.dtype, runner.device)
+        self.device = runner.device
         self.num_lookahead = self.depth  # module j's K/V at position p depends on token p + j + 1
-        self.carry: dict[str, dict[int, tuple[int, torch.Tensor]]] = {}  # request id -> module -> (position, output)
 
-    def _run(self, j: int, chunks):
+    def last_outputs(self, request) -> dict[int, tuple[int, torch.Tensor]]:
+        """The request's slot: module -> (position, its output there), made on first use."""
+        return request.spec.slots.setdefault(self, {})
+
+    def _run(self, ctx, j: int, chunks):
         """chunks: (token ids, first position, features [n, hidden], block table) -> outputs [n, hidden] each."""
-        ids, positions, meta, query_lens = flatten([(t, start, table) for t, start, _, table in chunks], self.block_size,
-                                                   self.device)
+        ids, positions, meta, query_lens = ctx.runner.flatten([(t, start, table) for t, start, _, table in chunks])
         out = self.head.forward_module(j, ids, torch.cat([f for _, _, f, _ in chunks]), positions,
                                        PagedAttention(self.cache, meta))
         return out.split(query_lens)
 
     @torch.inference_mode()
-    def observe(self, engine, step):
-        kept = {}  # request id -> (request, c_before, c, first row)
-        keep_finishing = engine.block_manager.enable_prefix_caching  # the blocks a finishing request registers
+    def observe(self, ctx):
+        step, kept = ctx.step, {}  # request id -> (request, c_before, c, first row)
+        keep_finishing = ctx.enable_prefix_caching  # the blocks a finishing request registers
         for request in step.batch.requests:
             if not request.finish_reason or keep_finishing:
                 rows, start = step.kept_rows(request)
                 kept[request.request_id] = (request, start, start + len(rows), rows[0])
         previous = {}  # request id -> (first position, outputs) of module j - 1 this step
-        carried_before = {rid: dict(self.carry.get(rid, {})) for rid in kept}  # as the previous step left them
+        carried_before = {rid: dict(self.last_outputs(request)) for rid, (request, *_) in kept.items()}  # as left before
         for j in range(self.depth):
             chunks, ranges = [], {}
             for rid, (request, c_before, c, first_row) in kept.items():
@@ -72,33 +76,32 @@ class MtpChainDrafter(Drafter):
                 ranges[rid] = low
             if not chunks:
                 break
-            for rid, out in zip(ranges, self._run(j, chunks)):
+            for rid, out in zip(ranges, self._run(ctx, j, chunks)):
                 previous[rid] = (ranges[rid], out)
-                self.carry.setdefault(rid, {})[j] = (ranges[rid] + len(out) - 1, out[-1])
+                self.last_outputs(kept[rid][0])[j] = (ranges[rid] + len(out) - 1, out[-1])
 
     def _best(self, j: int, outputs: torch.Tensor) -> tuple[list[int], list[float]]:
         """(target ids of module j's most likely drafts after each output row, their log-probabilities)."""
         log_probs, best = top_log_probs(self.head.logits(j, outputs), 1, self.confidence.temperature(j + 1))
-        ids = best[:, 0] if self.hot is None else self.hot[best[:, 0]]
+        ids = best[:, 0] if self.token_map is None else self.token_map[best[:, 0]]
         return ids.tolist(), log_probs[:, 0].tolist()
 
     @torch.inference_mode()
-    def propose(self, engine, requests, budgets, step):
-        requests = [r for r in requests if 0 in self.carry.get(r.request_id, {})
-                    and self.carry[r.request_id][0][0] == r.num_tokens - 2]
+    def propose(self, ctx, requests, budgets):
+        requests = [r for r in requests if 0 in self.last_outputs(r) and self.last_outputs(r)[0][0] == r.num_tokens - 2]
         if not requests:
             return {}
-        first, log_probs = self._best(0, torch.stack([self.carry[r.request_id][0][1] for r in requests]))
+        first, log_probs = self._best(0, torch.stack([self.last_outputs(r)[0][1] for r in requests]))
         scores = {r.request_id: p for r, p in zip(requests, log_probs)}  # log chain probability
         cuts = {r.request_id: self.confidence.log_threshold_for(budgets[r.request_id]) for r in requests}
         drafts = {r.request_id: [token] for r, token in zip(requests, first) if scores[r.request_id] >= cuts[r.request_id]}
         requests = [r for r in requests if r.request_id in drafts]
-        outputs = {r.request_id: torch.empty(0, self.head.config.hidden_size, dtype=engine.dtype, device=self.device)
+        outputs = {r.request_id: torch.empty(0, self.head.config.hidden_size, dtype=ctx.runner.dtype, device=self.device)
                    for r in requests}
         for s in range(1, max((budgets[r.request_id].depth for r in requests), default=0)):
             active, chunks = [], []
             for r in requests:
-                c, carried = r.num_tokens - 1, self.carry[r.request_id].get(s - 1)
+                c, carried = r.num_tokens - 1, self.last_outputs(r).get(s - 1)
                 if (budgets[r.request_id].depth <= s or len(drafts[r.request_id]) < s or carried is None
                         or carried[0] != c - s):
                     continue
@@ -107,7 +110,7 @@ class MtpChainDrafter(Drafter):
                 active.append(r)
             if not active:
                 break
-            outs = self._run(s, chunks)
+            outs = self._run(ctx, s, chunks)
             tokens, log_probs = self._best(s, torch.stack([o[-1] for o in outs]))
             for r, out, token, log_p in zip(active, outs, tokens, log_probs):
                 scores[r.request_id] += log_p
@@ -115,6 +118,3 @@ class MtpChainDrafter(Drafter):
                     drafts[r.request_id].append(token)
                     outputs[r.request_id] = out
         return {rid: DraftTree.chain(chain) for rid, chain in drafts.items()}
-
-    def reset(self, request):
-        self.carry.pop(request.request_id, None)

@@ -13,9 +13,14 @@ class NgramDrafter(Drafter):
     def __init__(self, config):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose(self, engine, requests, budgets, step=None):
+    def propose(self, ctx, requests, budgets):
         return {r.request_id: DraftTree.chain(self.lookup(r.token_ids, budgets[r.request_id].chain_length))
                 for r in requests}
+
+    def has_match(self, tokens: list[int]) -> bool:
+        """Whether the sequence's last n tokens occurred before, for some n in [prompt_lookup_min, prompt_lookup_max]:
+        whether `propose` drafts anything within any budget."""
+        return bool(self.lookup(tokens, 1))
 
     def lookup(self, tokens: list[int], num_drafts: int) -> list[int]:
         num_tokens = len(tokens)

@@ -15,13 +15,12 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from types import SimpleNamespace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from serving.engine import Engine
+from serving.engine import Engine, encode
 from serving.server.detokenizer import Detokenizer
 from serving.server.loop import Accepted, EngineLoop, Failed, Finished, Stream, Tokens
 from serving.server.metrics import ServerMetrics
@@ -118,9 +117,9 @@ class OpenAIServer:
                            "model", "model_not_found")
 
     def _encode(self, prompt) -> list[int]:
-        """The engine's own rendering (Engine.encode), run with this thread's tokenizer."""
+        """The engine's own rendering (serving.engine.encode), run with this thread's tokenizer."""
         try:
-            return Engine.encode(SimpleNamespace(tokenizer=self.tokenizer, folder=self.engine.folder), prompt)
+            return encode(self.tokenizer, prompt, self.engine.folder)
         except ValueError as error:
             raise APIError(400, str(error), "messages" if isinstance(prompt, list) and prompt else "prompt") from None
 

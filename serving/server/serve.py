@@ -13,27 +13,17 @@ from dataclasses import dataclass, fields
 
 import uvicorn
 
-from serving.config_file import add_options, merge_options
-from serving.engine import DTYPES, resolve_device
-from serving.spec_decode.config import SpeculativeConfig
-from serving.targets import DEFAULT_TARGET
+from serving.config import DTYPES, HELP as ENGINE_HELP, TYPES as ENGINE_TYPES, EngineConfig
+from serving.config_file import CONFIG_HELP, add_options, merge_options
 
+ENGINE_OPTIONS = ("target", "speculative_config", "dtype", "device", "block_size", "kv_cache_memory_gib", "max_num_seqs",
+                  "max_num_batched_tokens", "max_model_len", "num_threads")
 HELP = {
-    "config": "YAML file whose keys are these options' names; options given on the command line override it",
-    "target": "target name or folder (see `draftheads info`)",
-    "speculative_config": 'drafting for every request, as vLLM\'s --speculative-config, e.g. \'{"method": "eagle3", '
-                          '"model": "runs/eagle3/heads/best", "num_speculative_tokens": 4}\' (default: plain decoding)',
+    "config": CONFIG_HELP,
+    **{name: ENGINE_HELP[name] for name in ENGINE_OPTIONS},
     "served_model_name": "the name clients give as `model` and /v1/models lists (default: the target as given)",
     "host": "address to listen on (0.0.0.0 for every interface)",
     "port": "port to listen on; 0 picks a free one (the address is printed on stderr)",
-    "dtype": "weights and activations; greedy outputs equal plain decoding's only in float32",
-    "device": "where the target runs: auto (the first CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N",
-    "block_size": "K/V block size in tokens",
-    "kv_cache_memory_gib": "memory for the K/V pool, GiB (at least one max_model_len request always fits)",
-    "max_num_seqs": "most requests in the running batch; later ones wait",
-    "max_num_batched_tokens": "tokens per engine step; longer prompts are prefilled in chunks",
-    "max_model_len": "most tokens per request, prompt and completion (default: the target's maximum)",
-    "num_threads": "torch (and kernel) threads of the engine (default: torch's, one per core)",
     "shutdown_timeout": "seconds the requests in flight get to finish after SIGTERM before they are aborted",
     "log_level": "uvicorn's and the server's log level",
 }
@@ -41,50 +31,27 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass
-class ServeConfig:
-    target: str = DEFAULT_TARGET
-    speculative_config: object = None  # a SpeculativeConfig, its JSON text or mapping, or None for plain decoding
+class ServeConfig(EngineConfig):
+    """The engine's options (EngineConfig) and the server's."""
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    dtype: str = "float32"
-    device: str = "auto"
-    block_size: int = 16
-    kv_cache_memory_gib: float = 1.0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    num_threads: int | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     access_log: bool = False
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_threads"):
-            value = getattr(self, name)
-            if name == "num_threads" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 1")
+        super().__post_init__()
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port!r} is invalid: it must be an integer in [0, 65535] (0 picks a free one)")
-        if not self.kv_cache_memory_gib > 0 or not self.shutdown_timeout >= 0:
-            raise ValueError(f"kv_cache_memory_gib={self.kv_cache_memory_gib} must be > 0 and "
-                             f"shutdown_timeout={self.shutdown_timeout} >= 0")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is invalid: choose one of {', '.join(DTYPES)}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout={self.shutdown_timeout} is invalid: it must be >= 0")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level={self.log_level!r} is invalid: choose one of {', '.join(LOG_LEVELS)}")
-        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
-            self.speculative_config = SpeculativeConfig.from_json(self.speculative_config)
-        resolve_device(self.device)
 
 
 def add_arguments(parser) -> None:
-    types = {"port": int, "block_size": int, "kv_cache_memory_gib": float, "max_num_seqs": int,
-             "max_num_batched_tokens": int, "max_model_len": int, "num_threads": int,
-             "shutdown_timeout": float}
-    add_options(parser, ServeConfig, HELP, types, {
+    add_options(parser, ServeConfig, HELP, {**ENGINE_TYPES, "port": int, "shutdown_timeout": float}, {
         "config": {"metavar": "FILE"}, "speculative_config": {"metavar": "JSON"}, "dtype": {"choices": list(DTYPES)},
         "log_level": {"choices": LOG_LEVELS}})
     parser.add_argument("--access-log", dest="access_log", action="store_true", default=argparse.SUPPRESS,
@@ -104,10 +71,7 @@ def run(args) -> None:
 
     config = ServeConfig(**merge_options(vars(args), [f.name for f in fields(ServeConfig)]))
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = Engine(config.target, dtype=config.dtype, device=config.device, block_size=config.block_size,
-                    kv_cache_memory_gib=config.kv_cache_memory_gib, max_num_seqs=config.max_num_seqs,
-                    max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
-                    speculative_config=config.speculative_config, num_threads=config.num_threads)
+    engine = Engine(config)
     model_name = config.served_model_name or config.target
     app = build_app(engine, model_name)
     listener = listen(config.host, config.port)

@@ -13,9 +13,9 @@ repays it.
 The next step's time is the target's step over the emitting requests' rows (`serving.spec_decode.cost.StepCost`, plus the
 engine's own work per step, learned from the steps it times: `overhead_s`), plus what the drafts' rows add to the
 whole step, prefill chunks included, plus one drafting call (`DraftCost`). Prefill chunks are left out of the
-step's rate: they are owed whatever is drafted, and a rate diluted by them made drafting in every prefill step
-look cheap (measured: at 16 requests all 13 that had started decoding drafted 4 deep in the step that prefilled
-the last prompts, 4-5% of the run's time, mostly their heads catching up over their prompts).
+step's rate: they are owed whatever is drafted, and a rate diluted by a long chunk makes a few draft rows beside it
+look nearly free, so that every decoding request would draft deep (and a head catch up over its whole prompt) in
+the very steps where drafting pays least (benchmarks/RESULTS.md, "Adaptive speculation, round 24").
 Each further depth of each request is one candidate, worth its survival per added row; candidates are taken best
 first (never depth j + 1 before depth j), and the prefix with the most tokens per second wins, the empty prefix (no
 drafts) among them. A tree setting drafts `num_nodes[j]` nodes at depth j: the config's num_draft_tokens - 1 scaled
@@ -27,8 +27,8 @@ A trained head (`Drafter.is_calibrated`) is judged differently: c_i is the draft
 before they are verified, and its calibrated probability of a path is a better estimate, for this step, of that
 path's survival than any history. A node repays its row when that survival is at least the step's rate (tokens per
 second) times what one more row costs, so each budget carries that as `min_log_survival` and the head keeps no node
-below it (drafters/head.py, the confidence cut). Measured: at concurrency 1 on MT-bench, per-request history left
-the heads 4-6% below their best fixed setting, the drafter's acceptance and the cut 0-3%.
+below it (drafters/head.py, the confidence cut). A request's few recent verify steps are noise beside the head's
+calibrated probability of the draft in hand (benchmarks/RESULTS.md, "Adaptive speculation, round 23").
 """
 from __future__ import annotations
 
@@ -85,7 +85,6 @@ class AdaptivePolicy:
             self.num_nodes = tuple(sum(len(path) <= d for path in config.medusa_choices) for d in range(k + 1))
         else:
             self.num_nodes = tuple(max(d, math.ceil(config.max_draft_nodes * d / k)) for d in range(k + 1))
-        self.estimates: dict[str, Estimate] = {}
         self.forced_depth: int | None = None  # calibration drafts every request to this depth
         self.chosen: dict[int, Counter] = defaultdict(Counter)  # running requests -> chosen depth -> times
         # bucket of rows (at most) -> [steps, predicted s, measured s] summed: bounded however long the engine serves
@@ -100,11 +99,10 @@ class AdaptivePolicy:
     def step_time(self, num_rows: int, num_seqs: int, num_logits_rows: int | None = None) -> float:
         return self.step_cost.predict(num_rows, num_seqs, num_logits_rows) + self.overhead
 
-    def choose(self, engine, ready: list, limits: dict[str, DraftBudget], prior: list[float]) -> dict[str, DraftBudget]:
+    def choose(self, scheduler, ready: list, limits: dict[str, DraftBudget], prior: list[float]) -> dict[str, DraftBudget]:
         """limits: what each ready request may carry at most (blocks, tokens, context, max_tokens); prior: the
         drafter's conditional acceptance at each depth up to num_speculative_tokens (`prior`). Returns the budgets of
         the requests that draft."""
-        scheduler = engine.scheduler
         if self.forced_depth is not None:
             return {rid: DraftBudget(min(limit.num_nodes, self.num_nodes[self.forced_depth]), min(limit.depth, self.forced_depth))
                     for rid, limit in limits.items()}
@@ -125,7 +123,7 @@ class AdaptivePolicy:
         ready = [request for request in ready if request.request_id in limits]
         for request in ready:
             limit = limits[request.request_id]
-            estimate = self.estimates.setdefault(request.request_id, Estimate()) if self.per_request else None
+            estimate = self.estimate(request) if self.per_request else None
             survival, worth = 1.0, math.inf
             for depth in range(1, limit.depth + 1):
                 num_new = self.num_nodes[depth] - self.num_nodes[depth - 1]
@@ -158,16 +156,23 @@ class AdaptivePolicy:
         return {rid: DraftBudget(min(limits[rid].num_nodes, self.num_nodes[depth]), depth, min_log_survival)
                 for rid, depth in depths.items() if depth > 0}
 
+    @staticmethod
+    def estimate(request) -> Estimate:
+        """The request's estimate (`request.spec.estimate`), made on first use."""
+        if request.spec.estimate is None:
+            request.spec.estimate = Estimate()
+        return request.spec.estimate
+
     def record(self, request, num_tried: int, num_accepted: int, depth: int) -> None:
         if self.per_request:
-            self.estimates.setdefault(request.request_id, Estimate()).update(num_tried, num_accepted, depth)
+            self.estimate(request).update(num_tried, num_accepted, depth)
 
     def record_step(self, num_rows: int, num_seqs: int, num_logits_rows: int, seconds: float, has_prefill: bool) -> None:
         """An engine step of `num_rows` rows, `num_logits_rows` of them with logits, took `seconds` before drafting:
         its prediction and measure go to the summary, and what it took beyond the table's forward to the learned
         overhead, unless it computed a prefill chunk: the table prices a chunk's attention at its measured context,
-        above most prompts' (up to 30% above on those steps), which would pull the overhead below what decode steps,
-        where drafting is chosen, take."""
+        above most prompts', which would pull the overhead below what decode steps, where drafting is chosen, take
+        (benchmarks/RESULTS.md, "Adaptive speculation", rounds 23 and 24: predicted against measured step time)."""
         totals = self.timings[next(b for b in ROW_BUCKETS if num_rows <= b)]
         forward = self.step_cost.predict(num_rows, num_seqs, num_logits_rows)
         totals[0] += 1
@@ -175,9 +180,6 @@ class AdaptivePolicy:
         totals[2] += seconds
         if not has_prefill:
             self.overhead_s = OVERHEAD_DECAY * self.overhead_s + (1 - OVERHEAD_DECAY) * (seconds - forward)
-
-    def forget(self, request) -> None:
-        self.estimates.pop(request.request_id, None)
 
     def summary(self) -> dict:
         """The chosen depths per number of running requests, and the cost model's predicted against measured step
@@ -192,8 +194,8 @@ class AdaptivePolicy:
 def prior(stats) -> list[float]:
     """The drafter's conditional acceptance per depth over every request so far (serving.spec_decode.metrics.AcceptanceStats),
     drawn toward PRIOR at depth 1 and toward 1 deeper, as if found in PRIOR_TRIES further tries: once a draft was
-    right the next one is right more often (measured: 0.39, 0.58, 0.75, 0.88 for the demo's EAGLE-3 head after
-    prompt lookup), and a depth tried too seldom to tell must be tried to be learnt; its cost is bounded by the
-    survival to the depth before."""
+    right the next one is right more often (conditional acceptance grows with depth: benchmarks/RESULTS.md,
+    "Adaptive speculation, round 23", "Prior"), and a depth tried too seldom to tell must be tried to be learnt;
+    its cost is bounded by the survival to the depth before."""
     return [(p["accepted"] + (PRIOR if p["position"] == 1 else 1.0) * PRIOR_TRIES) / (p["reached"] + PRIOR_TRIES)
             for p in stats.per_position()]

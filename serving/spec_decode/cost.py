@@ -5,10 +5,10 @@ it computes and the sequences they belong to, `f(rows) + per_logits_row * (logit
 with f piecewise linear through times measured at engine start over the rows of one sequence with one row of logits
 (a draft tree, less its further logits rows: the linear layers, which dominate, cost the same for any shape of the
 same rows; past LONG_ROWS a prefill chunk, which is what steps of that many rows are), per_logits_row the difference
-between a chunk with logits on every row and one with a single row of logits (the vocabulary projection: a fifth of
-a row's work for the default target), and per_seq fitted on one row for each of several sequences (the extra
-attention and bookkeeping a sequence brings). A verify step computes logits on every row, a prefill chunk on its
-last row at most.
+between a chunk with logits on every row and one with a single row of logits (the vocabulary projection, which a
+verify row pays and a prefill row does not; benchmarks/RESULTS.md, "Adaptive speculation, round 24", has its
+share of a row), and per_seq fitted on one row for each of several sequences (the extra attention and bookkeeping
+a sequence brings). A verify step computes logits on every row, a prefill chunk on its last row at most.
 Each time is the fastest of a few interleaved repeats, and no more than any larger step's: another process on the
 same cores only ever slows a run.
 The context is fixed at measurement (`context`): on the CPU attention over a few hundred tokens is a small part of
@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from serving import targets
-from serving.attention import PagedAttention, PagedMetadata
+from serving.attention import PagedAttention
+from serving.cache_dir import cache_dir
 from serving.spec_decode.tree import path_to
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def cache_key(engine) -> dict:
 def load_or_measure(engine, remeasure: bool = False) -> StepCost:
     """The engine's step cost from the cache, or measured (and cached) when missing, unreadable, foreign or asked."""
     key = cache_key(engine)
-    path = cache_dir() / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    path = step_cost_dir() / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
     if path.exists() and not remeasure:
         try:
             cost = StepCost(**json.loads(path.read_text()))
@@ -135,8 +135,8 @@ def load_or_measure(engine, remeasure: bool = False) -> StepCost:
     return cost
 
 
-def cache_dir() -> Path:
-    return targets.cache_dir() / "step_cost"
+def step_cost_dir() -> Path:
+    return cache_dir() / "step_cost"
 
 
 @torch.inference_mode()
@@ -153,32 +153,33 @@ def measure(engine, repeats: int = 5) -> StepCost:
     context = max(1, min(256, engine.max_model_len - max(rows) - 1, pool - max(rows) - 1))
     table = list(range(-(-(context + max(rows)) // size)))
     seqs = [s for s in SEQS if s <= engine.scheduler.max_num_seqs]
-    device, model = engine.device, engine.model
+    runner = engine.runner
+    device, model, cache = runner.device, runner.model, runner.cache
     ids = torch.randint(0, model.config.vocab_size, (context + max(max(rows), max(seqs, default=1)),), device=device)
     model(ids[:context], torch.arange(context, device=device),
-          PagedAttention(engine.cache, PagedMetadata.build([context], [context], [table], size, device)))
+          PagedAttention(cache, runner.metadata([context], [context], [table])))
 
     def tree_step(num_rows: int) -> float:
         slot = lambda node: context + 1 + node  # the table is the identity; nodes hang off node i // 4 - 1
         parents = [i // 4 - 1 for i in range(num_rows - 1)]
         paths = [[slot(n) for n in path_to(parents, i)] for i in range(num_rows - 1)]
-        meta = PagedMetadata.build([1], [context + 1], [table], size, device, [paths])
+        meta = runner.metadata([1], [context + 1], [table], [paths])
         depths = [len(p) for p in paths]
         positions = torch.tensor([context] + [context + d for d in depths], device=device)
-        return _timed(lambda: model(ids[context:context + num_rows], positions, PagedAttention(engine.cache, meta),
+        return _timed(lambda: model(ids[context:context + num_rows], positions, PagedAttention(cache, meta),
                                     torch.arange(num_rows, device=device)), device)
 
     def chunk_step(num_rows: int, every_logits_row: bool = False) -> float:  # a prefill chunk: causal rows
-        meta = PagedMetadata.build([num_rows], [context + num_rows], [table], size, device)
+        meta = runner.metadata([num_rows], [context + num_rows], [table])
         positions = torch.arange(context, context + num_rows, device=device)
         logits_rows = torch.arange(0 if every_logits_row else num_rows - 1, num_rows, device=device)
-        return _timed(lambda: model(ids[context:context + num_rows], positions, PagedAttention(engine.cache, meta),
+        return _timed(lambda: model(ids[context:context + num_rows], positions, PagedAttention(cache, meta),
                                     logits_rows), device)
 
     def seqs_step(num_seqs: int) -> float:  # every sequence reads the same context blocks: the cost is the same
-        meta = PagedMetadata.build([1] * num_seqs, [context + 1] * num_seqs, [table] * num_seqs, size, device)
+        meta = runner.metadata([1] * num_seqs, [context + 1] * num_seqs, [table] * num_seqs)
         positions = torch.full((num_seqs,), context, device=device)
-        return _timed(lambda: model(ids[context:context + num_seqs], positions, PagedAttention(engine.cache, meta),
+        return _timed(lambda: model(ids[context:context + num_seqs], positions, PagedAttention(cache, meta),
                                     torch.arange(num_seqs, device=device)), device)
 
     tree_step(max(rows)), tree_step(1)  # warm-up

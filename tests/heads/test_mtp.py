@@ -47,15 +47,6 @@ def test_dense_equals_step_by_step(parts, batch, assert_causal, flat_attention):
             torch.testing.assert_close(mtp.forward_module(j, input_ids[1], hidden[1], positions[1], flat_attention), dense[1])
 
 
-def test_serve_modes(llama_parts):
-    chain = Mtp.from_target(llama_parts, depth=3)
-    assert [chain.serving_module(step) for step in range(3)] == [0, 1, 2]
-    with pytest.raises(ValueError, match="drafts at most depth=3 tokens"):
-        chain.serving_module(3)
-    reuse = Mtp.from_target(llama_parts, depth=1, serve_mode="reuse_first")
-    assert [reuse.serving_module(step) for step in range(4)] == [0, 0, 0, 0]
-
-
 def test_config_validation(llama_parts):
     with pytest.raises(ValueError, match="serve_mode='tree' is not one of chain, reuse_first"):
         MtpConfig.from_target(llama_parts, serve_mode="tree")

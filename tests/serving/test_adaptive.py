@@ -21,7 +21,7 @@ import pytest
 
 from serving.drafters.base import DraftBudget, Drafter
 from serving.drafters.head import Confidence
-from serving.request import SamplingParams
+from serving.request import SamplingParams, SpecState
 from serving.spec_decode import cost
 from serving.spec_decode.adaptive import AdaptivePolicy, Estimate
 from serving.spec_decode.config import SpeculativeConfig
@@ -43,11 +43,11 @@ def free_drafting() -> DraftCost:
 
 def decoding(request_id: str) -> SimpleNamespace:
     """A running request that has just emitted a token: one row to compute next step."""
-    return SimpleNamespace(request_id=request_id, num_tokens=50, num_computed_tokens=49)
+    return SimpleNamespace(request_id=request_id, num_tokens=50, num_computed_tokens=49, spec=SpecState())
 
 
-def fake_engine(requests) -> SimpleNamespace:
-    return SimpleNamespace(scheduler=SimpleNamespace(running=requests, max_num_batched_tokens=512))
+def fake_scheduler(requests) -> SimpleNamespace:
+    return SimpleNamespace(running=requests, max_num_batched_tokens=512)
 
 
 def policy_for(per_row: float, k: int = 4, **config) -> AdaptivePolicy:
@@ -60,10 +60,10 @@ def choose(policy, acceptance: dict[str, float], k: int = 4) -> dict[str, int]:
     """The depth chosen for each request, whose prior acceptance at every depth is `acceptance[id]` (the policy's
     estimates are seeded with many tries at that rate)."""
     requests = [decoding(rid) for rid in acceptance]
-    for rid, rate in acceptance.items():
-        policy.estimates[rid] = Estimate(hits=[100 * rate] * k, tries=[100.0] * k)
+    for request, rate in zip(requests, acceptance.values()):
+        request.spec.estimate = Estimate(hits=[100 * rate] * k, tries=[100.0] * k)
     limits = {rid: DraftBudget(policy.config.max_draft_nodes, k) for rid in acceptance}
-    budgets = policy.choose(fake_engine(requests), requests, limits, prior=[0.5] * k)
+    budgets = policy.choose(fake_scheduler(requests), requests, limits, prior=[0.5] * k)
     return {rid: budgets[rid].depth if rid in budgets else 0 for rid in acceptance}
 
 
@@ -94,8 +94,8 @@ def test_a_prefill_chunk_in_the_step_does_not_make_drafts_look_cheap():
     for per_row, drafts in ((0.8, False), (0.05, True)):
         for running in ([decoding("a")], [decoding("a"), prefilling]):
             policy = policy_for(per_row)
-            policy.estimates["a"] = Estimate(hits=[70.0] * 4, tries=[100.0] * 4)
-            budgets = policy.choose(fake_engine(running), running[:1], {"a": DraftBudget(4, 4)}, prior=[0.7] * 4)
+            running[0].spec.estimate = Estimate(hits=[70.0] * 4, tries=[100.0] * 4)
+            budgets = policy.choose(fake_scheduler(running), running[:1], {"a": DraftBudget(4, 4)}, prior=[0.7] * 4)
             assert ("a" in budgets) == drafts, (per_row, len(running))
 
 
@@ -104,7 +104,7 @@ def test_trees_are_cut_by_depth_and_the_histogram_counts_choices():
     assert policy.num_nodes == (0, 3, 6, 9, 12)
     requests = [decoding("a"), decoding("b")]
     limits = {"a": DraftBudget(5, 4), "b": DraftBudget(12, 2)}  # room for 5 nodes; 2 tokens left before max_tokens
-    budgets = policy.choose(fake_engine(requests), requests, limits, prior=[0.9] * 4)
+    budgets = policy.choose(fake_scheduler(requests), requests, limits, prior=[0.9] * 4)
     assert {rid: budget[:2] for rid, budget in budgets.items()} == {"a": (3, 1), "b": (6, 2)}
     assert dict(policy.chosen[2]) == {1: 1, 2: 1}
     medusa = AdaptivePolicy(SpeculativeConfig(method="medusa", model="x", num_speculative_tokens=3,
@@ -118,12 +118,12 @@ def test_a_head_keeps_the_nodes_that_repay_their_row():
     # of path probability s adds s tokens for 0.1 s, so it repays its row when s >= 0.1 * that rate.
     policy = policy_for(0.1)
     requests = [decoding("a")]
-    policy.estimates["a"] = Estimate(hits=[90.0] * 4, tries=[100.0] * 4)
-    budget = policy.choose(fake_engine(requests), requests, {"a": DraftBudget(4, 4)}, prior=[0.9] * 4)["a"]
+    requests[0].spec.estimate = Estimate(hits=[90.0] * 4, tries=[100.0] * 4)
+    budget = policy.choose(fake_scheduler(requests), requests, {"a": DraftBudget(4, 4)}, prior=[0.9] * 4)["a"]
     assert budget.depth == 4
     assert budget.min_log_survival == pytest.approx(math.log(0.1 * (1 + .9 + .81 + .729 + .6561) / 1.4))
     policy.overhead_s = 0.6  # the engine's own work per step makes the step's rate lower, so the cut too
-    lower = policy.choose(fake_engine(requests), requests, {"a": DraftBudget(4, 4)}, prior=[0.9] * 4)["a"]
+    lower = policy.choose(fake_scheduler(requests), requests, {"a": DraftBudget(4, 4)}, prior=[0.9] * 4)["a"]
     assert lower.min_log_survival == pytest.approx(math.log(0.1 * (1 + .9 + .81 + .729 + .6561) / 2.0))
 
 
@@ -134,8 +134,9 @@ def test_a_calibrated_drafter_is_judged_by_its_acceptance_over_all_requests():
         policy = AdaptivePolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True),
                                 linear_cost(0.05), free_drafting(), per_request=per_request)
         requests = [decoding("unlucky"), decoding("lucky")]
-        policy.estimates = {"unlucky": Estimate(hits=[0.0] * 4, tries=[3.0] * 4), "lucky": Estimate([3.0] * 4, [3.0] * 4)}
-        budgets = policy.choose(fake_engine(requests), requests, {r.request_id: DraftBudget(4, 4) for r in requests},
+        requests[0].spec.estimate = Estimate(hits=[0.0] * 4, tries=[3.0] * 4)
+        requests[1].spec.estimate = Estimate([3.0] * 4, [3.0] * 4)
+        budgets = policy.choose(fake_scheduler(requests), requests, {r.request_id: DraftBudget(4, 4) for r in requests},
                                 prior=[0.7] * 4)
         return {r.request_id: budgets[r.request_id].depth if r.request_id in budgets else 0 for r in requests}
 
@@ -178,7 +179,7 @@ class SwitchingStub(Drafter):
     def __init__(self, truth: dict, right):
         self.truth, self.right, self.asked = truth, right, {}
 
-    def propose(self, engine, requests, budgets, step):
+    def propose(self, ctx, requests, budgets):
         trees = {}
         for r in requests:
             n = r.num_output_tokens
@@ -290,7 +291,7 @@ def test_adaptive_keeps_the_sampled_law(v8_target, monkeypatch):
 
 
 def test_step_cost_is_measured_once_then_read_from_the_cache(tiny_llama, monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(cost, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cost, "step_cost_dir", lambda: tmp_path)
     engine = make_engine(tiny_llama, max_num_seqs=4)
     measured = cost.load_or_measure(engine)
     assert measured.rows[0] == 1 and len(measured.rows) >= 8 and all(s > 0 for s in measured.seconds)
@@ -377,7 +378,7 @@ def test_adaptive_engine_calibrates_and_reports(tiny_llama):
 def test_bench_prints_the_cost_model(tiny_llama, tmp_path, monkeypatch, capsys):
     from training.cli import main
 
-    monkeypatch.setattr(cost, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cost, "step_cost_dir", lambda: tmp_path)
     assert main(["bench", "--cost-model", "--target", str(tiny_llama), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "| rows | ms, one row of logits | ms, logits on every row | vs 1 row |" in out and "\n| 128 | " in out

@@ -170,12 +170,13 @@ def test_a_killed_bench_reruns_only_the_settings_without_a_result(tmp_path, monk
 
 
 def test_a_result_made_with_other_options_is_not_reused(tmp_path, capsys):
+    from serving.config import EngineConfig
     from serving.engine import Engine
     from serving.bench.prompts import first_turn, load_prompts
     from serving.spec_decode.config import SpeculativeConfig
     from serving.bench.sweep import Setting, run_settings
 
-    engine = Engine("debug")
+    engine = Engine(EngineConfig("debug"))
     prompts = [first_turn(m) for m in load_prompts("mt-bench", 2)["messages"]]
     ngram = lambda k: [SpeculativeConfig(method="ngram", num_speculative_tokens=k)]
     run = lambda prompts, configs, max_new_tokens: run_settings(

@@ -1,5 +1,5 @@
 """BlockManager: slots, prefix hits by chained block hashes, drafts kept out of the cache, trim, LRU eviction."""
-from serving.blocks import BlockManager
+from serving.blocks import BlockManager, slot
 from serving.request import Request, SamplingParams
 
 SYSTEM_PROMPT = [101, 102, 103, 104, 105, 106, 107, 108, 109, 110]
@@ -22,7 +22,7 @@ def test_slot_addresses_blocks():
     request = make_request("a", list(range(6)))
     assert manager.allocate_slots(request, 6)
     assert request.block_ids == [0, 1]
-    assert [manager.slot(request, p) for p in (0, 3, 4, 5)] == [0, 3, 4, 5]
+    assert [slot(request.block_ids, p, manager.block_size) for p in (0, 3, 4, 5)] == [0, 3, 4, 5]
     assert manager.num_free_blocks == 6
 
 
@@ -139,11 +139,10 @@ def test_trim_inside_a_registered_block_unregisters_it():
 def test_allocate_failure_changes_nothing():
     manager = BlockManager(num_blocks=3, block_size=2)
     request = make_request("a", [1, 2, 3, 4, 5, 6, 7])
-    assert not manager.can_allocate(request, 7)
     assert not manager.allocate_slots(request, 7)
     assert request.block_ids == [] and manager.num_free_blocks == 3
     assert list(manager.free_queue) == [0, 1, 2]
-    assert manager.can_allocate(request, 6)
+    assert manager.allocate_slots(request, 6) and manager.num_free_blocks == 0
 
 
 def test_eviction_is_least_recently_freed_first_and_prefix_last():

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from serving import targets
 from serving.attention import KVCache
+from serving.config import EngineConfig
 from serving.engine import Engine, available_memory_bytes
 from serving.bench.prompts import first_turn, load_prompts
 from serving.request import SamplingParams
@@ -65,7 +66,7 @@ def random_prompt(length, seed):
 def tiny_engine(folder, **kwargs):
     settings = dict(block_size=4, num_blocks=128, max_model_len=256)
     settings.update(kwargs)
-    return Engine(str(folder), **settings)
+    return Engine(EngineConfig(str(folder), **settings))
 
 
 def greedy(max_tokens, **kwargs):
@@ -190,7 +191,7 @@ def test_default_target_on_mt_bench_equals_hf_generate():
     tokens differ there is generated again alone (padding can move float32 logits), and that is the reference."""
     folder = targets.resolve(targets.DEFAULT_TARGET)
     messages = [first_turn(row["messages"]) for row in load_prompts("mt-bench", limit=8)]
-    engine = Engine(targets.DEFAULT_TARGET, dtype="float32", block_size=16, num_blocks=256, max_model_len=1024)
+    engine = Engine(EngineConfig(targets.DEFAULT_TARGET, dtype="float32", block_size=16, num_blocks=256, max_model_len=1024))
     outputs = engine.generate(messages, SamplingParams(max_tokens=32))
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -319,7 +320,7 @@ def test_eos_stops_like_hf_generate(eos_model):
 @pytest.fixture(scope="module")
 def debug_engine():
     """The `debug` target: a tiny random Llama with the default target's tokenizer, for text and stop strings."""
-    return Engine("debug", block_size=16, num_blocks=64, max_model_len=512)
+    return Engine(EngineConfig("debug", block_size=16, num_blocks=64, max_model_len=512))
 
 
 def test_stop_strings_cut_text_before_the_stop(debug_engine):

@@ -40,10 +40,11 @@ import heads
 from heads.attention import DenseCausalAttention, sdpa_gqa
 from serving import targets
 from serving.drafters.base import DraftBudget
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.spec_decode.config import SpeculativeConfig
-from serving.spec_decode.step import Speculator
+from serving.spec_decode.speculator import Speculator
 from serving.spec_decode.tree import DraftTree
 from serving.targets import build_tiny_model
 
@@ -70,7 +71,7 @@ def greedy(max_tokens):
 def make_engine(folder, spec=None, **kwargs) -> Engine:
     settings = dict(block_size=4, num_blocks=256, max_model_len=128)
     settings.update(kwargs)
-    return Engine(str(folder), speculative_config=spec, **settings)
+    return Engine(EngineConfig(str(folder), speculative_config=spec, **settings))
 
 
 def spec_config(kind, head_dir, k=K):
@@ -157,9 +158,9 @@ def record_proposals(engine) -> list[Proposal]:
     drafter = engine.speculator.drafter
     propose = drafter.propose
 
-    def spy(engine_, requests, budgets, step):
+    def spy(ctx, requests, budgets):
         before = {r.request_id: list(r.token_ids) for r in requests}
-        proposals = propose(engine_, requests, budgets, step)
+        proposals = propose(ctx, requests, budgets)
         for r in requests:
             if r.request_id in proposals:
                 tree, budget = proposals[r.request_id], budgets[r.request_id]
@@ -494,19 +495,20 @@ def test_a_head_that_skips_steps_catches_up_when_it_next_drafts(kind, tiny_llama
     grant = engine.scheduler.draft_budgets
     engine.scheduler.draft_budgets = lambda requests, most: {
         rid: n if r.num_output_tokens % 16 == 1 else 0 for r, (rid, n) in zip(requests, grant(requests, most).items())}
-    drafter = engine.speculator.drafter
     proposals = record_proposals(engine)
     a = engine.add_request(PROMPTS[3], greedy(24))  # 18 prompt tokens
     while engine.requests[a].num_output_tokens < 14:
         engine.step()
     tails = random_prompts((5, 3), seed=44)
     b = engine.add_request(engine.requests[a].token_ids[:30] + tails[0], greedy(8))
+    added = [engine.requests[a], engine.requests[b]]
     finished = []
     while engine.has_unfinished():
         finished += engine.step()
     done_a = next(o for o in finished if o.request_id == a)
     # A drafted last at output 17: its pairs from position 35 on were pending when it finished
     c = engine.add_request((done_a.prompt_token_ids + done_a.token_ids)[:41] + tails[1], greedy(8))
+    added.append(engine.requests[c])
     while engine.has_unfinished():
         finished += engine.step()
     outputs = {o.request_id: o for o in finished}
@@ -515,7 +517,7 @@ def test_a_head_that_skips_steps_catches_up_when_it_next_drafts(kind, tiny_llama
     prompts = [outputs[rid].prompt_token_ids for rid in (a, b, c)]
     assert [outputs[rid].token_ids for rid in (a, b, c)] == [plain_outputs(tiny_llama, [p], n)[0]
                                                              for p, n in zip(prompts, (24, 8, 8))]
-    assert not drafter.pending and not drafter.newest, "a finished request left state behind"
+    assert not any(r.spec.slots for r in added), "a finished request left state behind"
     head = load_as_drafted(head_dir, tiny_llama)
     finals = {rid: o.prompt_token_ids + o.token_ids for rid, o in outputs.items()}
     num_checked, mismatches = check_against_dense(tiny_llama, head, proposals, finals)
@@ -1091,7 +1093,7 @@ def test_confidence_is_the_heads_probability_of_its_draft_at_a_temperature():
     assert confidence.log_threshold_for(DraftBudget(4, 4)) == -float("inf")
     # a head over a token map drafts target ids
     drafter = MedusaDrafter.__new__(MedusaDrafter)
-    drafter.hot, drafter.num_ranks, drafter.confidence = torch.tensor([7, 8, 9]), 2, Confidence(head, 0.0)
+    drafter.token_map, drafter.num_ranks, drafter.confidence = torch.tensor([7, 8, 9]), 2, Confidence(head, 0.0)
     log_probs, ids = drafter._top(logits, 2)
     assert ids.tolist() == [[7, 8], [8, 9]]
     torch.testing.assert_close(log_probs.exp(), (logits / 0.6).softmax(-1).topk(2).values)

@@ -95,7 +95,8 @@ def test_window_rows_read_the_logits_of_their_trajectory(tiny_llama):
     drafter = engine.speculator.drafter
     observe, seen = drafter.observe, []
 
-    def spy(engine_, step):
+    def spy(ctx):
+        step = ctx.step
         batch = step.batch
         for i, (request, tree) in enumerate(zip(batch.requests, batch.trees)):
             if tree.lookahead is None:
@@ -105,7 +106,7 @@ def test_window_rows_read_the_logits_of_their_trajectory(tiny_llama):
             first = batch.logits_start[i] + 1 + len(tree)
             seen.append((request.token_ids[:newest + 1], tree.lookahead.tokens,
                          step.out.logits[first:first + w].clone()))
-        observe(engine_, step)
+        observe(ctx)
 
     drafter.observe = spy
     engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
@@ -205,11 +206,11 @@ def test_window_rows_follow_the_papers_mask():
 
 def test_pool_keeps_the_most_recent_followers():
     pool = NgramPool(3, max_per_key=2)
-    pool.catch_up([1, 2, 3, 1, 4, 5, 1, 2, 3])  # followers of 1: (2, 3), (4, 5), (2, 3) again: most recent
+    pool.extend([1, 2, 3, 1, 4, 5, 1, 2, 3])  # followers of 1: (2, 3), (4, 5), (2, 3) again: most recent
     assert pool.candidates(1) == [(2, 3), (4, 5)]
     pool.add(1, (6, 7))  # full: the oldest goes
     assert pool.candidates(1) == [(6, 7), (2, 3)]
-    pool.catch_up([1, 2, 3, 1, 4, 5, 1, 2, 3, 9])  # only the new n-gram (2, 3, 9)
+    pool.extend([1, 2, 3, 1, 4, 5, 1, 2, 3, 9])  # only the new n-gram (2, 3, 9)
     assert pool.candidates(2) == [(3, 9), (3, 1)] and pool.candidates(1) == [(6, 7), (2, 3)]
 
 

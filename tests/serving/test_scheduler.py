@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from serving.blocks import BlockManager
+from serving.blocks import BlockManager, slot
 from serving.request import Request, RequestStatus, SamplingParams
 from serving.scheduler import Scheduler
 
@@ -46,7 +46,7 @@ def test_budget_goes_to_running_requests_in_order():
         scheduler.add(request)
     output = scheduler.schedule()
     assert [(r.request_id, n) for r, n in output.scheduled] == [("first", 8), ("second", 2)]
-    assert output.num_scheduled_tokens == 10
+    assert sum(n for _, n in output.scheduled) == 10
     assert list(scheduler.waiting) == [third]
 
     first.num_computed_tokens, second.num_computed_tokens = 8, 2
@@ -266,15 +266,15 @@ def test_random_engine_run_ends_with_every_block_free(block_size, speculate):
             assert output.preempted == [], "a preemption the requests' own tokens did not need"
         num_preemptions += len(output.preempted)
         check_blocks(scheduler)
-        assert output.num_scheduled_tokens <= scheduler.max_num_batched_tokens
+        assert sum(n for _, n in output.scheduled) <= scheduler.max_num_batched_tokens
         assert len(scheduler.running) <= scheduler.max_num_seqs
 
         for request, num_tokens in output.scheduled:
             start = request.num_computed_tokens
-            assert all(kv[manager.slot(request, p)] == request.token_ids[p] for p in range(start))
+            assert all(kv[slot(request.block_ids, p, manager.block_size)] == request.token_ids[p] for p in range(start))
             tokens = request.token_ids + request.spec_token_ids
             for position in range(start, start + num_tokens):
-                kv[manager.slot(request, position)] = tokens[position]
+                kv[slot(request.block_ids, position, manager.block_size)] = tokens[position]
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens < request.num_tokens_with_spec:
                 continue

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import heads
 from serving import targets
 from serving.bench.bench_serve import BenchServeConfig, arrival_times, make_report, measure, serve_and_bench, write_report
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.spec_decode.metrics import AcceptanceStats
@@ -62,7 +63,7 @@ def speculative_config(target, tmp_path_factory):
 @pytest.fixture(scope="module")
 def offline(target):
     """Greedy outputs of the engine on its own, without speculation (float32: speculation does not change them)."""
-    engine = Engine(str(target), max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS)
+    engine = Engine(EngineConfig(str(target), max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS))
     cache = {}
 
     def run(prompt, max_tokens, **params):
@@ -75,8 +76,8 @@ def offline(target):
 
 @pytest.fixture(scope="module")
 def server(target, speculative_config):
-    engine = Engine(str(target), max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS, max_num_seqs=16,
-                    speculative_config=speculative_config)
+    engine = Engine(EngineConfig(str(target), max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS, max_num_seqs=16,
+                    speculative_config=speculative_config))
     app = build_app(engine, MODEL)
     with running(app) as url:
         yield url, app.state.engine_loop
@@ -284,8 +285,8 @@ def test_bench_serve_reads_the_offline_acceptance_through_metrics(server, target
                               seed=3)
     schedule = arrival_times(6, config.request_rate, config.seed)
     runs = [measure(url, prompts, schedule, config, "tiny"), measure(url, prompts, schedule, config, "again")]
-    engine = Engine(str(target), max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS,
-                    speculative_config=speculative_config)
+    engine = Engine(EngineConfig(str(target), max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS,
+                    speculative_config=speculative_config))
     stats = AcceptanceStats()
     for output in engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0)):
         stats.merge(AcceptanceStats.from_dict(output.metrics["spec"]))

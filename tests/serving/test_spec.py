@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from serving.attention import KVCache, PagedAttention, PagedMetadata
 from serving.drafters.base import Drafter
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.sampler import target_probs
@@ -48,8 +49,8 @@ def random_prompts(lengths, seed, vocab=VOCAB):
 def make_engine(folder, spec=None, *, block_size=16, num_blocks=None, max_model_len=128, **kwargs) -> Engine:
     if num_blocks is None:
         num_blocks = -(-4096 // block_size)
-    return Engine(str(folder), block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
-                  speculative_config=spec, **kwargs)
+    return Engine(EngineConfig(str(folder), block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
+                  speculative_config=spec, **kwargs))
 
 
 _PLAIN: dict = {}
@@ -91,7 +92,7 @@ class OracleStub(Drafter):
         assert r.output_token_ids == truth[:n], "the engine diverged from plain decoding"
         return truth[n:]
 
-    def propose(self, engine, requests, budgets, step):
+    def propose(self, ctx, requests, budgets):
         proposals = {}
         for r in requests:
             budget = budgets[r.request_id]
@@ -566,9 +567,9 @@ def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(tiny_llama
     batch_sizes = []
     propose = engine.speculator.drafter.propose
 
-    def spy(engine_, requests, budgets, step=None):
-        batch_sizes.append(len(engine_.scheduler.running))
-        return propose(engine_, requests, budgets, step)
+    def spy(ctx, requests, budgets):
+        batch_sizes.append(len(engine.scheduler.running))
+        return propose(ctx, requests, budgets)
 
     engine.speculator.drafter.propose = spy
     outputs = engine.generate(prompts, params)
@@ -776,7 +777,7 @@ class TreeOracle(OracleStub):
         super().__init__(truth)
         self.trees = []
 
-    def propose(self, engine, requests, budgets, step):
+    def propose(self, ctx, requests, budgets):
         trees = {}
         for r in requests:
             true = self.upcoming(r)[:budgets[r.request_id].depth]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from serving.drafters.base import DraftBudget, Drafter
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.spec_decode.metrics import AcceptanceStats
@@ -162,7 +163,7 @@ class PatternStub(Drafter):
         self.truth, self.num_right, self.extra, self.silent = truth, num_right, extra, silent
         self.budgets = []
 
-    def propose(self, engine, requests, budgets, step):
+    def propose(self, ctx, requests, budgets):
         proposals = {}
         for r in requests:
             self.budgets.append(budgets[r.request_id])
@@ -175,10 +176,7 @@ class PatternStub(Drafter):
             proposals[r.request_id] = DraftTree.chain(upcoming[:right] + [(t + 1) % VOCAB for t in upcoming[right:]])
         return proposals
 
-    def observe(self, engine, step):
-        pass
-
-    def reset(self, request):
+    def observe(self, ctx):
         pass
 
 
@@ -255,10 +253,10 @@ def random_prompts(lengths, seed):
 
 def run(folder, pattern, prompts, max_tokens, k, block_size=16):
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
-    plain = Engine(str(folder), block_size=16, num_blocks=256, max_model_len=256).generate(prompts, params)
+    plain = Engine(EngineConfig(str(folder), block_size=16, num_blocks=256, max_model_len=256)).generate(prompts, params)
     truth = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
-    engine = Engine(str(folder), block_size=block_size, num_blocks=-(-4096 // block_size), max_model_len=256,
-                    speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    engine = Engine(EngineConfig(str(folder), block_size=block_size, num_blocks=-(-4096 // block_size), max_model_len=256,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": k}))
     engine.speculator.drafter = PatternStub(truth, **PATTERNS[pattern])
     outputs = engine.generate(prompts, params)
     for out, ref in zip(outputs, plain):

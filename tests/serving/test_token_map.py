@@ -14,6 +14,7 @@ import torch
 import heads
 from heads.token_map import lm_head_rows
 from serving import targets
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.spec_decode.config import SpeculativeConfig
@@ -44,12 +45,12 @@ def run(folder, head_dir, kind, token_map=None):
     spec = {"method": kind, "model": str(head_dir), "num_speculative_tokens": 2 if kind == "mtp" else K}
     if token_map is not None:
         spec["token_map"] = str(token_map)
-    engine = Engine(str(folder), block_size=4, num_blocks=128, max_model_len=64, speculative_config=spec)
+    engine = Engine(EngineConfig(str(folder), block_size=4, num_blocks=128, max_model_len=64, speculative_config=spec))
     proposals = []
     propose = engine.speculator.drafter.propose
 
-    def spy(engine_, requests, budgets, step):
-        out = propose(engine_, requests, budgets, step)
+    def spy(ctx, requests, budgets):
+        out = propose(ctx, requests, budgets)
         proposals.append({rid: list(tree.tokens) for rid, tree in out.items()})
         return out
 
@@ -62,7 +63,7 @@ def run(folder, head_dir, kind, token_map=None):
 def test_token_maps_draft_among_their_tokens_only(kind, tiny_llama, tmp_path):
     head_dir = heads.save(new_head(kind, tiny_llama), tmp_path / kind)
     vocab = targets.fingerprint(tiny_llama)["vocab_size"]
-    plain = [o.token_ids for o in Engine(str(tiny_llama), block_size=4, num_blocks=128, max_model_len=64)
+    plain = [o.token_ids for o in Engine(EngineConfig(str(tiny_llama), block_size=4, num_blocks=128, max_model_len=64))
              .generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
     outputs, proposals, _ = run(tiny_llama, head_dir, kind)
     assert outputs == plain and any(proposals)

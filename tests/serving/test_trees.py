@@ -198,7 +198,7 @@ class FixedShapeStub(Drafter):
         self.q2 = torch.softmax(1.5 * torch.randn(vocab, vocab, generator=g), -1)
         self.sampled, self.p2, self.p3, self.generator = sampled, p2, p3, torch.Generator().manual_seed(78)
 
-    def propose(self, engine, requests, budgets, step):
+    def propose(self, ctx, requests, budgets):
         trees = {}
         for r in requests:
             if budgets[r.request_id][:2] != (5, 2):
@@ -207,7 +207,7 @@ class FixedShapeStub(Drafter):
                 a, b = sample(self.q1, self.generator), sample(self.q1, self.generator)
                 tokens = [a, b, sample(self.q2[a], self.generator), sample(self.q2[a], self.generator),
                           sample(self.q2[b], self.generator)]
-                q = torch.stack([self.q1, self.q1, self.q2[a], self.q2[a], self.q2[b]]).to(engine.device)
+                q = torch.stack([self.q1, self.q1, self.q2[a], self.q2[a], self.q2[b]]).to(ctx.runner.device)
             else:
                 x1 = r.token_ids[-1]
                 first, second = self.p2[x1].argsort(descending=True)[:2].tolist()
@@ -260,7 +260,7 @@ class TruthStub(Drafter):
         assert request.output_token_ids == truth[:n], "the engine diverged from plain decoding"
         return truth[n:]
 
-    def propose(self, engine, requests, budgets, step):
+    def propose(self, ctx, requests, budgets):
         trees = {}
         for r in requests:
             tree = self.tree(self.upcoming(r), budgets[r.request_id])
@@ -449,7 +449,7 @@ def test_kv_after_random_tree_steps_equals_a_fresh_prefill(tiny_llama):
     fresh = make_engine(tiny_llama, block_size=block_size)
     for request in engine.scheduler.running:
         num = request.num_computed_tokens
-        assert num == request.num_tokens - 1 and request.spec_tree  # the newest token waits, with a tree behind it
+        assert num == request.num_tokens - 1 and request.spec.tree  # the newest token waits, with a tree behind it
         rid = fresh.add_request(request.token_ids[:num], SamplingParams(max_tokens=2, ignore_eos=True))
         fresh.step()  # prefills all of it
         ref = fresh.requests[rid]
@@ -539,10 +539,10 @@ def record_trees(drafter, searches):
     candidates the search made for it, which the caller's spies put in `searches` in request order)."""
     records, propose = [], drafter.propose
 
-    def spy(engine_, requests, budgets, step):
+    def spy(ctx, requests, budgets):
         before = {r.request_id: list(r.token_ids) for r in requests}
         searches.clear()
-        trees = propose(engine_, requests, budgets, step)
+        trees = propose(ctx, requests, budgets)
         assert len(searches) == len(trees)
         records.extend((rid, before[rid], budgets[rid], tree, candidates)
                        for (rid, tree), candidates in zip(trees.items(), searches))
@@ -919,7 +919,7 @@ def test_eagle_trees_for_more_requests_than_the_drafter_was_built_for(tiny_llama
     engine.scheduler.max_num_seqs = 6
     calls = []
     draft = engine.speculator.drafter._draft
-    engine.speculator.drafter._draft = lambda requests, budgets: calls.append(len(requests)) or draft(requests, budgets)
+    engine.speculator.drafter._draft = lambda ctx, requests, budgets: calls.append(len(requests)) or draft(ctx, requests, budgets)
     assert [o.token_ids for o in engine.generate(prompts, params)] == plain_outputs(tiny_llama, prompts, params)
     assert max(calls) == 2 and calls.count(2) > calls.count(1)  # six running requests, drafted two at a time
     assert_pool_idle(engine)

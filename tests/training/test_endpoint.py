@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from serving import targets
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.server.app import build_app
 from serving.server.serve import listen
@@ -49,7 +50,7 @@ def write_prompts(path: Path, conversations) -> Path:
 @contextlib.contextmanager
 def serving(target: Path):
     """`draftheads serve`'s app over the target, greedy float32, on a free port; yields its base URL."""
-    with running(build_app(Engine(str(target), max_model_len=256, num_blocks=64), "tiny")) as url:
+    with running(build_app(Engine(EngineConfig(str(target), max_model_len=256, num_blocks=64)), "tiny")) as url:
         yield url
 
 

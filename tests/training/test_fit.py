@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch import Callback
 
 import heads
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.targets import DEFAULT_TARGET, build_tiny_model, resolve
@@ -94,7 +95,7 @@ MIN_TAU = 1.6  # an untrained head drafts this chaotic target at tau ~1.0
 @pytest.fixture(scope="session")
 def plain_outputs(chaotic):
     target, _ = chaotic
-    return [o.token_ids for o in Engine(str(target), max_num_seqs=8).generate(prompt_messages(8), SamplingParams(max_tokens=16))]
+    return [o.token_ids for o in Engine(EngineConfig(str(target), max_num_seqs=8)).generate(prompt_messages(8), SamplingParams(max_tokens=16))]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -115,8 +116,8 @@ def test_overfits_a_tiny_store_and_drafts_in_the_engine(kind, chaotic, plain_out
     assert config["metadata"]["training"]["global_step"] == num_steps
     if kind != "medusa":
         assert config["intermediate_size"] == 512 != json.loads((target / "config.json").read_text())["intermediate_size"]
-    engine = Engine(str(target), max_num_seqs=8,
-                    speculative_config={"method": kind, "model": str(folder), "num_speculative_tokens": 4})
+    engine = Engine(EngineConfig(str(target), max_num_seqs=8,
+                    speculative_config={"method": kind, "model": str(folder), "num_speculative_tokens": 4}))
     drafted = engine.generate(prompt_messages(8), SamplingParams(max_tokens=16))
     assert [o.token_ids for o in drafted] == plain_outputs
     assert engine.speculator.stats.tau > MIN_TAU, f"{kind} drafts at tau {engine.speculator.stats.tau:.2f}"
@@ -174,7 +175,7 @@ def test_a_full_run_logs_offline_and_exports_the_best_and_last_heads(debug_store
         training = json.loads((Path("runs/medusa/heads") / name / "config.json").read_text())["metadata"]["training"]
         assert isinstance(head, heads.Medusa) and training["kind"] == "medusa" and "val/tau" in training["metrics"]
         assert head.config.target_fingerprint == cli.model.target_fingerprint
-        temperatures = [training["metrics"][f"val/temperature_{i + 1}"] for i in range(cli.model.hparams.num_draft_tokens)]
+        temperatures = [training["metrics"][f"val/temperature_{i + 1}"] for i in range(cli.model.hparams.num_speculative_tokens)]
         assert head.config.confidence_temperatures == pytest.approx(temperatures)  # what the serving cut reads
 
 

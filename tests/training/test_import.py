@@ -16,6 +16,7 @@ from test_fit import fit_args
 import heads
 from heads.token_map import lm_head_rows
 from serving import targets
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.request import SamplingParams
 from training.cli import main as cli_main
@@ -95,8 +96,8 @@ def record_drafts(engine) -> list:
     """Wraps the engine's drafter so that every proposed tree is recorded with the request's tokens then."""
     records, propose = [], engine.speculator.drafter.propose
 
-    def spy(engine_, requests, budgets, step):
-        trees = propose(engine_, requests, budgets, step)
+    def spy(ctx, requests, budgets):
+        trees = propose(ctx, requests, budgets)
         records.extend((tuple(r.token_ids), trees[r.request_id].tokens, trees[r.request_id].parents)
                        for r in requests if r.request_id in trees)
         return trees
@@ -115,8 +116,8 @@ def test_a_reimported_head_drafts_as_the_original_in_the_engine(case, spec, tiny
     prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 13)]
     runs = []
     for folder in (original, tmp_path / "back"):
-        engine = Engine(str(tiny_llama), block_size=4, num_blocks=64, max_model_len=64, speculative_config={
-            "method": kind, "model": str(folder), "num_speculative_tokens": 3, **spec})
+        engine = Engine(EngineConfig(str(tiny_llama), block_size=4, num_blocks=64, max_model_len=64, speculative_config={
+            "method": kind, "model": str(folder), "num_speculative_tokens": 3, **spec}))
         drafts = record_drafts(engine)
         outputs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
         stats = engine.speculator.stats

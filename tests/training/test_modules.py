@@ -22,8 +22,17 @@ from training.modules.chain_accuracy import ChainAccuracy, reached
 from training.modules.schedule import lr_factor
 from training.modules.unroll import unroll
 
-SMALL = {"medusa": {"num_heads": 2, "num_draft_tokens": 2}, "eagle": {}, "eagle3": {"num_steps": 2, "draft_vocab_size": 1024},
+SMALL = {"medusa": {"num_heads": 2, "num_speculative_tokens": 2}, "eagle": {}, "eagle3": {"num_steps": 2, "draft_vocab_size": 1024},
          "mtp": {}}
+
+
+def test_a_head_kind_is_its_speculative_method():
+    """A head folder's `kind`, the module that trains it and the speculative config's `method` that serves it are one
+    string (serving/drafters/head.py refuses a head whose kind is not the method)."""
+    from heads.checkpoint import HEADS as HEAD_KINDS
+    from serving.spec_decode.config import HEADS as HEAD_METHODS
+
+    assert list(HEAD_KINDS) == list(MODULES) == list(HEAD_METHODS)
 
 
 def feature_head(kind: str, parts, batch_size: int, num_positions: int):
@@ -163,7 +172,7 @@ def test_validation_calibrates_on_the_drafts_the_chain_reaches(kind, debug_store
     data = DraftDataModule(str(debug_store), target="debug", batch_size=4, heldout_fraction=0.3)
     trainer = Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     [metrics] = trainer.validate(module, data, verbose=False)
-    k = module.hparams.num_draft_tokens
+    k = module.hparams.num_speculative_tokens
     assert [seen[i][0] for i in range(k)] == chain["reached"] and chain["reached"][0] > 0
     assert [seen[i][1] for i in range(k)] == chain["accepted"]
     temperatures = module.head.config.confidence_temperatures
@@ -180,7 +189,7 @@ def test_learning_rate_warms_up_then_decays_to_its_floor():
 
 
 def test_the_frozen_target_follows_the_module_but_stays_out_of_its_state():
-    module = MedusaModule(target="debug", num_heads=2, num_draft_tokens=2)
+    module = MedusaModule(target="debug", num_heads=2, num_speculative_tokens=2)
     assert all(key.startswith("head.") for key in module.state_dict())
     assert not any(param is module.target_parts.embed.weight for param in module.parameters())
     module.to(torch.float64)
@@ -206,7 +215,7 @@ def test_offline_and_online_batches_give_the_same_loss(kind, debug_store):
 def test_online_target_is_built_on_the_device_lightning_moves_the_module_to(debug_store):
     """The target's packed layers cannot move once built for the CPU kernels, so setup builds it on the strategy's
     device (meta here, standing for a GPU) instead of the module's device before the move (the CPU)."""
-    module = MedusaModule(target="debug", num_heads=2, num_draft_tokens=2)
+    module = MedusaModule(target="debug", num_heads=2, num_speculative_tokens=2)
     data = DraftDataModule(str(debug_store), target="debug", mode="online", batch_size=4)
     module.trainer = SimpleNamespace(datamodule=data, strategy=SimpleNamespace(root_device=torch.device("meta")))
     module.setup("fit")
@@ -279,7 +288,7 @@ def test_a_token_map_trains_over_its_rows_and_counts_other_labels_as_misses(kind
     trainer.fit(module, data)
     assert all(torch.isfinite(p).all() for p in module.head.parameters())
     [metrics] = trainer.validate(module, data, verbose=False)
-    assert math.isfinite(metrics["val/loss"]) and 1.0 <= metrics["val/tau"] <= 1 + module.hparams.num_draft_tokens
+    assert math.isfinite(metrics["val/loss"]) and 1.0 <= metrics["val/tau"] <= 1 + module.hparams.num_speculative_tokens
     assert torch.equal(heads.load(heads.save(module.head, tmp_path / "head")).token_map, hot)  # the head keeps it
 
     # a map of tokens no answer holds: every draft is a miss, not a label left out of the metric
@@ -336,8 +345,8 @@ def greedy_before(module, last: torch.Tensor) -> torch.Tensor:
     """[B, S] the target's greedy token after each position, among the LM-head rows the head drafts from."""
     if module.kind == "eagle3":
         ids = module.head.draft_token_ids
-    elif module.hot_ids is not None:
-        ids = module.hot_ids
+    elif module.token_map_ids is not None:
+        ids = module.token_map_ids
     else:
         ids = torch.arange(module.target_parts.vocab_size)
     weight = load_target_parts(module.target_folder).lm_head.weight[ids]

@@ -108,3 +108,16 @@ def test_a_checkpoint_write_cut_short_leaves_the_previous_checkpoint_whole(debug
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint({"global_step": 2}, path)
     assert io.load_checkpoint(path) == {"global_step": 1}
+
+
+def test_a_checkpoint_that_names_k_num_draft_tokens_resumes(debug_store):
+    """Checkpoints written before k was named num_speculative_tokens (issue 40) call it num_draft_tokens; LightningCLI
+    reads a resumed checkpoint's module settings, and takes that name as the new one."""
+    args = fit_args("eagle", "debug", debug_store, "--model.init_args.num_speculative_tokens=3")
+    assert fit_main("fit", [*args, "--trainer.max_steps=1"]) == 0
+    path = Path("runs/eagle/checkpoints/last.ckpt")
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["hyper_parameters"]["num_draft_tokens"] = checkpoint["hyper_parameters"].pop("num_speculative_tokens")
+    torch.save(checkpoint, path)
+    cli = build_cli(["fit", *fit_args("eagle", "debug", debug_store), "--trainer.max_steps=2", f"--ckpt_path={path}"])
+    assert cli.model.hparams.num_speculative_tokens == 3 and cli.trainer.global_step == 2

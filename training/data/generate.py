@@ -27,8 +27,9 @@ from tqdm.auto import tqdm
 
 from serving import targets
 from serving.attention import KVCache
-from serving.config_file import add_options, merge_options
-from serving.engine import DTYPES, Engine, resolve_device
+from serving.config_file import CONFIG_HELP, add_options, merge_options
+from serving.config import DTYPES, HELP as ENGINE_HELP, EngineConfig, resolve_device
+from serving.engine import Engine
 from serving.model import ModelConfig
 from serving.bench.prompts import load_prompts
 from serving.request import SamplingParams
@@ -40,7 +41,7 @@ from training.data.teacher_forced import TeacherForcedGeneration
 TURNS = ("first", "all")
 ANSWERS = ("target", "dataset")
 HELP = {
-    "config": "YAML file whose keys are these options' names; options given on the command line override it",
+    "config": CONFIG_HELP,
     "target": "target: a built-in name, a local Hugging Face folder or a hub id",
     "prompts": "prompt source: sharegpt, sharegpt-heldout, mt-bench, humaneval, or a JSONL file",
     "num_prompts": "answer the first N conversations of the source (default: all)",
@@ -54,10 +55,10 @@ HELP = {
     "turns": "first: answer the first user turn; all: answer every user turn, conditioned on the earlier answers",
     "concurrency": "conversations answered at once (the engine's max_num_seqs)",
     "max_model_len": "most tokens in a conversation; a longer first turn is skipped, a longer conversation ends early",
-    "max_num_batched_tokens": "tokens per engine step; longer prompts are prefilled in chunks",
+    "max_num_batched_tokens": ENGINE_HELP["max_num_batched_tokens"],
     "shard_size": "examples per shard of hidden states; a shard is the unit of commit and resume",
     "dtype": "the target's compute dtype (hidden states are stored in bfloat16)",
-    "device": "where the target runs: auto (the first CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N",
+    "device": ENGINE_HELP["device"],
     "out": "the store folder; rerunning into it resumes",
     "answers": "target: the target answers each prompt, in this process (hidden states captured in the same pass) "
                "or at --endpoint; dataset: the prompt source's own assistant turns (ShareGPT's), nothing generated. "
@@ -146,10 +147,10 @@ class GenerateConfig:
 
     def engine(self, folder: Path, aux_layers: tuple[int, ...], capture_hidden: bool, max_model_len: int) -> Engine:
         """The engine these settings describe, for the target in `folder`."""
-        return Engine(self.target, dtype=self.dtype, max_num_seqs=self.concurrency,
+        return Engine(EngineConfig(self.target, dtype=self.dtype, max_num_seqs=self.concurrency,
                       max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=max_model_len,
                       kv_cache_memory_gib=kv_cache_gib(folder, self), capture_hidden=capture_hidden,
-                      aux_layers=aux_layers, device=self.device)
+                      aux_layers=aux_layers, device=self.device))
 
 
 def _listed(value) -> list[str]:

@@ -6,9 +6,9 @@ The frozen target is the embedding, final norm and LM head read from the target'
 that turns a batch's token ids into hidden states. Neither is a submodule: they follow the module across devices
 and dtypes but never enter its state_dict, its checkpoints or its optimizer, which hold the head alone.
 
-Validation simulates chain drafting of `num_draft_tokens` drafts against the target's own next tokens, the way the
-engine drafts (for feature heads the layer is unrolled over its own outputs, see unroll.py), and logs the
-conditional accuracy per position (val/acc_1..k), the mean acceptance length tau it implies (val/tau), and tau with
+Validation simulates chain drafting of `num_speculative_tokens` drafts (k, as the engine's option of that name)
+against the target's own next tokens, the way the engine drafts (for feature heads the layer is unrolled over its
+own outputs, see unroll.py), and logs the conditional accuracy per position (val/acc_1..k), the mean acceptance length tau it implies (val/tau), and tau with
 chains started where the engine starts them (val/tau_walk); see chain_accuracy.py. With a token map
 (`draftheads token-map`), Medusa, EAGLE-1 and MTP heads train to draft among its tokens over those rows of the LM head, as the
 engine serves them with the same file: the LM head, by far the largest cost of a training step, shrinks to the
@@ -33,7 +33,7 @@ from heads import load_target_parts
 from heads.attention import DenseCausalAttention
 from heads.token_map import lm_head_rows, load_token_map
 from serving import targets
-from serving.engine import DTYPES
+from serving.config import DTYPES
 from serving.spec_decode.config import TAKES_TOKEN_MAP
 from training.data.store import HIDDEN_DTYPE
 from training.modules.calibration import Calibration
@@ -49,16 +49,16 @@ class DraftModule(LightningModule):
     kind: ClassVar[str] = ""
     hidden_layers: ClassVar[tuple[str, ...]] = ("last",)  # the store's hidden states this kind reads
 
-    def __init__(self, target: str = targets.DEFAULT_TARGET, num_draft_tokens: int = 4, learning_rate: float = 1e-3,
-                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 100,
+    def __init__(self, target: str = targets.DEFAULT_TARGET, num_speculative_tokens: int = 4,
+                 learning_rate: float = 1e-3, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 100,
                  schedule: str = "cosine", min_lr_ratio: float = 0.1, target_dtype: str = "float32",
                  token_map: str | None = None, prompt_loss: bool = False, init_from: str | None = None):
         """Settings every head kind shares.
 
         Args:
             target: The frozen target: a built-in name, a Hugging Face folder, or a hub id when online.
-            num_draft_tokens: k of the chain validation simulates (val/acc_1..k, val/tau); the engine's
-                num_speculative_tokens.
+            num_speculative_tokens: k, the drafts of the chain validation simulates (val/acc_1..k, val/tau): the
+                engine's num_speculative_tokens.
             learning_rate: Peak learning rate of AdamW.
             weight_decay: AdamW weight decay of matrices (norms and biases get none).
             betas: AdamW betas.
@@ -78,27 +78,27 @@ class DraftModule(LightningModule):
             raise ValueError(f"schedule={schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
         if target_dtype not in DTYPES:
             raise ValueError(f"target_dtype={target_dtype!r} is unknown: choose one of {', '.join(DTYPES)}")
-        if num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens={num_draft_tokens} must be >= 1")
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
         self.save_hyperparameters()
         self.target_folder = targets.resolve(target)
         self.target_fingerprint = targets.fingerprint(self.target_folder)
         parts = load_target_parts(self.target_folder, DTYPES[target_dtype], fingerprint=self.target_fingerprint)
-        hot = None
+        ids = None
         if token_map:
             if self.kind not in TAKES_TOKEN_MAP:
                 raise ValueError(f"token_map applies to {', '.join(TAKES_TOKEN_MAP)} heads, not {self.kind}"
                                  + (": EAGLE-3 trains over its own draft vocabulary (draft_vocab_size)" if self.kind == "eagle3" else ""))
-            hot = load_token_map(token_map, parts.vocab_size)
-            parts.lm_head = lm_head_rows(parts.lm_head, hot)
+            ids = load_token_map(token_map, parts.vocab_size)
+            parts.lm_head = lm_head_rows(parts.lm_head, ids)
         # target id -> index in the token map, -1 outside it; empty without a map. Buffers outside the state dict.
-        self.register_buffer("hot_ids", hot, persistent=False)
-        self.register_buffer("hot_index", None if hot is None else torch.full((parts.vocab_size,), -1).index_copy_(
-            0, hot, torch.arange(len(hot))), persistent=False)
+        self.register_buffer("token_map_ids", ids, persistent=False)
+        self.register_buffer("token_map_index", None if ids is None else torch.full((parts.vocab_size,), -1).index_copy_(
+            0, ids, torch.arange(len(ids))), persistent=False)
         object.__setattr__(self, "target_parts", parts)  # frozen, never a submodule
         object.__setattr__(self, "target_model", None)  # the whole target, loaded for online data only
-        self.chain = ChainAccuracy(num_draft_tokens)
-        self.calibration = Calibration(num_draft_tokens)
+        self.chain = ChainAccuracy(num_speculative_tokens)
+        self.calibration = Calibration(num_speculative_tokens)
         self.val_accuracy: list[float] = []
         self.has_init_weights = False  # init_from is copied in once, at the first setup
 
@@ -123,14 +123,14 @@ class DraftModule(LightningModule):
 
     def draft_labels(self, labels: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(labels as LM-head rows, valid and inside the token map); unchanged without a map."""
-        if self.hot_index is None:
+        if self.token_map_index is None:
             return labels, valid
-        rows = self.hot_index[labels]
+        rows = self.token_map_index[labels]
         return rows.clamp(min=0), valid & (rows >= 0)
 
     def target_ids(self, rows: torch.Tensor) -> torch.Tensor:
         """LM-head rows (argmax of the head's logits) as target token ids."""
-        return rows if self.hot_ids is None else self.hot_ids[rows]
+        return rows if self.token_map_ids is None else self.token_map_ids[rows]
 
     @torch.no_grad()
     def loss_labels(self, batch: dict, last: torch.Tensor, rows: torch.Tensor | None = None,

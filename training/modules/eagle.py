@@ -56,7 +56,7 @@ class EagleModule(DraftModule):
             raise ValueError(f"num_unroll_steps={num_unroll_steps} must be >= 1")
         if noise_length is not None and noise_length < 1:
             raise ValueError(f"noise_length={noise_length} must be >= 1, or null for a fixed amplitude")
-        self.head = Eagle.from_target(self.target_parts, self.hot_ids, fc_bias=fc_bias,
+        self.head = Eagle.from_target(self.target_parts, self.token_map_ids, fc_bias=fc_bias,
                                       intermediate_size=intermediate_size)
 
     def _step_loss(self, labels: torch.Tensor, has_label: torch.Tensor, last: torch.Tensor, out: torch.Tensor,
@@ -103,9 +103,10 @@ class EagleModule(DraftModule):
 
     def validation_outputs(self, batch, hidden):
         last = hidden["last"]
+        k = self.hparams.num_speculative_tokens
         outs = unroll(self.head, batch["input_ids"], last, batch["padding_mask"],
-                      max(self.hparams.num_draft_tokens, self.hparams.num_unroll_steps), self.head.config.max_position_embeddings)
-        correct, valid, logits = self.chain_outcomes(batch, outs[:self.hparams.num_draft_tokens],
+                      max(k, self.hparams.num_unroll_steps), self.head.config.max_position_embeddings)
+        correct, valid, logits = self.chain_outcomes(batch, outs[:k],
                                                      lambda s, rows: self.head.logits(rows), self.target_ids)
         loss, _ = self._loss(batch["input_ids"], batch["loss_mask"], last, outs[:self.hparams.num_unroll_steps])
         return loss, correct, valid, logits

@@ -93,7 +93,7 @@ class Eagle3Module(DraftModule):
         return self._loss(*labels, last, self._steps(batch, hidden, self.hparams.num_steps))
 
     def validation_outputs(self, batch, hidden):
-        k, num_steps = self.hparams.num_draft_tokens, self.hparams.num_steps
+        k, num_steps = self.hparams.num_speculative_tokens, self.hparams.num_steps
         outs = self._steps(batch, hidden, max(k, num_steps))
         loss, _ = self._loss(batch["input_ids"], batch["loss_mask"], hidden["last"], outs[:num_steps])
         correct, valid, logits = self.chain_outcomes(batch, outs[:k], lambda s, rows: self.head.logits(rows),

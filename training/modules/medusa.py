@@ -31,10 +31,10 @@ class MedusaModule(DraftModule):
             decay: Loss weight decay^i of head i.
         """
         super().__init__(**kwargs)
-        if self.hparams.num_draft_tokens > num_heads:
-            raise ValueError(f"num_draft_tokens={self.hparams.num_draft_tokens} exceeds num_heads={num_heads}: Medusa "
-                             "drafts one token per head; lower num_draft_tokens or add heads")
-        self.head = Medusa.from_target(self.target_parts, self.hot_ids, num_heads=num_heads, num_layers=num_layers,
+        if self.hparams.num_speculative_tokens > num_heads:
+            raise ValueError(f"num_speculative_tokens={self.hparams.num_speculative_tokens} exceeds num_heads={num_heads}: "
+                             "Medusa drafts one token per head; lower num_speculative_tokens or add heads")
+        self.head = Medusa.from_target(self.target_parts, self.token_map_ids, num_heads=num_heads, num_layers=num_layers,
                                        own_lm_head=own_lm_head)
 
     def _heads(self, labels: torch.Tensor, has_label: torch.Tensor, hidden: dict):
@@ -67,7 +67,7 @@ class MedusaModule(DraftModule):
     def validation_outputs(self, batch, hidden):
         logits, labels, valid, anchors = self._heads(batch["input_ids"], batch["loss_mask"], hidden)
         loss, _ = self._loss(logits, labels, valid)
-        k = self.hparams.num_draft_tokens
+        k = self.hparams.num_speculative_tokens
         correct = torch.zeros(*anchors.shape, k, dtype=torch.bool, device=anchors.device)  # [B, S, k]
         is_valid = torch.zeros_like(correct)
         correct[anchors] = ((self.target_ids(logits.argmax(-1)) == labels) & valid)[:k].T

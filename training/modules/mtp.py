@@ -43,16 +43,16 @@ class MtpModule(DraftModule):
             intermediate_size: MLP width of each module's decoder layer (null: the target's).
         """
         super().__init__(**kwargs)
-        k = self.hparams.num_draft_tokens
+        k = self.hparams.num_speculative_tokens
         if serve_mode == "chain" and k > depth:
-            raise ValueError(f"num_draft_tokens={k} exceeds depth={depth}: serve_mode 'chain' drafts one token per module; "
-                             "lower num_draft_tokens, add modules, or use serve_mode 'reuse_first'")
+            raise ValueError(f"num_speculative_tokens={k} exceeds depth={depth}: serve_mode 'chain' drafts one token per "
+                             "module; lower num_speculative_tokens, add modules, or use serve_mode 'reuse_first'")
         if num_unroll_steps < 1:
             raise ValueError(f"num_unroll_steps={num_unroll_steps} must be >= 1")
         if len(loss_weights) < max(depth, num_unroll_steps):
             raise ValueError(f"loss_weights has {len(loss_weights)} entries, but depth={depth} and num_unroll_steps="
                              f"{num_unroll_steps} predict up to {max(depth, num_unroll_steps)} offsets: give one weight each")
-        self.head = Mtp.from_target(self.target_parts, self.hot_ids, depth=depth, serve_mode=serve_mode,
+        self.head = Mtp.from_target(self.target_parts, self.token_map_ids, depth=depth, serve_mode=serve_mode,
                                    intermediate_size=intermediate_size)
 
     def _predictions(self, batch: dict, hidden: dict, num_unroll_steps: int, depth: int) -> list[tuple[int, int, torch.Tensor]]:
@@ -90,7 +90,7 @@ class MtpModule(DraftModule):
         return self._loss(*self.loss_labels(batch, hidden["last"]), predictions)
 
     def validation_outputs(self, batch, hidden):
-        k, num_unroll_steps, depth = self.hparams.num_draft_tokens, self.hparams.num_unroll_steps, self.head.config.depth
+        k, num_unroll_steps, depth = self.hparams.num_speculative_tokens, self.hparams.num_unroll_steps, self.head.config.depth
         is_reuse = self.head.config.serve_mode == "reuse_first"
         predictions = self._predictions(batch, hidden, max(k, num_unroll_steps) if is_reuse else num_unroll_steps, depth)
         trained = [(i, j, out) for i, j, out in predictions if j > 0 or i < num_unroll_steps]

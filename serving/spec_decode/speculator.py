@@ -1,5 +1,5 @@
-"""The second half of an engine step when speculation is on: verify the draft trees scheduled this step, roll back,
-then draft for the next step.
+"""The engine's speculation, in the order a step calls it: `verify` each request's draft tree and roll back (or
+`record_undrafted` a plain step), `observe` what the target kept, then `propose` the trees of the next step.
 
 Rollback is `num_computed_tokens = before + 1 + accepted` and `trim`: nothing is erased, and the slots of rejected
 nodes are overwritten later. Node i of a tree computed in the slot of position (newest) + 1 + i; an accepted node
@@ -11,13 +11,14 @@ the others. With `adaptive`, serving/spec_decode/adaptive.py chooses each reques
 """
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
 
 import torch
 
 from serving.drafters import make_drafter
-from serving.drafters.base import DraftBudget
+from serving.drafters.base import DraftBudget, PooledDrafter
+from serving.drafters.context import DraftContext, StepOutputs
 from serving.request import Request, SamplingParams
 from serving.sampler import target_probs
 from serving.spec_decode.adaptive import AdaptivePolicy, prior
@@ -27,43 +28,25 @@ from serving.spec_decode.metrics import AcceptanceStats, depths_tried
 from serving.spec_decode.tree import DraftTree
 from serving.spec_decode.verify import verify_greedy, verify_sampled
 
-
-@dataclass
-class StepOutputs:
-    """What the target pass of this step computed, for drafters that read it."""
-    batch: object  # serving.batch.Batch
-    out: object  # serving.model.ModelOutput
-    accepted_paths: dict[str, list[int]]  # request id -> the tree nodes accepted this step, depth 1 first
-    # seconds the step took before drafting: scheduling, the batch, the target's forward, verification (what the
-    # adaptive policy's step cost predicts; drafting is priced apart)
-    elapsed_s: float = 0.0
-
-    def __post_init__(self):
-        self.index = {r.request_id: i for i, r in enumerate(self.batch.requests)}  # request id -> its place in the batch
-
-    def kept_rows(self, request: Request) -> tuple[list[int], int]:
-        """(the rows of the flat batch that computed the tokens the request kept this step, in position order; the
-        position of the first): its real tokens, then its accepted nodes."""
-        i = self.index[request.request_id]
-        first = self.batch.token_start[i]
-        num_real = self.batch.num_scheduled[i] - self.batch.num_tree_rows[i]
-        path = self.accepted_paths.get(request.request_id, [])
-        rows = list(range(first, first + num_real)) + [first + num_real + node for node in path]
-        start = int(self.batch.positions[first])
-        return rows[:request.num_computed_tokens - start], start
-
-
 EMPTY = DraftTree()
 
 
 class Speculator:
     def __init__(self, engine, config: SpeculativeConfig):
         self.config = config
-        self.drafter = make_drafter(engine, config)
+        self.scheduler, self.block_manager, self.cache = engine.scheduler, engine.block_manager, engine.runner.cache
+        self.ctx = DraftContext(engine.runner, engine.folder, engine.fingerprint, engine.scheduler.max_num_seqs,
+                                engine.block_manager.enable_prefix_caching)
+        self.drafter = make_drafter(self.ctx, config)
         self.stats = AcceptanceStats(config.num_speculative_tokens)
         self.policy = (AdaptivePolicy(config, engine.step_cost, DraftCost(), per_request=not self.drafter.is_calibrated)
                        if config.adaptive else None)
         self.is_calibrated = False
+
+    @property
+    def pooled(self) -> PooledDrafter | None:
+        """The drafter, where it keeps a K/V pool of its own (catch-up, blocks registered by the prefix cache)."""
+        return self.drafter if isinstance(self.drafter, PooledDrafter) else None
 
     def calibrate(self, engine) -> None:
         """Times the drafter for the adaptive policy's cost model: short generations over random prompts, drafted to
@@ -74,7 +57,7 @@ class Speculator:
         generator = torch.Generator().manual_seed(0)
         max_tokens = 6
         prompt_len = max(1, min(32, engine.max_model_len - max_tokens - k - 2))
-        phases = ((1, k), (1, 1), (1, k), (min(4, engine.scheduler.max_num_seqs), k))  # (requests, depth)
+        phases = ((1, k), (1, 1), (1, k), (min(4, self.scheduler.max_num_seqs), k))  # (requests, depth)
         for i, (num_requests, depth) in enumerate(phases):
             policy.forced_depth = depth
             prompts = [torch.randint(engine.model.config.vocab_size, (prompt_len,), generator=generator).tolist()
@@ -86,34 +69,36 @@ class Speculator:
         policy.chosen.clear()
         policy.timings.clear()
         self.stats = AcceptanceStats(k)
-        engine.block_manager.reset_prefix_cache()
+        self.block_manager.reset_prefix_cache()
         self.is_calibrated = True
 
     @staticmethod
     def can_speculate(request: Request) -> bool:
         return not request.params.needs_history
 
-    def verify(self, engine, request: Request, logits: torch.Tensor, best: list[int]) -> tuple[DraftTree, list[int], list[int]]:
+    # ---- 1. verify and roll back ----------------------------------------------------------------------
+
+    def verify(self, request: Request, logits: torch.Tensor, best: list[int]) -> tuple[DraftTree, list[int], list[int]]:
         """logits: [1 + nodes, vocab] at the newest token and at each node of the request's tree; best: their
         argmaxes. Rolls the request back to its accepted tokens and returns (the tree, the accepted path, the tokens
         to emit). The accepted nodes' K/V move into the slots of their positions; lookahead rows are never accepted."""
-        tree, request.spec_tree = request.spec_tree, DraftTree()
+        tree, request.spec.tree = request.spec.tree, DraftTree()
         if request.params.is_greedy:
             path, emitted = verify_greedy(tree, best)
         else:
-            path, emitted = verify_sampled(tree, target_probs(logits, request.params), engine.generators[request.request_id])
+            path, emitted = verify_sampled(tree, target_probs(logits, request.params), request.generator)
         newest = request.num_computed_tokens - 1 - tree.num_rows
         for depth, node in enumerate(path, start=1):
             if node != depth - 1:
-                engine.cache.move(request.block_ids, newest + 1 + node, newest + depth)
+                self.cache.move(request.block_ids, newest + 1 + node, newest + depth)
         request.num_computed_tokens = newest + 1 + len(path)
-        engine.block_manager.trim(request, request.num_computed_tokens)
+        self.block_manager.trim(request, request.num_computed_tokens)
         return tree, path, emitted
 
     def record(self, request: Request, tree: DraftTree, path: list[int], num_emitted: int) -> None:
-        if not hasattr(request, "spec_stats"):
-            request.spec_stats = AcceptanceStats(self.config.num_speculative_tokens)
-        request.spec_stats.record(tree, path, num_emitted)
+        if request.spec.stats is None:
+            request.spec.stats = AcceptanceStats(self.config.num_speculative_tokens)
+        request.spec.stats.record(tree, path, num_emitted)
         self.stats.record(tree, path, num_emitted)
         if self.policy:
             self.policy.record(request, depths_tried(tree, path), len(path), tree.depth)
@@ -122,21 +107,36 @@ class Speculator:
         """A step in which the request carried no draft: `record` of an empty tree, without building one."""
         self.record(request, EMPTY, [], num_emitted)
 
-    def observe(self, engine, step: StepOutputs) -> None:
+    # ---- 2. observe -----------------------------------------------------------------------------------
+
+    def observe(self, step: StepOutputs) -> None:
         """The drafter notes what the target kept this step (every request of the step, finishing ones included);
         the adaptive policy, what the step cost."""
-        self.drafter.observe(engine, step)
+        self.drafter.observe(dataclasses.replace(self.ctx, step=step))
         if self.policy:
             batch = step.batch
             has_prefill = any(n - tree > 1 for n, tree in zip(batch.num_scheduled, batch.num_tree_rows))
             self.policy.record_step(len(batch.input_ids), len(batch.requests), len(batch.logits_rows), step.elapsed_s,
                                     has_prefill)
 
-    def propose(self, engine, step: StepOutputs) -> None:
+    def registered(self, request: Request, first_block: int) -> None:
+        """The prefix cache registered the request's blocks from `first_block` on (a pooled drafter keeps what they
+        still need)."""
+        if self.pooled:
+            self.pooled.registered(request, first_block)
+
+    def reset(self, request: Request) -> None:
+        """Forgets a request that finished, was preempted or aborted: its drafts, estimate and drafter state."""
+        self.drafter.reset(request)
+        request.spec.reset()
+
+    # ---- 3. propose -----------------------------------------------------------------------------------
+
+    def propose(self, step: StepOutputs) -> None:
         """Draft trees for every running request that has just emitted a token and can be speculated for, unless more
         than disable_by_batch_size requests are running; each as large as the config and the step's room allow, or as
         the adaptive policy chooses within that."""
-        scheduler, config = engine.scheduler, self.config
+        scheduler, config = self.scheduler, self.config
         limit = config.disable_by_batch_size
         if limit is not None and len(scheduler.running) > limit:
             return
@@ -148,23 +148,24 @@ class Speculator:
             if grants[request.request_id] > 0 and depth > 0:
                 limits[request.request_id] = DraftBudget(grants[request.request_id], depth)
         if self.policy and limits:
-            limits = self.policy.choose(engine, ready, limits, prior(self.stats))
+            limits = self.policy.choose(scheduler, ready, limits, prior(self.stats))
         budgets, requests = {}, []
         for request in ready:
             budget = limits.get(request.request_id)
             # Reserve the blocks. When the pool is overcommitted (someone will be preempted next step) the request
             # gets no drafts.
-            if budget and engine.block_manager.allocate_slots(request, 1 + budget.num_nodes):
+            if budget and self.block_manager.allocate_slots(request, 1 + budget.num_nodes):
                 budgets[request.request_id] = budget
                 requests.append(request)
         if not requests:
             return
+        ctx = dataclasses.replace(self.ctx, step=step)
         # The drafting call's cost, what choosing depths changes, counts the head's catch-up over the requests' kept
         # tokens too: only steps that draft pay it.
         start = time.perf_counter()
-        num_caught_up = self.drafter.catch_up(engine, requests)
+        num_caught_up = self.pooled.catch_up(ctx, requests) if self.pooled else 0
         drafting = time.perf_counter()
-        trees = self.drafter.propose(engine, requests, budgets, step)
+        trees = self.drafter.propose(ctx, requests, budgets)
         if self.policy:
             if num_caught_up:
                 self.policy.draft_cost.add_catch_up(num_caught_up, drafting - start)
@@ -173,11 +174,6 @@ class Speculator:
         for request in requests:
             budget = budgets[request.request_id]
             tree = trees.get(request.request_id, DraftTree()).prefix(budget.num_nodes, budget.depth)
-            request.spec_tree = tree
+            request.spec.tree = tree
             if tree.num_rows < budget.num_nodes:
-                engine.block_manager.trim(request, request.num_tokens + tree.num_rows)
-
-    def reset(self, request: Request) -> None:
-        self.drafter.reset(request)
-        if self.policy:
-            self.policy.forget(request)
+                self.block_manager.trim(request, request.num_tokens + tree.num_rows)

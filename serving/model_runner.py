@@ -1,0 +1,130 @@
+"""The model runner: the only place a step's tensors are made. It flattens every scheduled token of every request
+into one batch, builds the attention metadata (the one builder the drafters and the cost model use too), runs the
+target's forward over the paged K/V pool, and returns the logits rows, the hidden rows and each logits row's argmax."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from serving.attention import KVCache, PagedAttention, PagedMetadata
+from serving.blocks import slot
+from serving.kernels import argmax
+from serving.model import Model, ModelOutput
+from serving.request import Request
+from serving.spec_decode.tree import DraftTree
+
+
+@dataclass
+class Batch:
+    requests: list[Request]
+    num_scheduled: list[int]
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: PagedMetadata
+    logits_rows: torch.Tensor  # [num_logits_rows] rows of the flat batch whose logits are needed
+    logits_start: list[int]  # per request: its first row in the logits, or -1 when its chunk ends mid-prompt
+    token_start: list[int]  # per request: its first row in the flat batch
+    num_tree_rows: list[int]  # per request: its draft tree's rows (nodes, then lookahead rows), the last of its chunk
+    trees: list[DraftTree]  # per request: the tree it carried this step
+
+
+@dataclass
+class RunOutput:
+    """What the target's forward over one batch computed."""
+    batch: Batch
+    out: ModelOutput  # logits [num_logits_rows, vocab]; hidden and aux rows [num_tokens, hidden] when asked
+    best: list[int]  # each logits row's argmax
+
+
+class ModelRunner:
+    def __init__(self, model: Model, cache: KVCache, block_size: int, dtype: torch.dtype, device: torch.device):
+        self.model, self.cache, self.block_size, self.dtype, self.device = model, cache, block_size, dtype, device
+
+    def metadata(self, query_lens, context_lens, block_tables, tree_paths=None) -> PagedMetadata:
+        """The attention metadata of one flat forward (serving.attention.PagedMetadata.build: what each argument
+        means), for this pool's block size, on this device."""
+        return PagedMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.device, tree_paths)
+
+    def flatten(self, chunks):
+        """chunks: (token ids, position of the first, block table) per sequence ->
+        (ids [num_tokens], positions [num_tokens], PagedMetadata, query lengths)."""
+        ids, positions, query_lens, context_lens = [], [], [], []
+        for tokens, start, _ in chunks:
+            ids.extend(tokens)
+            positions.extend(range(start, start + len(tokens)))
+            query_lens.append(len(tokens))
+            context_lens.append(start + len(tokens))
+        meta = self.metadata(query_lens, context_lens, [table for _, _, table in chunks])
+        return torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, query_lens
+
+    def forward_chunks(self, model: Model, cache: KVCache, chunks, num_layers=None) -> torch.Tensor:
+        """A model of the target's family (the target itself, a draft model) over `cache`, addressed by the
+        target's block tables. chunks: (token ids, position of the first, block table) per sequence. Returns logits
+        [num_chunks, vocab] at each chunk's last token."""
+        ids, positions, meta, query_lens = self.flatten(chunks)
+        last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+        return model(ids, positions, PagedAttention(cache, meta), last_rows, num_layers=num_layers).logits
+
+    def build_batch(self, scheduled: list[tuple[Request, int]]) -> Batch:
+        """A request whose chunk reaches the end of its tokens needs logits for its last 1 + drafts rows (the
+        target's next token after its last real token, and one per node of its draft tree). Node i of the tree
+        computes in the slot after the real tokens and nodes 0 .. i - 1, at position (newest token's) + its depth,
+        and sees the real tokens and its path (DESIGN.md, "Trees"). Lookahead rows follow the nodes, each in the next
+        slot at its offset, seeing the real tokens and the lookahead rows it names; the logits of the last
+        `num_outputs` of them follow the request's verify rows."""
+        ids, positions, logits_rows, logits_start, token_start = [], [], [], [], []
+        query_lens, context_lens, tables, tree_paths, num_tree_rows, trees = [], [], [], [], [], []
+        row = 0
+        for request, num in scheduled:
+            start = request.num_computed_tokens
+            tree = request.spec.tree
+            lookahead = tree.lookahead
+            rows = list(tree.tokens) + (list(lookahead.tokens) if lookahead else [])
+            ids.extend((request.token_ids + rows)[start:start + num] if tree else request.token_ids[start:start + num])
+            num_real = num - tree.num_rows if tree else num
+            assert not tree or start + num_real == request.num_tokens, "a step schedules all of a request's drafts or none"
+            context = start + num_real
+            positions.extend(range(start, context))
+            paths = []
+            if tree:
+                positions.extend(context - 1 + d for d in tree.depths)
+                row_slot = lambda r: slot(request.block_ids, context + r, self.block_size)
+                paths = [[row_slot(n) for n in tree.path(i)] for i in range(len(tree))]
+                if lookahead:
+                    positions.extend(context - 1 + offset for offset in lookahead.offsets)
+                    paths += [[row_slot(len(tree) + r) for r in seen] for seen in lookahead.sees]
+            token_start.append(row)
+            if context == request.num_tokens:
+                logits_start.append(len(logits_rows))
+                logits_rows.extend(range(row + num_real - 1, row + num_real + len(tree)))
+                if lookahead:
+                    logits_rows.extend(range(row + num - lookahead.num_outputs, row + num))
+            else:
+                logits_start.append(-1)
+            query_lens.append(num_real)
+            context_lens.append(context)
+            tables.append(request.block_ids)
+            tree_paths.append(paths)
+            num_tree_rows.append(len(paths))
+            trees.append(tree)
+            row += num
+        return Batch(
+            requests=[r for r, _ in scheduled],
+            num_scheduled=[n for _, n in scheduled],
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            meta=self.metadata(query_lens, context_lens, tables, tree_paths),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            logits_start=logits_start,
+            token_start=token_start,
+            num_tree_rows=num_tree_rows,
+            trees=trees,
+        )
+
+    def run(self, scheduled: list[tuple[Request, int]], return_hidden: bool, aux_layers=()) -> RunOutput:
+        """One flattened forward of the target over the scheduled tokens; the argmax of every logits row in one call."""
+        batch = self.build_batch(scheduled)
+        out = self.model(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.meta), batch.logits_rows,
+                         return_hidden=return_hidden, aux_layers=aux_layers)
+        return RunOutput(batch, out, argmax(out.logits) if out.logits is not None else [])
