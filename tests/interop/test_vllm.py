@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import heads
 import tiny_heads
 from serving.bench.bench_serve import BenchServeConfig, arrival_times, load_first_turns, make_report, measure, to_markdown
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.request import SamplingParams
 from training import export as exporting
@@ -43,7 +44,7 @@ def workspace(tmp_path_factory, vllm_available):
 @pytest.fixture(scope="module")
 def prompt_ids(workspace):
     _, target, _ = workspace
-    engine = Engine(str(target), max_num_seqs=1)
+    engine = Engine(EngineConfig(str(target), max_num_seqs=1))
     return [engine.encode(messages) for messages in tiny_heads.prompts()]
 
 
@@ -55,7 +56,7 @@ def ours(target, spec: dict | None, prompt_ids) -> tuple[list[list[int]], dict |
     what the target accepts there (the output is cut afterwards); this engine drafts no deeper than the tokens that
     remain. So the engine runs with K more tokens of room, and its verify steps are counted while the output is
     shorter than MAX_TOKENS, as vLLM's are: the same drafts and verdicts, counted by vLLM's rule."""
-    engine = Engine(str(target), max_num_seqs=1, speculative_config=spec)
+    engine = Engine(EngineConfig(str(target), max_num_seqs=1, speculative_config=spec))
     if spec is None:
         outputs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
         return [o.token_ids for o in outputs], None
