@@ -76,3 +76,17 @@ def _add(found, parents, log_probs, tokens, depth, topk, log_thresholds) -> list
         nodes.sort(key=lambda c: -found[r].scores[c])
         frontier += [(r, c) for c in nodes[:topk]]
     return frontier
+
+
+def grow_from_marginals(log_probs: torch.Tensor, tokens: torch.Tensor, topk: int, max_depths: list[int],
+                        log_thresholds: list[float]) -> list[Candidates]:
+    """The same search for drafters that draft a whole block in one forward (P-EAGLE, DFlash): the children of
+    every node at depth d are depth d + 1's topk most likely tokens, whatever the path above, so a node's score is the
+    product of the per-depth marginals along its path. log_probs, tokens: [R, depth, topk] each request's topk
+    log-probabilities and target ids at each depth of its block. Needs no further forward."""
+    def expand(depth, nodes, found):
+        rows = torch.tensor([r for r, _ in nodes], device=log_probs.device)
+        return log_probs[rows, depth], tokens[rows, depth]
+
+    max_depths = [min(d, log_probs.shape[1]) for d in max_depths]
+    return grow((log_probs[:, 0], tokens[:, 0]), expand, topk, max_depths, log_thresholds)

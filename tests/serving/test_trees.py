@@ -40,6 +40,7 @@ single-threaded on tiny targets.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -48,7 +49,7 @@ import torch
 
 from serving.drafters.base import Drafter
 from serving.drafters.head import Confidence, top_log_probs
-from serving.drafters.tree_search import Candidates, grow
+from serving.drafters.tree_search import Candidates, grow, grow_from_marginals
 from serving.request import SamplingParams
 from serving.sampler import sample, target_probs
 from serving.spec_decode.config import SpeculativeConfig
@@ -923,3 +924,23 @@ def test_eagle_trees_for_more_requests_than_the_drafter_was_built_for(tiny_llama
     assert [o.token_ids for o in engine.generate(prompts, params)] == plain_outputs(tiny_llama, prompts, params)
     assert max(calls) == 2 and calls.count(2) > calls.count(1)  # six running requests, drafted two at a time
     assert_pool_idle(engine)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_trees_from_block_marginals_keep_the_most_probable_paths(seed):
+    """A block drafter's tree (the product of per-depth marginals along each path) keeps the num_nodes paths of highest
+    product among all of them, enumerated by brute force: exactly so where num_nodes <= topk (then the frontier of every
+    depth holds each kept node's parent)."""
+    generator = torch.Generator().manual_seed(seed)
+    depth, topk, num_nodes = 3, 5, 5
+    probs = torch.rand(1, depth, topk, generator=generator).sort(-1, descending=True).values
+    tokens = torch.randint(0, 100, (1, depth, topk), generator=generator)
+    tree = grow_from_marginals(probs.log(), tokens, topk, [depth], [-math.inf])[0].best(num_nodes)
+    paths = {}
+    for length in range(1, depth + 1):
+        for ranks in itertools.product(range(topk), repeat=length):
+            paths[tuple(tokens[0, d, r].item() for d, r in enumerate(ranks))] = math.prod(
+                probs[0, d, r].item() for d, r in enumerate(ranks))
+    best = sorted(paths.values(), reverse=True)[:num_nodes]
+    got = [paths[tuple(tree.tokens[n] for n in tree.path(i))] for i in range(len(tree))]
+    assert sorted(got, reverse=True) == pytest.approx(best)
