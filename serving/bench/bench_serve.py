@@ -437,6 +437,23 @@ def plot_latency(report: dict, path) -> None:
 # ---- servers started here --------------------------------------------------------------------------------
 
 
+def wait_healthy(url: str, process: subprocess.Popen, deadline: float, name: str, log_tail) -> None:
+    """Polls `url`/health until it answers 200. A server that exits first, or is still not healthy at `deadline`
+    (time.monotonic()), is an error naming it, with the end of its log (`log_tail()`)."""
+    import httpx
+
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode}:\n{log_tail()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{name} at {url} did not answer /health in time:\n{log_tail()}")
+
+
 class ServerProcess:
     """`draftheads serve` in a subprocess on 127.0.0.1 at a free port; its log is kept in `log`."""
 
@@ -459,20 +476,11 @@ class ServerProcess:
             raise RuntimeError("draftheads serve did not start:\n" + "".join(self.log[-30:]))
         self._reader = threading.Thread(target=lambda: self.log.extend(self.process.stderr), daemon=True)
         self._reader.start()
-        self._wait_healthy(deadline)
-
-    def _wait_healthy(self, deadline: float) -> None:
-        import httpx
-
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"draftheads serve at {self.url} never became healthy")
+        try:
+            wait_healthy(self.url, self.process, deadline, "draftheads serve", lambda: "".join(self.log[-30:]))
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.process.poll() is None:

