@@ -1,5 +1,7 @@
-"""What every draft-head LightningModule shares: the frozen target, the per-position validation metrics and the
-optimizer. Each head kind (medusa.py, eagle.py, eagle3.py, mtp.py) adds its model and loss.
+"""What every draft-head LightningModule shares: the frozen target, the per-position validation metrics, the token
+loss of a draft position (`loss`, losses.py: self.draft_loss) and the optimizer. Each head kind (medusa.py, eagle.py,
+eagle3.py, mtp.py) adds its model and its loss: which rows each draft position trains on, the target's distribution
+there, and the per-position weighting.
 
 The frozen target is the embedding, final norm and LM head read from the target's safetensors
 (heads.load_target_parts), and, only when the data module runs online, the whole target (serving.model.Model)
@@ -38,6 +40,7 @@ from serving.spec_decode.config import TAKES_TOKEN_MAP
 from training.data.store import HIDDEN_DTYPE
 from training.modules.calibration import Calibration
 from training.modules.chain_accuracy import ChainAccuracy, reached
+from training.modules.losses import DraftLoss
 from training.modules.schedule import SCHEDULES, lr_factor
 from training.modules.unroll import shift_left
 
@@ -48,11 +51,13 @@ FITTED = ("metadata", "confidence_temperatures")  # config fields a fit writes, 
 class DraftModule(LightningModule):
     kind: ClassVar[str] = ""
     hidden_layers: ClassVar[tuple[str, ...]] = ("last",)  # the store's hidden states this kind reads
+    default_loss: ClassVar[str] = "kl"  # the token loss when `loss` is null
 
     def __init__(self, target: str = targets.DEFAULT_TARGET, num_speculative_tokens: int = 4,
                  learning_rate: float = 1e-3, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 100,
                  schedule: str = "cosine", min_lr_ratio: float = 0.1, target_dtype: str = "float32",
-                 token_map: str | None = None, prompt_loss: bool = False, init_from: str | None = None):
+                 token_map: str | None = None, prompt_loss: bool = False, init_from: str | None = None,
+                 loss: str | dict[str, float] | None = None, lk_eta: float = 3.0):
         """Settings every head kind shares.
 
         Args:
@@ -72,6 +77,11 @@ class DraftModule(LightningModule):
                 before it (loss_labels): more positions from the same store, worth it for EAGLE and MTP heads.
             init_from: A head folder (runs/<kind>/heads/best, or `draftheads import`'s) whose weights the fit starts
                 from; it must be of this kind, for this target, with these settings' shapes (and token map).
+            loss: The token loss of every draft position (losses.py): ce (cross-entropy against the label), kl (to
+                the target's distribution), tv (total variation, 1 - the acceptance rate), lk_hybrid (KL and TV
+                blended by the acceptance rate), or a mix such as {kl: 0.5, tv: 0.5}. null: the kind's default
+                (Medusa and MTP ce, EAGLE-1 and EAGLE-3 kl).
+            lk_eta: eta of lk_hybrid's weight lambda = exp(-eta * acceptance rate) on KL (the paper's 3).
         """
         super().__init__()
         if schedule not in SCHEDULES:
@@ -81,6 +91,7 @@ class DraftModule(LightningModule):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
         self.save_hyperparameters()
+        self.draft_loss = DraftLoss.parse(self.default_loss if loss is None else loss, lk_eta)
         self.target_folder = targets.resolve(target)
         self.target_fingerprint = targets.fingerprint(self.target_folder)
         parts = load_target_parts(self.target_folder, DTYPES[target_dtype], fingerprint=self.target_fingerprint)
@@ -332,7 +343,3 @@ def config_differences(ours: dict, theirs: dict, label: str) -> list[str]:
     return [f"{key}: {label} {theirs.get(key)!r}, config {ours.get(key)!r}" for key in sorted(ours.keys() | theirs.keys())
             if key not in FITTED and ours.get(key) != theirs.get(key)]
 
-
-def kl_divergence(target_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-    """KL(target || model) per row: [N, vocab] log-probabilities each -> [N]."""
-    return (target_logprobs.exp() * (target_logprobs - logprobs)).sum(-1)

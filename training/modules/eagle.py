@@ -6,6 +6,8 @@ regresses the next feature h_{t+1} (heads/eagle.py). The loss is EAGLE's:
     feature_weight * SmoothL1(out_t, h_{t+1})                    (mean over the hidden size; EAGLE's v_w = 1.0)
   + token_weight * KL(softmax(lm_head(h_{t+1})) || softmax(lm_head(out_t)))   (EAGLE's p_w = 0.1)
 
+(the token term is `loss`, losses.py: KL by default, or CE against x_{t+2}, TV, the LK hybrid or a mix)
+
 averaged over the anchors whose label x_{t+2} is an answer token (with prompt_loss, any token but the first:
 base.loss_labels). With `num_unroll_steps` > 1 the layer is also trained as it drafts after its first draft
 (training-time test, as EAGLE-3 and HASS do): unrolled over its own outputs with the engine's attention
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from heads import Eagle
-from training.modules.base import DraftModule, kl_divergence
+from training.modules.base import DraftModule
 from training.modules.unroll import shift_left, unroll
 
 
@@ -67,10 +69,14 @@ class EagleModule(DraftModule):
         num = max(1, predicted.shape[0])
         feature = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1).sum() / num
         logits = self.head.logits(predicted).float()  # [N, vocab]
-        with torch.no_grad():
-            target_logprobs = self.target_parts.lm_head(target).float().log_softmax(-1)
-        token = kl_divergence(target_logprobs, logits.log_softmax(-1)).sum() / num
-        accuracy = (self.target_ids(logits.argmax(-1)) == shift_left(labels, s + 2)[valid]).sum() / num
+        target_logprobs = None
+        if self.draft_loss.needs_target:
+            with torch.no_grad():
+                target_logprobs = self.target_parts.lm_head(target).float().log_softmax(-1)
+        label = shift_left(labels, s + 2)[valid]
+        rows, in_map = self.draft_labels(label, torch.ones_like(label, dtype=torch.bool))
+        token = self.draft_loss(logits, target_logprobs, rows.masked_fill(~in_map, -1)).sum() / num
+        accuracy = (self.target_ids(logits.argmax(-1)) == label).sum() / num
         p = self.hparams
         return {"loss": p.feature_weight * feature + p.token_weight * token, "feature_loss": feature,
                 "token_loss": token, "acc": accuracy}

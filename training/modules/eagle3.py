@@ -4,10 +4,11 @@
 over its own outputs exactly as the engine drafts (unroll.py): step s reads (x_{t+s+1}, out^{s-1}_t) at position
 t+s, attends to step 0's K/V at positions <= t and to its own unrolled K/V at t+1..t+s, and predicts x_{t+s+2}.
 
-Step s's loss is the soft cross-entropy against the target's distribution of x_{t+s+2}, softmax(lm_head(h_{t+s+1}))
-renormalised over the draft vocabulary (the same as a softmax over the draft vocabulary's logits), weighted by
-decay^s (0.8 in EAGLE-3 and SpecForge), less that distribution's entropy: KL(target || draft), the same gradient
-and zero at a perfect fit. Anchors whose label x_{t+s+2} is no answer token, or lies outside the draft vocabulary,
+Step s's loss is the token loss (losses.py), weighted by decay^s (0.8 in EAGLE-3 and SpecForge). By default it is
+the soft cross-entropy against the target's distribution of x_{t+s+2}, softmax(lm_head(h_{t+s+1})) renormalised over
+the draft vocabulary (the same as a softmax over the draft vocabulary's logits), less that distribution's entropy:
+KL(target || draft), the same gradient and zero at a perfect fit; `loss` picks CE against x_{t+s+2}, TV, the LK
+hybrid or a mix instead. Anchors whose label x_{t+s+2} is no answer token, or lies outside the draft vocabulary,
 are left out of the loss (the draft cannot be right there; SpecForge masks on the target's argmax, which for a
 greedy store is that same token). With prompt_loss, prompt tokens are labels too, as the target's greedy token
 among the draft vocabulary (base.loss_labels). The draft vocabulary is the store's `draft_vocab_size` most frequent
@@ -21,7 +22,7 @@ import torch
 
 from heads import Eagle3
 from training.data.vocab import draft_vocab
-from training.modules.base import DraftModule, kl_divergence
+from training.modules.base import DraftModule
 from training.modules.unroll import shift_left, unroll
 
 
@@ -73,15 +74,18 @@ class Eagle3Module(DraftModule):
     def _loss(self, labels: torch.Tensor, has_label: torch.Tensor, last: torch.Tensor,
               outs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
         draft_rows = self.draft_rows()
+        draft_index = self.head.t2d.cumsum(0) - 1  # target id -> draft id (where t2d holds)
         loss, terms = 0.0, {}
         for s, out in enumerate(outs):
             label = shift_left(labels, s + 2)  # [B, S]
             valid = shift_left(has_label, s + 2) & self.head.t2d[label]
             num = max(1, int(valid.sum()))
             logits = self.head.logits(out[valid]).float()  # [N, draft_vocab]
-            with torch.no_grad():
-                target_logprobs = (shift_left(last, s + 1)[valid] @ draft_rows.to(last.dtype).T).float().log_softmax(-1)
-            step_loss = kl_divergence(target_logprobs, logits.log_softmax(-1)).sum() / num
+            target_logprobs = None
+            if self.draft_loss.needs_target:
+                with torch.no_grad():
+                    target_logprobs = (shift_left(last, s + 1)[valid] @ draft_rows.to(last.dtype).T).float().log_softmax(-1)
+            step_loss = self.draft_loss(logits, target_logprobs, draft_index[label[valid]]).sum() / num
             loss = loss + self.hparams.decay ** s * step_loss
             terms[f"loss_{s + 1}"] = step_loss
             terms[f"acc_{s + 1}"] = (self.head.to_target_ids(logits.argmax(-1)) == label[valid]).sum() / num

@@ -1,7 +1,8 @@
 """Training Medusa heads (Cai et al. 2024, Medusa-1: heads on a frozen target).
 
 Head i (0-based) reads h_t, the target's final hidden state after the final norm, and predicts x_{t+2+i}
-(heads/medusa.py). The loss is the cross-entropy of head i against the target's own token x_{t+2+i}, averaged over
+(heads/medusa.py). Head i's loss is the token loss (losses.py; Medusa's cross-entropy against the target's own token
+x_{t+2+i} by default, or a loss against the target's distribution of it, softmax(lm_head(h_{t+1+i}))), averaged over
 the anchors whose label is an answer token (with prompt_loss, also the target's greedy token at a prompt token:
 base.loss_labels), weighted by decay^i (Medusa's 0.8 by default) and summed over heads.
 Heads are independent of one another, so the simulated chain reads every head at the same anchor: draft i+1 is
@@ -10,7 +11,6 @@ head i's argmax at t.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from heads import Medusa
 from training.modules.base import DraftModule
@@ -19,6 +19,7 @@ from training.modules.unroll import shift_left
 
 class MedusaModule(DraftModule):
     kind = "medusa"
+    default_loss = "ce"
 
     def __init__(self, num_heads: int = 4, num_layers: int = 1, own_lm_head: bool = False, decay: float = 0.8,
                  **kwargs):
@@ -47,17 +48,26 @@ class MedusaModule(DraftModule):
         logits = self.head(hidden["last"][anchors])  # [K, N, vocab]
         return logits, labels[:, anchors], valid[:, anchors], anchors
 
-    def _loss(self, logits, labels, valid) -> tuple[torch.Tensor, torch.Tensor]:
-        num_heads = logits.shape[0]
-        labels, valid = self.draft_labels(labels, valid)
-        ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(num_heads, -1)
-        per_head = (ce * valid).sum(-1) / valid.sum(-1).clamp(min=1)  # [K]
-        weights = self.hparams.decay ** torch.arange(num_heads, device=per_head.device)
+    def _loss(self, logits, labels, valid, last, anchors) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per head i, the token loss at the anchors whose label is valid; the target's distribution of x_{t+2+i} is
+        lm_head(h_{t+1+i})."""
+        rows, valid = self.draft_labels(labels, valid)
+        per_head = []
+        for i in range(logits.shape[0]):
+            target_logprobs = None
+            if self.draft_loss.needs_target:
+                with torch.no_grad():
+                    before = shift_left(last, 1 + i)[anchors][valid[i]]
+                    target_logprobs = self.target_parts.lm_head(before).float().log_softmax(-1)
+            row_loss = self.draft_loss(logits[i][valid[i]], target_logprobs, rows[i][valid[i]])
+            per_head.append(row_loss.sum() / valid[i].sum().clamp(min=1))
+        per_head = torch.stack(per_head)  # [K]
+        weights = self.hparams.decay ** torch.arange(len(per_head), device=per_head.device)
         return (weights * per_head).sum(), per_head
 
     def training_loss(self, batch, hidden):
-        logits, labels, valid, _ = self._heads(*self.loss_labels(batch, hidden["last"]), hidden)
-        loss, per_head = self._loss(logits, labels, valid)
+        logits, labels, valid, anchors = self._heads(*self.loss_labels(batch, hidden["last"]), hidden)
+        loss, per_head = self._loss(logits, labels, valid, hidden["last"], anchors)
         right = (self.target_ids(logits.argmax(-1)) == labels) & valid
         accuracy = right.sum(-1) / valid.sum(-1).clamp(min=1)
         terms = {f"loss_{i + 1}": value for i, value in enumerate(per_head)}
@@ -66,7 +76,7 @@ class MedusaModule(DraftModule):
 
     def validation_outputs(self, batch, hidden):
         logits, labels, valid, anchors = self._heads(batch["input_ids"], batch["loss_mask"], hidden)
-        loss, _ = self._loss(logits, labels, valid)
+        loss, _ = self._loss(logits, labels, valid, hidden["last"], anchors)
         k = self.hparams.num_speculative_tokens
         correct = torch.zeros(*anchors.shape, k, dtype=torch.bool, device=anchors.device)  # [B, S, k]
         is_valid = torch.zeros_like(correct)

@@ -2,8 +2,9 @@
 
 Module j reads h^j_t (h^0 the target's final hidden state after the final norm, h^{j+1} module j's output) and
 x_{t+j+1} at position t, and predicts x_{t+j+2} (heads/mtp.py); each module attends causally over its own K/V.
-The loss is the cross-entropy of every prediction against the target's own token, over anchors whose label is an
-answer token (with prompt_loss, also the target's greedy token at a prompt token: base.loss_labels), weighted per
+The loss is the token loss of every prediction (losses.py; by default the cross-entropy against the target's own
+token, or a loss against the target's distribution of it, softmax(lm_head(h_{t+i+1})) for x_{t+i+2}), over anchors
+whose label is an answer token (with prompt_loss, also the target's greedy token at a prompt token: base.loss_labels), weighted per
 predicted offset: loss_weights[i] weights the predictions of x_{t+i+2}.
 
 The engine serves MTP heads with serve_mode "chain" (module j drafts token j + 1) or "reuse_first" (module 0
@@ -18,7 +19,6 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from heads import Mtp
 from heads.attention import DenseCausalAttention
@@ -28,6 +28,7 @@ from training.modules.unroll import shift_left, unroll
 
 class MtpModule(DraftModule):
     kind = "mtp"
+    default_loss = "ce"
 
     def __init__(self, depth: int = 1, serve_mode: str = "reuse_first", num_unroll_steps: int = 2,
                  loss_weights: tuple[float, ...] = (1.0, 0.8, 0.64, 0.512),
@@ -70,7 +71,8 @@ class MtpModule(DraftModule):
             predictions.append((j, j, features))
         return predictions
 
-    def _loss(self, labels: torch.Tensor, has_label: torch.Tensor, predictions) -> tuple[torch.Tensor, dict]:
+    def _loss(self, labels: torch.Tensor, has_label: torch.Tensor, last: torch.Tensor,
+              predictions) -> tuple[torch.Tensor, dict]:
         loss, terms = 0.0, {}
         for offset, module, out in predictions:
             label = shift_left(labels, offset + 2)  # [B, S]
@@ -78,7 +80,11 @@ class MtpModule(DraftModule):
             num = max(1, int(valid.sum()))
             logits = self.head.logits(module, out[valid]).float()  # [N, vocab]
             rows, in_map = self.draft_labels(label[valid], torch.ones_like(label[valid], dtype=torch.bool))
-            prediction_loss = (F.cross_entropy(logits, rows, reduction="none") * in_map).sum() / num
+            target_logprobs = None
+            if self.draft_loss.needs_target:
+                with torch.no_grad():
+                    target_logprobs = self.target_parts.lm_head(shift_left(last, offset + 1)[valid]).float().log_softmax(-1)
+            prediction_loss = (self.draft_loss(logits, target_logprobs, rows) * in_map).sum() / num
             loss = loss + self.hparams.loss_weights[offset] * prediction_loss
             name = f"module{module + 1}_draft{offset + 1}"
             terms[f"loss_{name}"] = prediction_loss
@@ -87,14 +93,14 @@ class MtpModule(DraftModule):
 
     def training_loss(self, batch, hidden):
         predictions = self._predictions(batch, hidden, self.hparams.num_unroll_steps, self.head.config.depth)
-        return self._loss(*self.loss_labels(batch, hidden["last"]), predictions)
+        return self._loss(*self.loss_labels(batch, hidden["last"]), hidden["last"], predictions)
 
     def validation_outputs(self, batch, hidden):
         k, num_unroll_steps, depth = self.hparams.num_speculative_tokens, self.hparams.num_unroll_steps, self.head.config.depth
         is_reuse = self.head.config.serve_mode == "reuse_first"
         predictions = self._predictions(batch, hidden, max(k, num_unroll_steps) if is_reuse else num_unroll_steps, depth)
         trained = [(i, j, out) for i, j, out in predictions if j > 0 or i < num_unroll_steps]
-        loss, _ = self._loss(batch["input_ids"], batch["loss_mask"], trained)
+        loss, _ = self._loss(batch["input_ids"], batch["loss_mask"], hidden["last"], trained)
         served = [(j, out) for i, j, out in predictions if (j == 0 if is_reuse else j == i)][:k]
         modules = [j for j, _ in served]
         correct, valid, logits = self.chain_outcomes(batch, [out for _, out in served],
