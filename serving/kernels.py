@@ -129,7 +129,8 @@ class PackedLinear(_KernelModule):
     stored transposed, [in, out] (at a few rows torch's x @ W^T runs faster from that layout).
 
     weight_dtype=torch.bfloat16 stores the weights rounded to bfloat16 (half the bytes to stream per step) and
-    still computes in float32; for drafters, whose precision moves acceptance but never the output."""
+    still computes in float32, each output still one in-order sum: for drafters, whose precision moves acceptance but
+    never the output, and for the target with EngineConfig.weights = bfloat16."""
 
     def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype = torch.float32):
         super().__init__()
