@@ -1,16 +1,19 @@
 """Where a plain decode step's time goes, at each concurrency asked for and for each way of storing the target's
-weights, side by side in one run: engines with float32 and bfloat16 weights take turns, a round of timed steps each.
+weights, side by side in one run: engines with float32 and bfloat16 weights take turns, a round of timed steps each;
+with --modules, also each with the target's layers run module by module (the DecoderLayers that KernelLayer wraps:
+the engine before serving.kernels.KernelLayer).
 
 A step splits into the scheduler, building the batch and its attention metadata (the model runner), the target's
 forward, the argmax of its logits rows, emitting tokens (sampling, stop checks) and the rest of the engine's step
 (prefix-cache bookkeeping, the step's outputs). The forward splits into the linear layers (serving/kernels.c's
-packed GEMMs), the LM head, paged attention (writing the step's K/V and attending), the RMSNorms, and everything
-between them: embedding, rope, SiLU times up, residual adds, views and the layer loop itself. Each part is timed by
+packed GEMMs; with KernelLayers, their two calls per layer, which also norm, rotate and apply SiLU), the LM head,
+paged attention (writing the step's K/V and attending), the RMSNorms, and everything between them: embedding, rope,
+SiLU times up, residual adds, views and the layer loop itself. Each part is timed by
 a wrapper around its Python call (~0.3 us each, ~200 calls a step); the uninstrumented step is timed in the same
 rounds. The floor of a part is the bytes it must read (weights; K/V for attention) over the measured copy bandwidth.
 
     python benchmarks/step_breakdown.py [--target smollm2-135m-instruct] [--concurrency 1 16] [--weights float32 bfloat16]
-        [--context 256] [--steps 16] [--rounds 4]
+        [--modules] [--context 256] [--steps 16] [--rounds 4]
 """
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ from serving import attention, model_runner
 from serving.bench.offline import bandwidth_floor
 from serving.config import EngineConfig
 from serving.engine import Engine
-from serving.kernels import FusedRMSNorm, PackedLinear
+from torch import nn
+
+from serving.kernels import FusedRMSNorm, KernelLayer, PackedLinear
 from serving.request import SamplingParams
 from serving.targets import DEFAULT_TARGET
 
@@ -38,10 +43,18 @@ REMAINDER = {"forward": "between kernels", "step": "rest of step"}
 
 
 class Clock:
-    """Seconds per part, summed over the timed steps."""
+    """Seconds per part of the step being timed (`totals`), and of each step timed so far (`steps`)."""
 
     def __init__(self):
         self.totals = defaultdict(float)
+        self.steps: list[dict] = []
+
+    def part(self, name: str) -> float:
+        """The median over the timed steps of a part's seconds (a remainder: its outer part less the inner ones)."""
+        for outer, rest in REMAINDER.items():
+            if rest == name:
+                return statistics.median(s[outer] - sum(s[p] for p in INNER[outer]) for s in self.steps)
+        return statistics.median(s[name] for s in self.steps)
 
     def timed(self, label, fn):
         def call(*args, **kwargs):
@@ -77,6 +90,9 @@ def instrumented(engine: Engine, clock: Clock):
                 stack.enter_context(patched(module, "forward", clock.timed(label, module.forward)))
             elif isinstance(module, FusedRMSNorm):
                 stack.enter_context(patched(module, "forward", clock.timed("norms", module.forward)))
+            elif isinstance(module, KernelLayer):
+                for name in ("pre", "post"):
+                    stack.enter_context(patched(module, name, clock.timed("linear layers", getattr(module, name))))
         stack.enter_context(patched(attention.PagedAttention, "__call__",
                                     clock.timed("attention", attention.PagedAttention.__call__)))
         stack.enter_context(patched(model, "forward", clock.timed("forward", model.forward)))
@@ -104,8 +120,9 @@ def timed_steps(engine: Engine, steps: int, clock: Clock | None) -> list[float]:
             start = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - start)
-    if clock:
-        clock.totals["step"] += sum(times)
+            if clock:
+                clock.steps.append({**clock.totals, "step": times[-1]})
+                clock.totals.clear()
     return times
 
 
@@ -120,6 +137,7 @@ def main() -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--weights", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--modules", action="store_true", help="also each with its layers run module by module")
     parser.add_argument("--context", type=int, default=256, help="prompt tokens of each request")
     parser.add_argument("--steps", type=int, default=16, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=4, help="rounds; each engine runs steps plain and instrumented")
@@ -128,8 +146,14 @@ def main() -> None:
     torch.set_num_threads(args.num_threads)
     for concurrency in args.concurrency:
         max_tokens = 2 * args.rounds * args.steps + 8
-        engines = {w: Engine(EngineConfig(args.target, weights=w, device="cpu", max_num_seqs=concurrency,
-                                          enable_prefix_caching=False)) for w in args.weights}
+        engines = {}
+        for w in args.weights:
+            for modules in (False, True) if args.modules else (False,):
+                engine = Engine(EngineConfig(args.target, weights=w, device="cpu", max_num_seqs=concurrency,
+                                             enable_prefix_caching=False))
+                if modules:
+                    engine.model.layers = nn.ModuleList(layer.reference for layer in engine.model.layers)
+                engines[f"{w} modules" if modules else w] = engine
         for engine in engines.values():
             start_decoding(engine, concurrency, args.context, max_tokens)
             timed_steps(engine, 2, None)  # warm up
@@ -143,7 +167,7 @@ def main() -> None:
                 timed_steps(engine, args.steps, clocks[w])
         num_steps = args.rounds * args.steps
         print(f"\nconcurrency {concurrency}, context {args.context}+, {args.target}, {torch.get_num_threads()} threads, "
-              f"{num_steps} steps per engine")
+              f"{num_steps} steps per engine; medians over steps")
         floors = {}
         for w, engine in engines.items():
             floor = bandwidth_floor(engine, {"tokens_per_s": 0})
@@ -160,11 +184,9 @@ def main() -> None:
         for part in PARTS:
             cells = []
             for w in engines:
-                totals = clocks[w].totals
-                ms = totals[part] if part not in REMAINDER.values() else next(
-                    totals[outer] - sum(totals[p] for p in INNER[outer]) for outer, rest in REMAINDER.items() if rest == part)
+                ms = clocks[w].part(part) * 1e3
                 floor = floors[w].get(part)
-                cells.append(f"{ms / num_steps * 1e3:.2f} | {floor:.2f}" if floor is not None else f"{ms / num_steps * 1e3:.2f} | ")
+                cells.append(f"{ms:.2f} | {floor:.2f}" if floor is not None else f"{ms:.2f} | ")
             print(f"| {part} | " + " | ".join(cells) + " |")
         print("| step, uninstrumented (median) | " + " | ".join(
             f"{statistics.median(plain[w]) * 1e3:.2f} | {floors[w]['step']:.2f}" for w in engines) + " |")

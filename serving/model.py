@@ -12,7 +12,7 @@ from torch import nn
 from heads.hf_folder import read_config, read_tensors
 from heads.layer import DecoderLayer, LayerConfig, RMSNorm
 from heads.rope import Rope, rope_settings
-from serving.kernels import FusedRMSNorm, PackedLinear, for_inference
+from serving.kernels import FusedRMSNorm, PackedLinear, for_inference, kernel_layers
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -116,7 +116,7 @@ class Model(nn.Module):
             model = cls(ModelConfig.from_folder(folder))
         model.load_safetensors(folder)
         model.to(dtype=dtype).eval().requires_grad_(False)  # the rope tables stay float32
-        for_inference(model.layers, weights)
+        model.layers = kernel_layers(for_inference(model.layers, weights), model.config.layer)
         model.norm = FusedRMSNorm(model.norm)
         model.logits_head = PackedLinear(model.lm_head, weights)  # a packed copy for forward; the embedding stays as it is
         return model

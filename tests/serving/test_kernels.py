@@ -45,8 +45,8 @@ def test_packed_linear_matches_f_linear(rows, in_features, out_features, bias):
     torch.testing.assert_close(kernels.PackedLinear(layer)(x), F.linear(x, layer.weight, layer.bias))
 
 
-@pytest.mark.parametrize("rows", [1, 5, 7, 13])
-@pytest.mark.parametrize("in_features,out_features", [(7, 23), (64, 25), (576, 100)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 12, 13, 25])
+@pytest.mark.parametrize("in_features,out_features", [(1, 1), (7, 23), (64, 25), (37, 100), (576, 100)])
 @pytest.mark.parametrize("kernels_run", [True, False])
 def test_bfloat16_weights_compute_in_float32_over_the_rounded_weights(rows, in_features, out_features, kernels_run,
                                                                        monkeypatch):
@@ -93,9 +93,11 @@ def test_packed_linear_takes_any_leading_shape_and_strides():
     assert packed(torch.randn(0, 48)).shape == (0, 30)
 
 
-def test_packed_linear_rows_do_not_depend_on_the_batch():
-    """A verify step's logits equal, bit for bit, what one-row decode steps compute (gemm.c sums in order)."""
-    packed = kernels.PackedLinear(linear(576, 100, False))
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_rows_do_not_depend_on_the_batch(weight_dtype):
+    """A verify step's logits equal, bit for bit, what one-row decode steps compute (kernels.c sums in order),
+    with weights stored in either dtype."""
+    packed = kernels.PackedLinear(linear(576, 100, False), weight_dtype)
     if packed.lib is None:
         pytest.skip("the kernels do not run here")
     x = torch.randn(25, 576)
