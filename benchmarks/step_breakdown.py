@@ -150,6 +150,7 @@ def main() -> None:
         for w in args.weights:
             for modules in (False, True) if args.modules else (False,):
                 engine = Engine(EngineConfig(args.target, weights=w, device="cpu", max_num_seqs=concurrency,
+                                             num_blocks=concurrency * -(-(args.context + max_tokens) // 16) + 1,
                                              enable_prefix_caching=False))
                 if modules:
                     engine.model.layers = nn.ModuleList(layer.reference for layer in engine.model.layers)
