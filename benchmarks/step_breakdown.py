@@ -151,6 +151,7 @@ def main() -> None:
             for modules in (False, True) if args.modules else (False,):
                 engine = Engine(EngineConfig(args.target, weights=w, device="cpu", max_num_seqs=concurrency,
                                              num_blocks=concurrency * -(-(args.context + max_tokens) // 16) + 1,
+                                             max_model_len=args.context + max_tokens,
                                              enable_prefix_caching=False))
                 if modules:
                     engine.model.layers = nn.ModuleList(layer.reference for layer in engine.model.layers)
