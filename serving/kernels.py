@@ -1,5 +1,5 @@
-"""The float32 CPU kernels of serving/kernels.c, and the inference versions of the decoder's linear layers and
-norms that call them (serving/attention.py calls `paged_attention`).
+"""The float32 CPU kernels of serving/kernels.c, and the inference versions of the decoder's linear layers, norms
+and whole target layers (`KernelLayer`) that call them (serving/attention.py calls `paged_attention`).
 
 At the 1-16 rows of a decode or verify step, the BLAS that ships with torch runs far from this CPU's memory
 bandwidth, its time per step grows with every row added, and each small operator costs more in dispatch
