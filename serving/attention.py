@@ -172,7 +172,7 @@ class PagedMetadata:
         batched = None
         if short:
             key_slots = slots if len(short) == len(query_lens) else slots[short_seqs]
-            batched = _Batched(short, key_slots[:, :max(c for _, _, c, _ in short)].contiguous(), device)
+            batched = _Batched(short, key_slots[:, :max(c for _, _, c, _ in short)], device)
         return cls(torch.tensor(slot_mapping, dtype=torch.long, device="cpu").to(device), singles, batched)
 
 
