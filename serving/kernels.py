@@ -228,14 +228,14 @@ class Scratch:
         self.config = c
         self.sizes = {"normed": c.hidden_size, "qkv": (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
                       "gate_up": 2 * c.intermediate_size, "act": c.intermediate_size}
-        self.buffers = {name: torch.empty(0, size) for name, size in self.sizes.items()}
+        self.buffers = {name: torch.empty(0, size, device="cpu") for name, size in self.sizes.items()}
         self.views: dict[int, tuple] = {}
 
     def take(self, rows: int) -> tuple:
         """(normed, qkv, q, k, v, gate_up, act) for `rows` rows; q, k, v: [rows, heads, head_dim] views of qkv."""
         if rows not in self.views:
             if rows > len(self.buffers["normed"]):
-                self.buffers = {name: torch.empty(max(rows, 2 * len(b)), self.sizes[name])
+                self.buffers = {name: torch.empty(max(rows, 2 * len(b)), self.sizes[name], device="cpu")
                                 for name, b in self.buffers.items()}
                 self.views.clear()
             c = self.config
