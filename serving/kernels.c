@@ -87,15 +87,57 @@ static inline __attribute__((always_inline)) void panel(const float *x, long m, 
     }
 }
 
-/* y = add + x @ W (+ bias); add may be y itself (in place) or NULL, and has y's row stride. */
+/* One row over panels q and q + 1 (both full): four running sums where a one-row tile has two. A tile's sums are
+ * chains of dependent multiply-adds, one every few cycles each, and two of them stream bfloat16 weights slower
+ * than memory delivers them; four keep up. Each output is still the one in-order sum `tile` computes. */
+static inline __attribute__((always_inline)) void row_pair(const float *x, const void *w, int bf16, long k, long n,
+                                                           const float *bias, const float *add, float *y, long q) {
+    long panel_bytes = k * NR * (bf16 ? 2 : 4);
+    const void *w0 = (const char *)w + q * panel_bytes, *w1 = (const char *)w0 + panel_bytes;
+    __m256 acc[2 * NV];
+    _Pragma("GCC unroll 4") for (int j = 0; j < 2 * NV; j++) acc[j] = _mm256_setzero_ps();
+    for (long p = 0; p < k; p++) {
+        __m256 xi = _mm256_broadcast_ss(x + p);
+        _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) {
+            acc[j] = _mm256_fmadd_ps(xi, load_w(w0, bf16, p, j), acc[j]);
+            acc[NV + j] = _mm256_fmadd_ps(xi, load_w(w1, bf16, p, j), acc[NV + j]);
+        }
+    }
+    float out[2 * NR];
+    _Pragma("GCC unroll 4") for (int j = 0; j < 2 * NV; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
+    int cols = n - q * NR < 2 * NR ? (int)(n - q * NR) : 2 * NR;
+    for (int j = 0; j < cols; j++) {
+        long c = q * NR + j;
+        float v = bias ? out[j] + bias[c] : out[j];
+        y[c] = add ? add[c] + v : v;
+    }
+}
+
+/* y = add + x @ W (+ bias); add may be y itself (in place) or NULL, and has y's row stride. One row (a decode step
+ * at concurrency 1) goes two panels at a time (row_pair). */
 static void gemm(const float *x, long m, long ldx, const void *w, int bf16, long k, long n, const float *bias,
                  const float *add, float *y, long ldy) {
-    if (bf16) {
+    long panels = (n + NR - 1) / NR;
+    if (m == 1) {
+        if (bf16) {
+            #pragma omp parallel for schedule(static)
+            for (long q = 0; q < panels; q += 2) {
+                if (q + 1 < panels) row_pair(x, w, 1, k, n, bias, add, y, q);
+                else panel(x, 1, ldx, w, 1, k, n, bias, add, y, ldy, q);
+            }
+        } else {
+            #pragma omp parallel for schedule(static)
+            for (long q = 0; q < panels; q += 2) {
+                if (q + 1 < panels) row_pair(x, w, 0, k, n, bias, add, y, q);
+                else panel(x, 1, ldx, w, 0, k, n, bias, add, y, ldy, q);
+            }
+        }
+    } else if (bf16) {
         #pragma omp parallel for schedule(static)
-        for (long q = 0; q < (n + NR - 1) / NR; q++) panel(x, m, ldx, w, 1, k, n, bias, add, y, ldy, q);
+        for (long q = 0; q < panels; q++) panel(x, m, ldx, w, 1, k, n, bias, add, y, ldy, q);
     } else {
         #pragma omp parallel for schedule(static)
-        for (long q = 0; q < (n + NR - 1) / NR; q++) panel(x, m, ldx, w, 0, k, n, bias, add, y, ldy, q);
+        for (long q = 0; q < panels; q++) panel(x, m, ldx, w, 0, k, n, bias, add, y, ldy, q);
     }
 }
 
