@@ -57,43 +57,37 @@ class _Batched:
     indices, its own key list and mask, built the first time it asks (per-step metadata costs more than a draft
     layer's arithmetic)."""
 
-    def __init__(self, short, device):
-        # short: (first row, query rows, context length, slots [context], paths: a slot list per tree row)
+    def __init__(self, short, key_slots, device):
+        # short: (first row, query rows, context length, paths: a slot list per tree row); key_slots: [B, Cmax] on the
+        # host, each sequence's context's slots in position order first (then anything: nothing reads past them)
         self.short, self.device = short, device
-        self.max_q = max(q + len(paths) for _, q, _, _, paths in short)
-        self.max_c = max(c for _, _, c, _, _ in short)
-        if len(short) == 1:
-            key_slots = short[0][3]
-        else:
-            key_slots = torch.zeros(len(short), self.max_c, dtype=torch.long, device="cpu")
-            for i, (_, _, _, slots, _) in enumerate(short):
-                key_slots[i, :len(slots)] = slots
+        self.max_q = max(q + len(paths) for _, q, _, paths in short)
+        self.max_c = key_slots.shape[1]
+        self.host_slots = key_slots
         self.key_slots = key_slots.flatten().to(device)  # [B * Cmax], for index_select
         all_paths = [path for *_, paths in short for path in paths]
         self.path_stride = 1 + max(map(len, all_paths), default=0)
-        table = torch.zeros(max(len(all_paths), 1), self.path_stride, dtype=torch.long, device="cpu")
-        for n, path in enumerate(all_paths):
-            table[n, 0] = len(path)
-            table[n, 1:1 + len(path)] = torch.tensor(path, dtype=torch.long, device="cpu")
-        self.paths = table.to(device)  # [tree rows, 1 + longest path]: each row's path length, then its slots
+        rows = [[len(path), *path] + [0] * (self.path_stride - 1 - len(path)) for path in all_paths]
+        # [tree rows, 1 + longest path]: each row's path length, then its slots
+        self.paths = torch.tensor(rows or [[0] * self.path_stride], dtype=torch.long, device="cpu").to(device)
         first_paths = [0]
         for *_, paths in short:
             first_paths.append(first_paths[-1] + len(paths))
         # [B, 5] (first row in the flat batch, query rows, context length, tree rows, first tree row in `paths`)
         self.seqs = torch.tensor([(start, q, c, len(paths), first_paths[i])
-                                  for i, (start, q, c, _, paths) in enumerate(short)], device=device)
+                                  for i, (start, q, c, paths) in enumerate(short)], device=device)
 
     @functools.cached_property
     def query_index(self) -> torch.Tensor:
         """[B, Qmax] rows of the flat batch (padding repeats a valid row)."""
         index = torch.tensor([list(range(start, start + q + len(paths))) + [start] * (self.max_q - q - len(paths))
-                              for start, q, _, _, paths in self.short], device="cpu")
+                              for start, q, _, paths in self.short], device="cpu")
         return index.to(self.device)
 
     @functools.cached_property
     def valid(self) -> torch.Tensor:
         """[B * Qmax] bool: which padded rows are real."""
-        num_rows = torch.tensor([[q + len(paths)] for _, q, _, _, paths in self.short], device="cpu")
+        num_rows = torch.tensor([[q + len(paths)] for _, q, _, paths in self.short], device="cpu")
         return (torch.arange(self.max_q, device="cpu")[None] < num_rows).flatten().to(self.device)
 
     @functools.cached_property
@@ -106,11 +100,11 @@ class _Batched:
         """torch's path: ([B * K] key slots, each sequence's context then the slots its tree rows add, padded;
         [B, Qmax, K] mask, or None when every row may see every key)."""
         tails = [list(dict.fromkeys(slot for path in paths for slot in path)) for *_, paths in self.short]
-        num_keys = max(c + len(tail) for (_, _, c, _, _), tail in zip(self.short, tails))
+        num_keys = max(c + len(tail) for (_, _, c, _), tail in zip(self.short, tails))
         keys = torch.zeros(len(self.short), num_keys, dtype=torch.long, device="cpu")
         mask = torch.zeros(len(self.short), self.max_q, num_keys, dtype=torch.bool, device="cpu")
-        for i, ((_, q, c, slots, paths), tail) in enumerate(zip(self.short, tails)):
-            keys[i, :c] = slots
+        for i, ((_, q, c, paths), tail) in enumerate(zip(self.short, tails)):
+            keys[i, :c] = self.host_slots[i, :c]
             keys[i, c:c + len(tail)] = torch.tensor(tail, dtype=torch.long, device="cpu")
             mask[i, :q] = torch.arange(num_keys, device="cpu")[None] <= torch.arange(c - q, c, device="cpu")[:, None]
             where = {slot: c + n for n, slot in enumerate(tail)}
@@ -147,31 +141,39 @@ class PagedMetadata:
         after this step (its last query row is key context - 1). tree_paths[i], when given, has one list per
         further row of sequence i (a draft tree's nodes): the pool slots of the keys that row sees after the
         context, in position order, its own last (where its K/V is written)."""
-        slot_parts, singles, short = [], [], []
+        num_blocks = [-(-context_len // block_size) for context_len in context_lens]
+        for table, needed, context_len in zip(block_tables, num_blocks, context_lens):
+            if len(table) < needed:
+                raise ValueError(f"a block table of {len(table)} blocks cannot hold {context_len} tokens of {block_size}")
+        # every sequence's slots in position order, from one table of them all (metadata is built on the host, then
+        # moved); per-sequence tensor operations cost more than a step's attention at a few rows
+        width = max(num_blocks)
+        tables = torch.tensor([list(table[:n]) + [0] * (width - n) for table, n in zip(block_tables, num_blocks)],
+                              dtype=torch.long, device="cpu")
+        slots = (tables[:, :, None] * block_size + torch.arange(block_size, device="cpu")).flatten(1)
+        slot_mapping, singles, short, short_seqs = [], [], [], []
         start = 0
-        offsets = torch.arange(block_size, device="cpu")  # metadata is built on the host, then moved
         for i, (query_len, context_len, table) in enumerate(zip(query_lens, context_lens, block_tables)):
             paths = tree_paths[i] if tree_paths else []
-            num_blocks = -(-context_len // block_size)
-            if len(table) < num_blocks:
-                raise ValueError(f"a block table of {len(table)} blocks cannot hold {context_len} tokens of {block_size}")
-            blocks = torch.tensor(table[:num_blocks], dtype=torch.long, device="cpu")
-            slots = (blocks[:, None] * block_size + offsets).flatten()[:context_len]
-            slot_parts.append(slots[context_len - query_len:])
-            if paths:
-                slot_parts.append(torch.tensor([path[-1] for path in paths], dtype=torch.long, device="cpu"))
+            slot_mapping.extend(table[p // block_size] * block_size + p % block_size
+                                for p in range(context_len - query_len, context_len))
+            slot_mapping.extend(path[-1] for path in paths)
             if query_len > MAX_BATCHED_QUERY_LEN and not paths:
                 if query_len == context_len:
                     singles.append(_Single(start, start + query_len, None, None))
                 else:
                     mask = torch.ones(query_len, context_len, dtype=torch.bool, device="cpu")
                     mask = mask.tril(context_len - query_len)[None]
-                    singles.append(_Single(start, start + query_len, slots.to(device), mask.to(device)))
+                    singles.append(_Single(start, start + query_len, slots[i, :context_len].to(device), mask.to(device)))
             else:
-                short.append((start, query_len, context_len, slots, paths))
+                short.append((start, query_len, context_len, paths))
+                short_seqs.append(i)
             start += query_len + len(paths)
-        slot_mapping = slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts)
-        return cls(slot_mapping.to(device), singles, _Batched(short, device) if short else None)
+        batched = None
+        if short:
+            key_slots = slots if len(short) == len(query_lens) else slots[short_seqs]
+            batched = _Batched(short, key_slots[:, :max(c for _, _, c, _ in short)], device)
+        return cls(torch.tensor(slot_mapping, dtype=torch.long, device="cpu").to(device), singles, batched)
 
 
 class PagedAttention:

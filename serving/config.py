@@ -10,11 +10,16 @@ from serving import targets
 from serving.spec_decode.config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 HELP = {
     "target": "target: a built-in name, a local Hugging Face folder or a hub id (see `draftheads info`)",
     "dtype": "weights and activations; greedy outputs equal plain decoding's only in float32 (bfloat16 operators are "
              "not batch-invariant, so near-ties can flip between a decode and a verify step)",
+    "weights": "how the target's linear layers (and its LM head) store their weights with dtype float32: bfloat16 "
+               "halves the bytes a step streams through the CPU kernels (rounded once at load; every product still runs and "
+               "sums in float32, so speculative greedy outputs stay identical to plain decoding with the same weights; "
+               "where the kernels do not run, the rounded weights run in float32)",
     "device": "where the target runs: auto (the first CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N",
     "block_size": "K/V block size in tokens",
     "num_blocks": "K/V blocks in the pool (default: as many as kv_cache_memory_gib holds)",
@@ -35,6 +40,7 @@ TYPES = {"block_size": int, "num_blocks": int, "kv_cache_memory_gib": float, "ma
 class EngineConfig:
     target: str = targets.DEFAULT_TARGET
     dtype: str = "float32"
+    weights: str = "float32"
     device: str = "auto"
     block_size: int = 16
     num_blocks: int | None = None  # None: as many as kv_cache_memory_gib holds
@@ -52,6 +58,11 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights={self.weights!r} is not supported; choose one of {', '.join(WEIGHTS)}")
+        if self.weights != "float32" and self.dtype != "float32":
+            raise ValueError(f"weights={self.weights!r} applies to a float32 target; with dtype={self.dtype!r} the "
+                             "weights already have that dtype: leave weights at float32")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "num_threads"):
             value = getattr(self, name)
             if value is None and name in ("num_blocks", "num_threads"):
@@ -70,6 +81,10 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return WEIGHTS[self.weights]
 
 
 def resolve_device(device: str) -> torch.device:

@@ -49,7 +49,7 @@ class Engine:
         self.folder = targets.resolve(config.target)
         self.dtype = config.torch_dtype
         self.device = resolve_device(config.device)
-        model = Model.from_folder(self.folder, self.dtype, self.device)
+        model = Model.from_folder(self.folder, self.dtype, self.device, config.weight_dtype)
         model_config = model.config
         self.max_model_len = _max_model_len(config.max_model_len, model_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(self.folder)

@@ -34,7 +34,7 @@ static inline __attribute__((always_inline)) __m256 load_w(const void *w, int bf
 }
 
 static inline __attribute__((always_inline)) void tile(int mr, const float *x, long ldx, const void *w, int bf16, long k,
-                                                       const float *bias, float *y, long ldy, int cols) {
+                                                       const float *bias, const float *add, float *y, long ldy, int cols) {
     __m256 acc[MR][NV];
     _Pragma("GCC unroll 12") for (int i = 0; i < mr; i++)
         _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) acc[i][j] = _mm256_setzero_ps();
@@ -52,46 +52,103 @@ static inline __attribute__((always_inline)) void tile(int mr, const float *x, l
     _Pragma("GCC unroll 12") for (int i = 0; i < mr; i++) {
         float out[NR];
         _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) _mm256_storeu_ps(out + 8 * j, acc[i][j]);
-        for (int j = 0; j < cols; j++) y[i * ldy + j] = bias ? out[j] + bias[j] : out[j];
+        for (int j = 0; j < cols; j++) {
+            float v = bias ? out[j] + bias[j] : out[j];
+            y[i * ldy + j] = add ? add[i * ldy + j] + v : v;
+        }
     }
 }
 
 /* One panel's columns of y for every row; bf16 is a constant in each caller, so the loops carry no test of it. */
 static inline __attribute__((always_inline)) void panel(const float *x, long m, long ldx, const void *w, int bf16,
-                                                        long k, long n, const float *bias, float *y, long ldy, long q) {
+                                                        long k, long n, const float *bias, const float *add, float *y,
+                                                        long ldy, long q) {
     const void *wq = (const char *)w + q * k * NR * (bf16 ? 2 : 4);
     const float *bq = bias ? bias + q * NR : 0;
     int cols = n - q * NR < NR ? (int)(n - q * NR) : NR;
+    const float *aq = add ? add + q * NR : 0;
     float *yq = y + q * NR;
     long i = 0;
-    for (; i + MR <= m; i += MR) tile(MR, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols);
+    for (; i + MR <= m; i += MR) tile(MR, x + i * ldx, ldx, wq, bf16, k, bq, aq ? aq + i * ldy : 0, yq + i * ldy, ldy, cols);
     switch (m - i) {
 #if MR > 6
-        case 11: tile(11, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
-        case 10: tile(10, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
-        case 9: tile(9, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
-        case 8: tile(8, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
-        case 7: tile(7, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
-        case 6: tile(6, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
+        case 11: tile(11, x + i * ldx, ldx, wq, bf16, k, bq, aq ? aq + i * ldy : 0, yq + i * ldy, ldy, cols); break;
+        case 10: tile(10, x + i * ldx, ldx, wq, bf16, k, bq, aq ? aq + i * ldy : 0, yq + i * ldy, ldy, cols); break;
+        case 9: tile(9, x + i * ldx, ldx, wq, bf16, k, bq, aq ? aq + i * ldy : 0, yq + i * ldy, ldy, cols); break;
+        case 8: tile(8, x + i * ldx, ldx, wq, bf16, k, bq, aq ? aq + i * ldy : 0, yq + i * ldy, ldy, cols); break;
+        case 7: tile(7, x + i * ldx, ldx, wq, bf16, k, bq, aq ? aq + i * ldy : 0, yq + i * ldy, ldy, cols); break;
+        case 6: tile(6, x + i * ldx, ldx, wq, bf16, k, bq, aq ? aq + i * ldy : 0, yq + i * ldy, ldy, cols); break;
 #endif
-        case 5: tile(5, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
-        case 4: tile(4, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
-        case 3: tile(3, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
-        case 2: tile(2, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
-        case 1: tile(1, x + i * ldx, ldx, wq, bf16, k, bq, yq + i * ldy, ldy, cols); break;
+        case 5: tile(5, x + i * ldx, ldx, wq, bf16, k, bq, aq ? aq + i * ldy : 0, yq + i * ldy, ldy, cols); break;
+        case 4: tile(4, x + i * ldx, ldx, wq, bf16, k, bq, aq ? aq + i * ldy : 0, yq + i * ldy, ldy, cols); break;
+        case 3: tile(3, x + i * ldx, ldx, wq, bf16, k, bq, aq ? aq + i * ldy : 0, yq + i * ldy, ldy, cols); break;
+        case 2: tile(2, x + i * ldx, ldx, wq, bf16, k, bq, aq ? aq + i * ldy : 0, yq + i * ldy, ldy, cols); break;
+        case 1: tile(1, x + i * ldx, ldx, wq, bf16, k, bq, aq ? aq + i * ldy : 0, yq + i * ldy, ldy, cols); break;
+    }
+}
+
+/* One row over panels q and q + 1 (both full): four running sums where a one-row tile has two. A tile's sums are
+ * chains of dependent multiply-adds, one every few cycles each, and two of them stream bfloat16 weights slower
+ * than memory delivers them; four keep up. Each output is still the one in-order sum `tile` computes. */
+static inline __attribute__((always_inline)) void row_pair(const float *x, const void *w, int bf16, long k, long n,
+                                                           const float *bias, const float *add, float *y, long q) {
+    long panel_bytes = k * NR * (bf16 ? 2 : 4);
+    const void *w0 = (const char *)w + q * panel_bytes, *w1 = (const char *)w0 + panel_bytes;
+    __m256 acc[2 * NV];
+    _Pragma("GCC unroll 4") for (int j = 0; j < 2 * NV; j++) acc[j] = _mm256_setzero_ps();
+    for (long p = 0; p < k; p++) {
+        __m256 xi = _mm256_broadcast_ss(x + p);
+        _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) {
+            acc[j] = _mm256_fmadd_ps(xi, load_w(w0, bf16, p, j), acc[j]);
+            acc[NV + j] = _mm256_fmadd_ps(xi, load_w(w1, bf16, p, j), acc[NV + j]);
+        }
+    }
+    float out[2 * NR];
+    _Pragma("GCC unroll 4") for (int j = 0; j < 2 * NV; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
+    int cols = n - q * NR < 2 * NR ? (int)(n - q * NR) : 2 * NR;
+    for (int j = 0; j < cols; j++) {
+        long c = q * NR + j;
+        float v = bias ? out[j] + bias[c] : out[j];
+        y[c] = add ? add[c] + v : v;
+    }
+}
+
+/* y = add + x @ W (+ bias); add may be y itself (in place) or NULL, and has y's row stride. One row (a decode step
+ * at concurrency 1) goes two panels at a time (row_pair). */
+static void gemm(const float *x, long m, long ldx, const void *w, int bf16, long k, long n, const float *bias,
+                 const float *add, float *y, long ldy) {
+    long panels = (n + NR - 1) / NR;
+    if (m == 1) {
+        if (bf16) {
+            #pragma omp parallel for schedule(static)
+            for (long q = 0; q < panels; q += 2) {
+                if (q + 1 < panels) row_pair(x, w, 1, k, n, bias, add, y, q);
+                else panel(x, 1, ldx, w, 1, k, n, bias, add, y, ldy, q);
+            }
+        } else {
+            #pragma omp parallel for schedule(static)
+            for (long q = 0; q < panels; q += 2) {
+                if (q + 1 < panels) row_pair(x, w, 0, k, n, bias, add, y, q);
+                else panel(x, 1, ldx, w, 0, k, n, bias, add, y, ldy, q);
+            }
+        }
+    } else if (bf16) {
+        #pragma omp parallel for schedule(static)
+        for (long q = 0; q < panels; q++) panel(x, m, ldx, w, 1, k, n, bias, add, y, ldy, q);
+    } else {
+        #pragma omp parallel for schedule(static)
+        for (long q = 0; q < panels; q++) panel(x, m, ldx, w, 0, k, n, bias, add, y, ldy, q);
     }
 }
 
 void gemm_panels(const float *x, long m, long ldx, const float *w, long k, long n, const float *bias,
                  float *y, long ldy) {
-    #pragma omp parallel for schedule(static)
-    for (long q = 0; q < (n + NR - 1) / NR; q++) panel(x, m, ldx, w, 0, k, n, bias, y, ldy, q);
+    gemm(x, m, ldx, w, 0, k, n, bias, 0, y, ldy);
 }
 
 void gemm_panels_bf16(const float *x, long m, long ldx, const unsigned short *w, long k, long n, const float *bias,
                       float *y, long ldy) {
-    #pragma omp parallel for schedule(static)
-    for (long q = 0; q < (n + NR - 1) / NR; q++) panel(x, m, ldx, w, 1, k, n, bias, y, ldy, q);
+    gemm(x, m, ldx, w, 1, k, n, bias, 0, y, ldy);
 }
 
 /* y = x / sqrt(mean(x^2) + eps) * w over rows of n, as float32 reference implementations do. */
@@ -276,4 +333,79 @@ void argmax_rows(const float *x, long rows, long ldx, long n, long *out) {
             if (!isnan(xr[best]) && (isnan(xr[i]) || xr[i] > xr[best])) best = i;
         out[r] = best;
     }
+}
+
+/* A decoder layer of heads/layer.py around its attention, in two calls (the attention runs between them, from
+ * serving/attention.py), so that a step makes three calls per layer instead of some twenty torch operators. Every
+ * part computes a row from that row alone, as the separate kernels do. */
+typedef struct {
+    const float *input_norm, *post_norm, *q_norm, *k_norm;  /* q_norm, k_norm: NULL where the model has none */
+    const void *qkv, *o, *gate_up, *down;  /* panels, float32 or bfloat16 */
+    const float *qkv_bias;  /* NULL where the model has none */
+    long bf16, hidden, heads, kv_heads, dim, intermediate;
+    float eps;
+} layer_weights;
+
+/* x * cos + roll(x, dim / 2) * sin per head, in place: heads.rope.apply_rope, each product and the sum rounded
+ * as torch rounds them (no fused multiply-add). */
+__attribute__((optimize("fp-contract=off")))
+static void rope(float *x, long rows, long ldx, long heads, long dim, const float *cos, const float *sin) {
+    long half = dim / 2;
+    float t[dim];
+    for (long r = 0; r < rows; r++) {
+        const float *c = cos + r * dim, *s = sin + r * dim;
+        for (long h = 0; h < heads; h++) {
+            float *v = x + r * ldx + h * dim;
+            for (long i = 0; i < dim; i++) {
+                float a = v[i] * c[i], b = v[i < half ? i + half : i - half] * s[i];
+                t[i] = a + b;
+            }
+            memcpy(v, t, dim * sizeof(float));
+        }
+    }
+}
+
+/* out[r] = silu(gate) * up for rows of [gate | up], n each; silu(g) = g / (1 + e^-g). */
+static void silu_mul(const float *gu, long rows, long n, float *out) {
+    #pragma omp parallel for schedule(static) if (rows * n >= 65536)
+    for (long r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * n, *u = g + n;
+        float *o = out + r * n;
+        long i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv), _mm256_set1_ps(88.0f)));
+            __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Before attention: normed = input_norm(h); qkv = normed @ W_qkv (+ bias); the query and key heads normed (Qwen3)
+ * and rotated in place. h: [rows, hidden]; qkv: [rows, (heads + 2 kv_heads) dim]; cos, sin: [rows, dim]. */
+void layer_pre(const layer_weights *L, const float *h, long rows, float *normed, float *qkv, const float *cos,
+               const float *sin) {
+    long n = (L->heads + 2 * L->kv_heads) * L->dim;
+    rms_norm(h, rows, L->hidden, L->input_norm, L->eps, normed, L->hidden, L->hidden);
+    gemm(normed, rows, L->hidden, L->qkv, L->bf16, L->hidden, n, L->qkv_bias, 0, qkv, n);
+    if (L->q_norm)
+        for (long r = 0; r < rows; r++) {
+            float *q = qkv + r * n, *k = q + L->heads * L->dim;
+            rms_norm(q, L->heads, L->dim, L->q_norm, L->eps, q, L->dim, L->dim);
+            rms_norm(k, L->kv_heads, L->dim, L->k_norm, L->eps, k, L->dim, L->dim);
+        }
+    rope(qkv, rows, n, L->heads + L->kv_heads, L->dim, cos, sin);
+}
+
+/* After attention: out = h + attn @ W_o; normed = post_norm(out); gu = normed @ W_gate_up;
+ * act = silu(gate) * up; out += act @ W_down. attn: [rows, heads dim]; h, out: [rows, hidden]. */
+void layer_post(const layer_weights *L, const float *h, long rows, const float *attn, float *out, float *normed,
+                float *gu, float *act) {
+    long q_size = L->heads * L->dim, n = L->intermediate;
+    gemm(attn, rows, q_size, L->o, L->bf16, q_size, L->hidden, 0, h, out, L->hidden);
+    rms_norm(out, rows, L->hidden, L->post_norm, L->eps, normed, L->hidden, L->hidden);
+    gemm(normed, rows, L->hidden, L->gate_up, L->bf16, L->hidden, 2 * n, 0, 0, gu, 2 * n);
+    silu_mul(gu, rows, n, act);
+    gemm(act, rows, n, L->down, L->bf16, n, L->hidden, 0, out, out, L->hidden);
 }

@@ -1,5 +1,5 @@
-"""The float32 CPU kernels of serving/kernels.c, and the inference versions of the decoder's linear layers and
-norms that call them (serving/attention.py calls `paged_attention`).
+"""The float32 CPU kernels of serving/kernels.c, and the inference versions of the decoder's linear layers, norms
+and whole target layers (`KernelLayer`) that call them (serving/attention.py calls `paged_attention`).
 
 At the 1-16 rows of a decode or verify step, the BLAS that ships with torch runs far from this CPU's memory
 bandwidth, its time per step grows with every row added, and each small operator costs more in dispatch
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from heads.layer import RMSNorm
+from heads.layer import DecoderLayer, RMSNorm
 from serving.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,8 @@ SIGNATURES = {
     "paged_attention": [_ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _ptr, _long, _ptr, _long, _ptr, _long, _ptr, _long,
                         _ptr, _long, _long, _long, _long, _float],
     "argmax_rows": [_ptr, _long, _long, _long, _ptr],
+    "layer_pre": [_ptr, _ptr, _long, _ptr, _ptr, _ptr, _ptr],
+    "layer_post": [_ptr, _ptr, _long, _ptr, _ptr, _ptr, _ptr, _ptr],
 }
 
 
@@ -129,7 +131,8 @@ class PackedLinear(_KernelModule):
     stored transposed, [in, out] (at a few rows torch's x @ W^T runs faster from that layout).
 
     weight_dtype=torch.bfloat16 stores the weights rounded to bfloat16 (half the bytes to stream per step) and
-    still computes in float32; for drafters, whose precision moves acceptance but never the output."""
+    still computes in float32, each output still one in-order sum: for drafters, whose precision moves acceptance but
+    never the output, and for the target with EngineConfig.weights = bfloat16."""
 
     def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -206,3 +209,95 @@ def for_inference(module: nn.Module, weight_dtype: torch.dtype = torch.float32) 
         else:
             for_inference(child, weight_dtype)
     return module
+
+
+class _LayerWeights(ctypes.Structure):
+    """kernels.c's layer_weights."""
+    _fields_ = [*((name, _ptr) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "o", "gate_up", "down",
+                                             "qkv_bias")),
+                *((name, _long) for name in ("bf16", "hidden", "heads", "kv_heads", "dim", "intermediate")),
+                ("eps", _float)]
+
+
+class Scratch:
+    """The buffers a layer's kernels write between its calls, shared by every layer of a model (they run one after
+    another), with their views for a step's row count made once."""
+
+    def __init__(self, config):
+        c = config
+        self.config = c
+        self.sizes = {"normed": c.hidden_size, "qkv": (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+                      "gate_up": 2 * c.intermediate_size, "act": c.intermediate_size}
+        self.buffers = {name: torch.empty(0, size, device="cpu") for name, size in self.sizes.items()}
+        self.views: dict[int, tuple] = {}
+
+    def take(self, rows: int) -> tuple:
+        """(normed, qkv, q, k, v, gate_up, act) for `rows` rows; q, k, v: [rows, heads, head_dim] views of qkv."""
+        if rows not in self.views:
+            if rows > len(self.buffers["normed"]):
+                self.buffers = {name: torch.empty(max(rows, 2 * len(b)), self.sizes[name], device="cpu")
+                                for name, b in self.buffers.items()}
+                self.views.clear()
+            c = self.config
+            normed, qkv, gate_up, act = (self.buffers[name][:rows] for name in ("normed", "qkv", "gate_up", "act"))
+            q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            self.views[rows] = (normed, qkv, qkv[:, :q_size].unflatten(-1, (c.num_heads, c.head_dim)),
+                                qkv[:, q_size:q_size + kv_size].unflatten(-1, (c.num_kv_heads, c.head_dim)),
+                                qkv[:, q_size + kv_size:].unflatten(-1, (c.num_kv_heads, c.head_dim)), gate_up, act)
+        return self.views[rows]
+
+
+class KernelLayer(_KernelModule):
+    """A decoder layer of the target (a DecoderLayer after `for_inference`, kept as `reference`) run as kernels.c's
+    layer_pre, the attention, and layer_post: three calls per layer where the module makes some twenty torch
+    operators, each costing more to dispatch than its arithmetic at decode's few rows. Every part still computes
+    a row from that row alone (the norms and products are the same kernels; rope rounds as torch does; SiLU
+    through kernels.c's exp, within 2e-7 of torch's)."""
+
+    def __init__(self, layer: DecoderLayer, scratch: Scratch):
+        super().__init__()
+        self.reference, self.scratch, self.layer_idx = layer, scratch, layer.layer_idx
+        self.lib = layer.qkv.lib
+        self.weight_dtype = layer.qkv.weight_dtype
+        if self.lib is None:
+            raise ValueError("KernelLayer runs serving/kernels.c, which does not run here: keep the DecoderLayer")
+        self.read_pointers()
+
+    def weights(self) -> torch.Tensor:
+        return self.reference.qkv.panels
+
+    def read_pointers(self):
+        layer, c = self.reference, self.reference.config
+        qk_norm = c.qk_norm
+        self.struct = _LayerWeights(
+            layer.input_norm.reference.weight.data_ptr(), layer.post_norm.reference.weight.data_ptr(),
+            layer.q_norm.reference.weight.data_ptr() if qk_norm else None,
+            layer.k_norm.reference.weight.data_ptr() if qk_norm else None,
+            layer.qkv.panels.data_ptr(), layer.o.panels.data_ptr(), layer.gate_up.panels.data_ptr(),
+            layer.down.panels.data_ptr(), _pointer(layer.qkv.bias), int(self.weight_dtype == torch.bfloat16),
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
+        self.struct_ptr = ctypes.addressof(self.struct)
+        self.pre, self.post = self.lib.layer_pre, self.lib.layer_post
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention) -> torch.Tensor:
+        """hidden: [rows, hidden] float32, contiguous; cos, sin: [rows, 1, head_dim] from Rope.tables."""
+        rows = hidden.shape[0]
+        if hidden.dim() != 2 or not hidden.is_contiguous() or not cos.is_contiguous() or not sin.is_contiguous():
+            raise ValueError("KernelLayer takes contiguous [rows, hidden] states and rope tables")
+        normed, qkv, q, k, v, gate_up, act = self.scratch.take(rows)
+        self.pre(self.struct_ptr, hidden.data_ptr(), rows, normed.data_ptr(), qkv.data_ptr(), cos.data_ptr(),
+                 sin.data_ptr())
+        attended = attention(self.layer_idx, q, k, v).contiguous()
+        out = torch.empty_like(hidden)
+        self.post(self.struct_ptr, hidden.data_ptr(), rows, attended.data_ptr(), out.data_ptr(), normed.data_ptr(),
+                  gate_up.data_ptr(), act.data_ptr())
+        return out
+
+
+def kernel_layers(layers: nn.ModuleList, config) -> nn.ModuleList:
+    """The target's layers (DecoderLayers after `for_inference`, of LayerConfig `config`) as KernelLayers sharing
+    one Scratch where the kernels run; as they are elsewhere."""
+    if not len(layers) or layers[0].qkv.lib is None:
+        return layers
+    scratch = Scratch(config)
+    return nn.ModuleList(KernelLayer(layer, scratch) for layer in layers)

@@ -12,7 +12,7 @@ from torch import nn
 from heads.hf_folder import read_config, read_tensors
 from heads.layer import DecoderLayer, LayerConfig, RMSNorm
 from heads.rope import Rope, rope_settings
-from serving.kernels import FusedRMSNorm, PackedLinear, for_inference
+from serving.kernels import FusedRMSNorm, PackedLinear, for_inference, kernel_layers
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -108,15 +108,17 @@ class Model(nn.Module):
         self._packed_lm_heads: dict[torch.dtype, PackedLinear] = {}  # not submodules: made for drafters on demand
 
     @classmethod
-    def from_folder(cls, folder, dtype=torch.float32, device="cpu") -> "Model":
+    def from_folder(cls, folder, dtype=torch.float32, device="cpu", weights=torch.float32) -> "Model":
+        """weights=torch.bfloat16 stores the linear layers' and the LM head's packed weights rounded to bfloat16
+        (serving.kernels.PackedLinear); the embedding and the norms stay in `dtype`."""
         folder = Path(folder)
         with torch.device(device):  # built where it runs, its weights then copied in
             model = cls(ModelConfig.from_folder(folder))
         model.load_safetensors(folder)
         model.to(dtype=dtype).eval().requires_grad_(False)  # the rope tables stay float32
-        for_inference(model.layers)
+        model.layers = kernel_layers(for_inference(model.layers, weights), model.config.layer)
         model.norm = FusedRMSNorm(model.norm)
-        model.logits_head = PackedLinear(model.lm_head)  # a packed copy for forward; the embedding stays as it is
+        model.logits_head = PackedLinear(model.lm_head, weights)  # a packed copy for forward; the embedding stays as it is
         return model
 
     def packed_lm_head(self, weight_dtype: torch.dtype) -> PackedLinear:

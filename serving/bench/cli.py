@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from serving.config import HELP as ENGINE_HELP, EngineConfig, resolve_device
+from serving.config import HELP as ENGINE_HELP, WEIGHTS, EngineConfig
 from serving.config_file import add_options, merge_options
 from serving.request import SamplingParams
 from serving.spec_decode.config import SpeculativeConfig
@@ -35,6 +35,7 @@ HELP = {
     "speculative_config": 'a speculative config, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; repeat for more rows',
     "baseline": "hf also times transformers' generate on the same prompts",
     "dtype": ENGINE_HELP["dtype"],
+    "weights": ENGINE_HELP["weights"],
     "block_size": ENGINE_HELP["block_size"],
     "device": ENGINE_HELP["device"],
     "json": "also write the results as JSON to this path (a list of them for several settings)",
@@ -58,6 +59,7 @@ class BenchConfig:
     speculative_config: list = field(default_factory=list)  # SpeculativeConfig, or its JSON text or mapping
     baseline: str | None = None
     dtype: str = "float32"
+    weights: str = "float32"
     block_size: int = 16
     device: str = "auto"
     json: str | None = None
@@ -84,7 +86,11 @@ class BenchConfig:
                                    for c in self.speculative_config]
         for temperature in self.temperature:
             SamplingParams(max_tokens=self.max_new_tokens, temperature=temperature, seed=self.seed)
-        resolve_device(self.device)  # a bad device fails before the prompts load
+        self.engine_config()  # a bad device or weights fails before the prompts load
+
+    def engine_config(self, max_num_seqs: int = 64) -> EngineConfig:
+        return EngineConfig(self.target, dtype=self.dtype, weights=self.weights, block_size=self.block_size,
+                            max_num_seqs=max_num_seqs, device=self.device)
 
 
 def add_arguments(parser) -> None:
@@ -93,7 +99,7 @@ def add_arguments(parser) -> None:
     add_options(parser, BenchConfig, HELP, types, {
         "config": {"metavar": "FILE"}, "speculative_config": {"action": "append", "metavar": "JSON"},
         "concurrency": {"nargs": "+", "metavar": "N"}, "temperature": {"nargs": "+", "metavar": "T"},
-        "baseline": {"choices": ["hf"]}, "dtype": {"choices": DTYPES}, "json": {"metavar": "PATH"},
+        "baseline": {"choices": ["hf"]}, "dtype": {"choices": DTYPES}, "weights": {"choices": list(WEIGHTS)}, "json": {"metavar": "PATH"},
         "out": {"metavar": "DIR"}})
     parser.add_argument("--cost-model", action="store_true",
                         help="print the target's step-cost table on this device (what the adaptive policy prices steps "
@@ -114,13 +120,12 @@ def run(args) -> None:
     if show_cost_model:
         from serving.spec_decode.cost import load_or_measure
 
-        engine = Engine(EngineConfig(config.target, dtype=config.dtype, block_size=config.block_size, device=config.device))
+        engine = Engine(config.engine_config())
         print(load_or_measure(engine, remeasure=remeasure).table())
         return
     dataset = load_prompts(config.prompts, config.num_prompts)
     messages = [first_turn(m) for m in dataset["messages"]]
-    engine = Engine(EngineConfig(config.target, dtype=config.dtype, block_size=config.block_size,
-                                 max_num_seqs=max(config.concurrency), device=config.device))
+    engine = Engine(config.engine_config(max_num_seqs=max(config.concurrency)))
     settings = [Setting(config.prompts, float(t), c, config.baseline) for t in config.temperature for c in config.concurrency]
     results = run_settings(engine, {config.prompts: (messages, list(dataset["category"]))}, settings,
                            config.speculative_config, config.max_new_tokens, config.seed, out=config.out)

@@ -13,10 +13,10 @@ from dataclasses import dataclass, fields
 
 import uvicorn
 
-from serving.config import DTYPES, HELP as ENGINE_HELP, TYPES as ENGINE_TYPES, EngineConfig
+from serving.config import DTYPES, HELP as ENGINE_HELP, TYPES as ENGINE_TYPES, WEIGHTS, EngineConfig
 from serving.config_file import CONFIG_HELP, add_options, merge_options
 
-ENGINE_OPTIONS = ("target", "speculative_config", "dtype", "device", "block_size", "kv_cache_memory_gib", "max_num_seqs",
+ENGINE_OPTIONS = ("target", "speculative_config", "dtype", "weights", "device", "block_size", "kv_cache_memory_gib", "max_num_seqs",
                   "max_num_batched_tokens", "max_model_len", "num_threads")
 HELP = {
     "config": CONFIG_HELP,
@@ -52,7 +52,7 @@ class ServeConfig(EngineConfig):
 
 def add_arguments(parser) -> None:
     add_options(parser, ServeConfig, HELP, {**ENGINE_TYPES, "port": int, "shutdown_timeout": float}, {
-        "config": {"metavar": "FILE"}, "speculative_config": {"metavar": "JSON"}, "dtype": {"choices": list(DTYPES)},
+        "config": {"metavar": "FILE"}, "speculative_config": {"metavar": "JSON"}, "dtype": {"choices": list(DTYPES)}, "weights": {"choices": list(WEIGHTS)},
         "log_level": {"choices": LOG_LEVELS}})
     parser.add_argument("--access-log", dest="access_log", action="store_true", default=argparse.SUPPRESS,
                         help="log every HTTP request")

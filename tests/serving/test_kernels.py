@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.layer import DecoderLayer, LayerConfig, RMSNorm
+from heads.rope import Rope
 from serving import kernels
 
 HAS_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
@@ -45,8 +46,8 @@ def test_packed_linear_matches_f_linear(rows, in_features, out_features, bias):
     torch.testing.assert_close(kernels.PackedLinear(layer)(x), F.linear(x, layer.weight, layer.bias))
 
 
-@pytest.mark.parametrize("rows", [1, 5, 7, 13])
-@pytest.mark.parametrize("in_features,out_features", [(7, 23), (64, 25), (576, 100)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 12, 13, 25])
+@pytest.mark.parametrize("in_features,out_features", [(1, 1), (7, 23), (64, 25), (37, 100), (576, 100)])
 @pytest.mark.parametrize("kernels_run", [True, False])
 def test_bfloat16_weights_compute_in_float32_over_the_rounded_weights(rows, in_features, out_features, kernels_run,
                                                                        monkeypatch):
@@ -93,9 +94,11 @@ def test_packed_linear_takes_any_leading_shape_and_strides():
     assert packed(torch.randn(0, 48)).shape == (0, 30)
 
 
-def test_packed_linear_rows_do_not_depend_on_the_batch():
-    """A verify step's logits equal, bit for bit, what one-row decode steps compute (gemm.c sums in order)."""
-    packed = kernels.PackedLinear(linear(576, 100, False))
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_rows_do_not_depend_on_the_batch(weight_dtype):
+    """A verify step's logits equal, bit for bit, what one-row decode steps compute (kernels.c sums in order),
+    with weights stored in either dtype."""
+    packed = kernels.PackedLinear(linear(576, 100, False), weight_dtype)
     if packed.lib is None:
         pytest.skip("the kernels do not run here")
     x = torch.randn(25, 576)
@@ -341,3 +344,50 @@ def test_tree_rows_attend_as_decode_steps_at_their_position():
             assert torch.equal(out[row:row + 1], decode), (i, path)
             num_checked += 1
     assert num_checked == 12
+
+
+LAYER_CONFIGS = {
+    "llama": dict(),
+    "qwen2": dict(qkv_bias=True),
+    "qwen3": dict(qk_norm=True),
+}
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="needs AVX2")
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", list(LAYER_CONFIGS))
+def test_kernel_layer_computes_the_decoder_layer(family, weight_dtype):
+    """layer_pre, attention, layer_post against the module it wraps, at the rows of decode, verify and prefill, one
+    scratch for them all (it grows, then serves fewer rows); and each row's output, with an attention that reads
+    only that row, equal bit for bit alone and in any batch."""
+    config = LayerConfig(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=100, head_dim=24,
+                         **LAYER_CONFIGS[family])
+    torch.manual_seed(1)
+    layer = DecoderLayer(config).requires_grad_(False)
+    for norm in [m for m in layer.modules() if isinstance(m, RMSNorm)]:
+        norm.weight.copy_(torch.rand_like(norm.weight) + 0.5)
+    if config.qkv_bias:
+        layer.qkv.bias.copy_(torch.randn_like(layer.qkv.bias))
+    reference = kernels.for_inference(layer, weight_dtype)
+    fast = kernels.KernelLayer(reference, kernels.Scratch(config))
+    rope = Rope(config.head_dim, 512)
+    dense = lambda _, q, k, v: F.scaled_dot_product_attention(  # noqa: E731
+        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
+        is_causal=True).transpose(0, 1)
+    for rows in (1, 5, 40, 13):
+        hidden = torch.randn(rows, 64) * 2
+        cos, sin = rope.tables(torch.randint(0, 512, (rows,)))
+        torch.testing.assert_close(fast(hidden, cos, sin, dense), reference(hidden, cos, sin, dense),
+                                   atol=1e-5, rtol=1e-5)
+    own_row = lambda _, q, k, v: v.repeat_interleave(2, 1) + q  # noqa: E731
+    hidden = torch.randn(13, 64)
+    cos, sin = rope.tables(torch.arange(100, 113))
+    together = fast(hidden, cos, sin, own_row)
+    for i in range(13):
+        assert torch.equal(fast(hidden[i:i + 1], cos[i:i + 1], sin[i:i + 1], own_row), together[i:i + 1])
+
+
+def test_kernel_layers_keep_the_modules_where_the_kernels_do_not_run(no_kernels):
+    config = LayerConfig(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96)
+    layers = nn.ModuleList([kernels.for_inference(DecoderLayer(config))])
+    assert kernels.kernel_layers(layers, config) is layers

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from serving import targets
 from serving.attention import KVCache
 from serving.config_file import CONFIG_HELP, add_options, merge_options
-from serving.config import DTYPES, HELP as ENGINE_HELP, EngineConfig, resolve_device
+from serving.config import DTYPES, HELP as ENGINE_HELP, WEIGHTS, EngineConfig, resolve_device
 from serving.engine import Engine
 from serving.model import ModelConfig
 from serving.bench.prompts import load_prompts
@@ -58,6 +58,7 @@ HELP = {
     "max_num_batched_tokens": ENGINE_HELP["max_num_batched_tokens"],
     "shard_size": "examples per shard of hidden states; a shard is the unit of commit and resume",
     "dtype": "the target's compute dtype (hidden states are stored in bfloat16)",
+    "weights": ENGINE_HELP["weights"],
     "device": ENGINE_HELP["device"],
     "out": "the store folder; rerunning into it resumes",
     "answers": "target: the target answers each prompt, in this process (hidden states captured in the same pass) "
@@ -94,6 +95,7 @@ class GenerateConfig:
     max_num_batched_tokens: int = 512
     shard_size: int = 64
     dtype: str = "float32"
+    weights: str = "float32"
     device: str = "auto"
     answers: str = "target"
     endpoint: str | None = None
@@ -104,6 +106,8 @@ class GenerateConfig:
 
     def __post_init__(self):
         resolve_device(self.device)  # a bad device fails before anything loads
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights={self.weights!r} is invalid: choose one of {', '.join(WEIGHTS)}")
         self.layers = () if _listed(self.layers) == ["none"] else tuple(_listed(self.layers))
         if self.aux_layers is not None:
             self.aux_layers = tuple(int(i) for i in _listed(self.aux_layers))
@@ -147,7 +151,7 @@ class GenerateConfig:
 
     def engine(self, folder: Path, aux_layers: tuple[int, ...], capture_hidden: bool, max_model_len: int) -> Engine:
         """The engine these settings describe, for the target in `folder`."""
-        return Engine(EngineConfig(self.target, dtype=self.dtype, max_num_seqs=self.concurrency,
+        return Engine(EngineConfig(self.target, dtype=self.dtype, weights=self.weights, max_num_seqs=self.concurrency,
                       max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=max_model_len,
                       kv_cache_memory_gib=kv_cache_gib(folder, self), capture_hidden=capture_hidden,
                       aux_layers=aux_layers, device=self.device))
@@ -211,7 +215,9 @@ def write_store(config: GenerateConfig, folder: Path, fingerprint: dict, aux_lay
     if endpoint is not None:
         answers = {"source": "endpoint", "model": endpoint.model, "endpoint": endpoint.url}
     writer = StoreWriter(config.out, {
-        "target": {"name": config.target, "fingerprint": fingerprint, "dtype": config.dtype},
+        # bfloat16 weights answer differently; stores made with float32 ones (no key) resume as before
+        "target": {"name": config.target, "fingerprint": fingerprint, "dtype": config.dtype,
+                   **({"weights": config.weights} if config.weights != "float32" else {})},
         "layers": list(config.layers),
         "aux_layers": list(aux_layers),
         "hidden_size": fingerprint["hidden_size"],
@@ -356,7 +362,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "concurrency": int, "max_model_len": int, "max_num_batched_tokens": int, "shard_size": int,
              "endpoint_concurrency": int, "endpoint_retries": int, "endpoint_timeout": float}
     add_options(parser, GenerateConfig, HELP, types,
-                {"turns": {"choices": TURNS}, "dtype": {"choices": DTYPES}, "answers": {"choices": ANSWERS},
+                {"turns": {"choices": TURNS}, "dtype": {"choices": DTYPES}, "weights": {"choices": WEIGHTS}, "answers": {"choices": ANSWERS},
                  "endpoint": {"metavar": "URL"}, "endpoint_model": {"metavar": "NAME"}})
 
 
