@@ -9,7 +9,8 @@ last tokens) counts at s and at no child. Costs, with D = max_depth and N the to
 - appending a token: O(D) (each of the D suffixes still growing gains its next node);
 - removing a sequence of n tokens: O(n D);
 - matching a pattern of m tokens: O(m); a draft (`speculate`): O(D^2) for the matches of every length up to D - 1
-  plus O(b log b) per match for a best-first tree of b nodes;
+  plus O(b log b) per match for a best-first tree of b nodes, longest match first, skipping matches whose node cap
+  cannot beat the best score so far;
 - memory: O(N D) nodes at most (suffixes that share a path share its nodes).
 
 `speculate` follows Arctic Inference's rule (`SuffixTree::speculate`, tree mode): for each match length m from 1 up
@@ -88,14 +89,19 @@ class SuffixTree:
         return node
 
     def speculate(self, context, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float) -> Draft:
-        best = Draft()
+        matches = []  # the nodes of the context's last 1, 2, ... tokens, while found
         for m in range(1, len(context)):
             node = self.match(context[len(context) - m:])
             if node is None:
                 break
+            matches.append(node)
+        best = Draft()
+        for m in range(len(matches), 0, -1):  # longest first: a shorter match must score higher to win
             num = max(0, min(max_spec_tokens, int(m * max_spec_factor + 1e-6)))
-            draft = grow(node, num, min_token_prob)
-            if draft.score >= best.score:
+            if num <= best.score:  # its score is at most num (each probability is at most 1)
+                continue
+            draft = grow(matches[m - 1], num, min_token_prob)
+            if draft.score > best.score:
                 best, best.match_len = draft, m
         return best
 
