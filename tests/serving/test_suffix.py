@@ -297,3 +297,43 @@ def test_suffix_options_default_as_vllms():
     assert config.num_speculative_tokens == 24 and config.num_draft_tokens == 25  # vLLM: at most 24 drafts a step
     assert SpeculativeConfig(method="suffix", suffix_decoding_max_tree_depth=8).num_speculative_tokens == 8
     assert SpeculativeConfig(method="suffix", num_speculative_tokens=4, num_draft_tokens=3).num_draft_tokens == 3
+
+
+# ---- 7. suffix first, then a head ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind, fixture, concurrency", [("eagle", "tiny_qwen3", 8), ("eagle3", "tiny_llama", 1)])
+def test_suffix_first_drafts_where_it_scores_and_the_head_elsewhere(kind, fixture, concurrency, request):
+    """Prompts that repeat their first third: suffix decoding drafts where its score reaches suffix_first_min_score,
+    the head everywhere else, its proposals equal to the dense reference although it drafted nothing at the suffix
+    steps (its catch-up covers every kept token). Outputs stay plain greedy decoding's, with preemption at 8."""
+    import test_head_drafters as heads_tests
+
+    folder = request.getfixturevalue(fixture)
+    head_dir = heads_tests.random_head_dir(kind, folder, request.getfixturevalue("tmp_path"))
+    spec = dict(heads_tests.spec_config(kind, head_dir), suffix_first=True)
+    engine = heads_tests.make_engine(folder, spec, **heads_tests.SCENARIOS[concurrency])
+    drafter = engine.speculator.drafter
+    proposals = heads_tests.record_proposals(engine)
+    by_head = set()
+    head_propose = drafter.head.propose
+
+    def spy(ctx, requests, budgets):
+        by_head.update((r.request_id, r.num_tokens) for r in requests)
+        return head_propose(ctx, requests, budgets)
+
+    drafter.head.propose = spy
+    prompts = heads_tests.REPEATING
+    outputs = engine.generate(prompts, heads_tests.greedy(heads_tests.MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == heads_tests.plain_outputs(folder, prompts, heads_tests.MAX_TOKENS)
+    assert_pool_idle(engine)
+    if concurrency == 8:
+        assert sum(o.metrics["num_preemptions"] for o in outputs) > 0
+    head_proposals = [p for p in proposals if (p.request_id, len(p.token_ids)) in by_head]
+    suffix_proposals = [p for p in proposals if (p.request_id, len(p.token_ids)) not in by_head]
+    assert len(head_proposals) >= 8 and len(suffix_proposals) >= 4, (len(head_proposals), len(suffix_proposals))
+    assert drafter.summary()["suffix_share"] == pytest.approx(len(suffix_proposals) / len(proposals))
+    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
+    num_checked, mismatches = heads_tests.check_against_dense(folder, heads_tests.load_as_drafted(head_dir, folder),
+                                                              head_proposals, finals)
+    assert num_checked and not mismatches, mismatches[:5]
