@@ -73,8 +73,8 @@ class SuffixDrafter(Drafter):
         self.min_token_prob = config.suffix_decoding_min_token_prob
         self.cache = SuffixCache(self.max_depth, config.suffix_decoding_max_cached_requests)
         self.keys = itertools.count()
-        # engine steps observed, trees drafted, the seconds spent updating the trees and drafting
-        self.num_steps, self.num_proposals, self.seconds = 0, 0, 0.0
+        # engine steps observed, drafts made, the seconds spent updating the trees and drafting
+        self.num_steps, self.num_drafts, self.seconds = 0, 0, 0.0
 
     def state(self, request) -> SuffixState:
         """The request's state, its prompt and answer so far added to the trees: every token it holds."""
@@ -98,18 +98,17 @@ class SuffixDrafter(Drafter):
 
     def speculate(self, request, num_nodes: int) -> Suffix:
         """The best draft of at most `num_nodes` nodes after the request's tokens."""
+        start = time.perf_counter()
         key = self.state(request).key
         draft = self.cache.speculate(key, request.token_ids[-self.max_depth:], num_nodes, self.max_spec_factor,
                                      self.min_token_prob)
+        self.num_drafts += 1
+        self.seconds += time.perf_counter() - start
         return Suffix(DraftTree(draft.tokens, draft.parents), tuple(draft.probs), draft.score)
 
     def propose(self, ctx, requests, budgets):
-        start = time.perf_counter()
-        trees = {r.request_id: self.speculate(r, budgets[r.request_id].num_nodes).cut(budgets[r.request_id]).tree
-                 for r in requests}
-        self.num_proposals += len(requests)
-        self.seconds += time.perf_counter() - start
-        return trees
+        return {r.request_id: self.speculate(r, budgets[r.request_id].num_nodes).cut(budgets[r.request_id]).tree
+                for r in requests}
 
     def reset(self, request):
         """A request that leaves: its own tree goes; its answer stays in the global tree if it finished, and leaves
@@ -126,8 +125,8 @@ class SuffixDrafter(Drafter):
         return len(self.cache.cached)
 
     def summary(self):
-        """The drafter's own time per engine step (updating the trees and drafting) and per tree drafted, in
+        """The drafter's own time per engine step (updating the trees and drafting) and per draft made, in
         microseconds, and the answers the global tree holds."""
         return {"suffix_us_per_step": self.seconds / max(self.num_steps, 1) * 1e6,
-                "suffix_us_per_tree": self.seconds / max(self.num_proposals, 1) * 1e6,
+                "suffix_us_per_draft": self.seconds / max(self.num_drafts, 1) * 1e6,
                 "suffix_cached_requests": self.num_cached_requests}

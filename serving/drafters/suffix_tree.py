@@ -18,12 +18,11 @@ to the longest suffix of the context (at most D - 1 tokens) found in the tree, g
 match's node by estimated path probability (the product of count(child) / count(parent) along it), never taking a
 node below `min_token_prob`, up to min(max_spec_tokens, floor(max_spec_factor * m)) nodes; the draft with the
 highest score (the sum of its nodes' probabilities) wins, the longer match among equal scores. Ties in probability
-go to the node pushed first; a node's children are pushed by decreasing count, then increasing token id.
+go to the child of the node drafted first, then to the lower token id.
 """
 from __future__ import annotations
 
 import heapq
-import itertools
 from dataclasses import dataclass, field
 
 
@@ -97,10 +96,14 @@ class SuffixTree:
             matches.append(node)
         best = Draft()
         for m in range(len(matches), 0, -1):  # longest first: a shorter match must score higher to win
+            node = matches[m - 1]
             num = max(0, min(max_spec_tokens, int(m * max_spec_factor + 1e-6)))
-            if num <= best.score:  # its score is at most num (each probability is at most 1)
+            if not num or not node.children:
                 continue
-            draft = grow(matches[m - 1], num, min_token_prob)
+            # no node of its draft is likelier than its likeliest child, so num of those bound its score
+            if num * max(c.count for c in node.children.values()) / node.count < best.score - 1e-9:
+                continue
+            draft = grow(node, num, min_token_prob)
             if draft.score > best.score:
                 best, best.match_len = draft, m
         return best
@@ -108,19 +111,19 @@ class SuffixTree:
 
 def grow(node: Node, max_nodes: int, min_prob: float) -> Draft:
     """The best-first tree of at most `max_nodes` nodes under `node`, none below `min_prob`."""
-    draft, order = Draft(), itertools.count()
-    heap = []
+    draft, heap = Draft(), []
 
     def push(parent_node: Node, prob: float, parent: int) -> None:
-        for token, child in sorted(parent_node.children.items(), key=lambda c: (-c[1].count, c[0])):
+        # ties in probability: the child of the node drafted first, then the lower token id (siblings tie only
+        # where their counts do)
+        for token, child in parent_node.children.items():
             p = prob * child.count / parent_node.count
-            if p < min_prob:
-                break
-            heapq.heappush(heap, (-p, next(order), token, child, parent))
+            if p >= min_prob:
+                heapq.heappush(heap, (-p, parent, token, child))
 
     push(node, 1.0, -1)
     while heap and len(draft.tokens) < max_nodes:
-        neg, _, token, child, parent = heapq.heappop(heap)
+        neg, parent, token, child = heapq.heappop(heap)
         draft.tokens.append(token)
         draft.parents.append(parent)
         draft.probs.append(-neg)
