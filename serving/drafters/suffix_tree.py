@@ -27,11 +27,17 @@ from dataclasses import dataclass, field
 
 
 class Node:
-    __slots__ = ("count", "children")
+    __slots__ = ("count", "children", "ranking")
 
     def __init__(self):
         self.count = 0
         self.children: dict[int, Node] = {}
+        self.ranking: list | None = None  # (token, child) by decreasing count: made when drafted, dropped on a change
+
+    def ranked(self) -> list:
+        if self.ranking is None:
+            self.ranking = sorted(self.children.items(), key=lambda item: -item[1].count)
+        return self.ranking
 
 
 @dataclass
@@ -62,6 +68,7 @@ class SuffixTree:
                 if child is None:
                     child = node.children[token] = Node()
                 child.count += 1
+                node.ranking = None
                 nodes.append(child)
             growing = nodes[len(nodes) - self.max_depth + 1:] if len(nodes) >= self.max_depth else nodes  # < max_depth deep
         self.growing[key] = growing
@@ -74,6 +81,7 @@ class SuffixTree:
             for token in seq[start:start + self.max_depth]:
                 child = node.children[token]
                 child.count -= 1
+                node.ranking = None
                 if child.count == 0:
                     del node.children[token]  # nothing else passes through it, nor below it
                     break
@@ -101,7 +109,7 @@ class SuffixTree:
             if not num or not node.children:
                 continue
             # no node of its draft is likelier than its likeliest child, so num of those bound its score
-            if num * max(c.count for c in node.children.values()) / node.count < best.score - 1e-9:
+            if num * node.ranked()[0][1].count / node.count < best.score - 1e-9:
                 continue
             draft = grow(node, num, min_token_prob)
             if draft.score > best.score:
@@ -116,10 +124,11 @@ def grow(node: Node, max_nodes: int, min_prob: float) -> Draft:
     def push(parent_node: Node, prob: float, parent: int) -> None:
         # ties in probability: the child of the node drafted first, then the lower token id (siblings tie only
         # where their counts do)
-        for token, child in parent_node.children.items():
+        for token, child in parent_node.ranked():
             p = prob * child.count / parent_node.count
-            if p >= min_prob:
-                heapq.heappush(heap, (-p, parent, token, child))
+            if p < min_prob:
+                break
+            heapq.heappush(heap, (-p, parent, token, child))
 
     push(node, 1.0, -1)
     while heap and len(draft.tokens) < max_nodes:
