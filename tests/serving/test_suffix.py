@@ -43,10 +43,10 @@ def occurrences(seqs, path) -> int:
     return sum(seq[i:i + n] == path for seq in seqs for i in range(len(seq) - n + 1))
 
 
-def tree_paths(node, path=()):
-    for token, child in node.children.items():
-        yield path + (token,), child.count
-        yield from tree_paths(child, path + (token,))
+def tree_paths(tree, node=0, path=()):
+    for token, child in tree.children[node].items():
+        yield path + (token,), tree.counts[child]
+        yield from tree_paths(tree, child, path + (token,))
 
 
 def reference_draft(seqs, context, max_depth, max_nodes, factor, min_prob):
@@ -95,7 +95,7 @@ def test_suffix_tree_counts_every_path_as_brute_force(max_depth):
             tree.remove(key - 1)
             del seqs[key - 1]
     held = list(seqs.values())
-    paths = dict(tree_paths(tree.root))
+    paths = dict(tree_paths(tree))
     expected = {}
     for seq in held:
         for i in range(len(seq)):
