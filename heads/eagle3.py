@@ -9,6 +9,14 @@ goes through the head's own final `norm` and `lm_head` to logits for x_{t+2} ove
 The next draft step feeds that output (before the final norm) back in place of g, at position t+1: training
 unrolls the same way (training-time test). Positions are those of g_t, as in EAGLE-3 and vLLM.
 
+EAGLE 3.1 (arXiv 2605.09992) adds norms that keep the fused feature and the fed-back output at one scale across
+draft depths, as speculators and vLLM name them (all off by default, which is EAGLE-3):
+- `norm_before_fc`: one RMSNorm over the concatenated aux states before `fc` (3h wide; `input_norm` in their files).
+- `fc_norm`: one RMSNorm per aux state before concatenation, concat(Norm(a), Norm(b), Norm(c)) (`fc_norm.{i}`);
+  it and norm_before_fc exclude each other.
+- `norm_output`: the output goes through the final `norm` before it is fed back as the next step's g (training
+  unrolls over it too) and before `lm_head`, which then reads it as is.
+
 The draft vocabulary is stored as EAGLE-3 and vLLM store it: `d2t[draft_id]` is the offset to the target id
 (`target_id = draft_id + d2t[draft_id]`, draft ids in ascending target-id order) and `t2d` marks the target
 ids that are in it. A new head takes its `norm` and its `lm_head` rows from the target's (the rows of the
@@ -33,9 +41,18 @@ class Eagle3Config(HeadConfig):
 
     aux_layers: tuple[int, ...] = ()  # () derives (2, L // 2, L - 3) from the target's L layers
     draft_vocab_size: int = 0  # 0 means the target's whole vocabulary
+    norm_before_fc: bool = False  # EAGLE 3.1's norms, as speculators and vLLM name them (module docstring)
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def __post_init__(self):
         super().__post_init__()
+        for name in ("norm_before_fc", "fc_norm", "norm_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm exclude each other (one norm over the concatenated aux "
+                             "states, or one per aux state): set one of them")
         num_layers = self.num_target_layers
         self.aux_layers = tuple(self.aux_layers) or (2, num_layers // 2, num_layers - 3)
         if not all(isinstance(i, int) and 0 <= i < num_layers for i in self.aux_layers):
@@ -57,7 +74,12 @@ class Eagle3(DraftHead):
         super().__init__(config)
         c = config
         h = c.hidden_size
-        self.fc = nn.Linear(len(c.aux_layers) * h, h, bias=False)
+        num_aux = len(c.aux_layers)
+        self.fc = nn.Linear(num_aux * h, h, bias=False)
+        if c.norm_before_fc:
+            self.fc_input_norm = RMSNorm(num_aux * h, c.rms_norm_eps)
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(h, c.rms_norm_eps) for _ in range(num_aux))
         self.input_norm = RMSNorm(h, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, c.rms_norm_eps)
         self.layer = DecoderLayer(c.layer_config(attention_input_size=2 * h), layer_idx=0, input_norm=False)
@@ -109,19 +131,26 @@ class Eagle3(DraftHead):
         already concatenated [..., num_aux * hidden] -> g: [..., hidden]."""
         if not isinstance(aux, torch.Tensor):
             aux = torch.cat(list(aux), dim=-1)
+        if self.config.norm_before_fc:
+            aux = self.fc_input_norm(aux)
+        if self.config.fc_norm:
+            aux = torch.cat([norm(part) for norm, part in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], dim=-1)
         return self.fc(aux)
 
     def forward(self, input_ids: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
         """input_ids: [...] x_{t+1}; g: [..., hidden] fuse(aux) at the first step, the previous output after;
-        positions: [...] t -> out: [..., hidden] (before the final norm)."""
+        positions: [...] t -> out: [..., hidden], what the next step reads as g (before the final norm, or after it
+        with norm_output)."""
         embeds = self.input_norm(self.target.embed(input_ids))  # [..., hidden]
         attention_input = torch.cat([embeds, self.hidden_norm(g)], dim=-1)  # [..., 2 * hidden]
         cos, sin = self.rope_tables(positions, g.dtype)
-        return self.layer(g, cos, sin, attention, attention_input=attention_input)
+        out = self.layer(g, cos, sin, attention, attention_input=attention_input)
+        return self.norm(out) if self.config.norm_output else out
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """out: [..., hidden] -> [..., draft_vocab] over x_{t+2}; map the chosen ids with to_target_ids."""
-        return self.lm_head(self.norm(out))
+        """out: [..., hidden] forward's output -> [..., draft_vocab] over x_{t+2}; map the chosen ids with
+        to_target_ids."""
+        return self.lm_head(out if self.config.norm_output else self.norm(out))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -8,6 +8,10 @@ training/formats.py (which `draftheads import` reads the other way):
     EAGLE-3  speculators "Eagle3Speculator"  fc, layers.0.*, norm, lm_head, d2t, t2d; transformer_layer_config
     EAGLE-1  speculators "EagleSpeculator"   fusion_fc (fusion_bias), transformer.*; transformer_layer_config
 
+EAGLE 3.1's norms (norm_before_fc, fc_norm, norm_output) go to vLLM and speculators under those names, with their
+tensors input_norm.weight and fc_norm.{i}.weight (vLLM 0.32 loads them); SGLang's EAGLE-3 layer has none, so a head
+with one is refused there.
+
 The speculators format (vllm-project/speculators) names the verifier, the target folder (--target), so vLLM serves
 an EAGLE-3 export given as its model: `vllm serve OUT`, draft length from --num-speculative-tokens (its
 --speculative-config may override it). vLLM's EAGLE-1 layer has no fc bias and silently drops one it is given, so

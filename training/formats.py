@@ -14,6 +14,7 @@ along dim 0 (our decoder layer fuses q/k/v and gate/up).
     eagle   speculators  EagleSpeculator          fusion_fc.weight/bias (fusion_bias), transformer.*  speculators eagle.py
     eagle3  speculators  Eagle3Speculator         fc.weight, layers.0.* (input_layernorm, hidden_norm),  speculators
                                                   norm.weight, lm_head.weight, d2t, t2d              eagle3, vllm
+    eagle3  vllm, speculators (EAGLE 3.1)         input_norm.weight (norm_before_fc), fc_norm.{i}.weight (fc_norm)
     medusa  vllm         MedusaModel              blocks.{i}.layers.{j}.weight/bias, lm_heads.{i}.weight,  vllm medusa.py
                                                   token_map
             medusa-repo  (medusa_lm_head.*)       medusa_head.{i}.{j}.linear.weight/bias,            FasterDecoding/Medusa
@@ -51,15 +52,16 @@ def _under(ours: str, theirs: str, names: Names) -> Names:
 
 
 EAGLE: Names = {"fc.weight": "fc.weight", "fc.bias": "fc.bias", **_under("layer.", "layers.0.", LLAMA_LAYER)}
+EAGLE31_NORMS: Names = {"fc_input_norm.weight": "input_norm.weight", "fc_norm.{}.weight": "fc_norm.{}.weight"}
 EAGLE3: Names = {
-    "fc.weight": "fc.weight", "input_norm.weight": "midlayer.input_layernorm.weight",
+    "fc.weight": "fc.weight", **EAGLE31_NORMS, "input_norm.weight": "midlayer.input_layernorm.weight",
     "hidden_norm.weight": "midlayer.hidden_norm.weight", **_under("layer.", "midlayer.", LLAMA_LAYER),
     "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d",
 }
 EAGLE_SPECULATORS: Names = {"fc.weight": "fusion_fc.weight", "fc.bias": "fusion_fc.bias",
                              **_under("layer.", "transformer.", LLAMA_LAYER)}
 EAGLE3_SPECULATORS: Names = {
-    "fc.weight": "fc.weight", "input_norm.weight": "layers.0.input_layernorm.weight",
+    "fc.weight": "fc.weight", **EAGLE31_NORMS, "input_norm.weight": "layers.0.input_layernorm.weight",
     "hidden_norm.weight": "layers.0.hidden_norm.weight", **_under("layer.", "layers.0.", LLAMA_LAYER),
     "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d",
 }
@@ -208,13 +210,28 @@ class EagleLayout(Layout):
 CAPTURES_SORTED = ("vllm", "speculators")  # capture each aux layer once, ascending (vLLM's model runner does)
 
 
-def sorted_aux(head) -> tuple[list[int], torch.Tensor]:
-    """EAGLE-3's aux layer ids ascending and distinct, as vLLM captures them, and the fc that reads them so: its
-    column blocks reordered, those of a layer named twice added (fc is linear, so the head computes the same)."""
-    layers = sorted(set(head.config.aux_layers))
-    blocks = head.fc.weight.detach().chunk(len(head.config.aux_layers), dim=1)
-    fused = [sum(block for i, block in zip(head.config.aux_layers, blocks) if i == layer) for layer in layers]
-    return layers, torch.cat(fused, dim=1)
+def sorted_aux(head) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """EAGLE-3's aux layer ids ascending and distinct, as vLLM captures them, and the tensors that read them so:
+    fc's column blocks reordered, those of a layer named twice added (fc is linear, so the head computes the same),
+    and EAGLE 3.1's input norms reordered alike (a norm over a layer named twice cannot be merged: refused)."""
+    c = head.config
+    layers = sorted(set(c.aux_layers))
+    blocks = head.fc.weight.detach().chunk(len(c.aux_layers), dim=1)
+    fused = [sum(block for i, block in zip(c.aux_layers, blocks) if i == layer) for layer in layers]
+    tensors = {"fc.weight": torch.cat(fused, dim=1)}
+    if len(layers) != len(c.aux_layers) and (c.norm_before_fc or c.fc_norm):
+        raise ValueError(f"aux layers {list(c.aux_layers)} name a layer twice, and with norm_before_fc or fc_norm its "
+                         "norm cannot be merged into one capture as vLLM makes them: train with distinct aux layers")
+    order = sorted(range(len(c.aux_layers)), key=lambda i: c.aux_layers[i])
+    if c.norm_before_fc:
+        norm_blocks = head.fc_input_norm.weight.detach().chunk(len(order))
+        tensors["fc_input_norm.weight"] = torch.cat([norm_blocks[i] for i in order])
+    if c.fc_norm:
+        tensors.update({f"fc_norm.{j}.weight": head.fc_norm[i].weight.detach() for j, i in enumerate(order)})
+    return layers, tensors
+
+
+EAGLE31_FIELDS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 class Eagle3Layout(Layout):
@@ -224,29 +241,35 @@ class Eagle3Layout(Layout):
         if hidden != config.get("hidden_size"):
             raise ValueError(f"{where}: target_hidden_size {hidden} differs from hidden_size {config.get('hidden_size')}: "
                              "this project's EAGLE-3 heads share the target's hidden size")
-        if self.source == "speculators":
-            for name, ours in (("norm_before_residual", False), ("norm_before_fc", False), ("fc_norm", False),
-                               ("norm_output", False)):
-                if config.get(name, ours) != ours:
-                    raise ValueError(f"{where}: {name} is {config[name]}, but this project's EAGLE-3 head has "
-                                     f"{name} {str(ours).lower()} (g is the residual stream, un-normed)")
+        if config.get("norm_before_residual", False):
+            raise ValueError(f"{where}: norm_before_residual is true, but this project's EAGLE-3 head keeps g, not "
+                             "hidden_norm(g), as the layer's residual stream")
         eagle = config.get("eagle_config") or {}
         layers = eagle.get("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids")) or []
         if self.source == "sglang":
             layers = [i + 1 for i in layers]
         fields = {"aux_layers": tuple(layers), **_intermediate(config)}
+        # vLLM reads norm_before_fc from eagle_config first, the others from the config's top level
+        fields.update({name: eagle.get(name, config.get(name, False)) if name == "norm_before_fc"
+                       else config.get(name, False) for name in EAGLE31_FIELDS})
         if config.get("draft_vocab_size"):
             fields["draft_vocab_size"] = config["draft_vocab_size"]
         return fields
 
     def exported(self, head):
+        c = head.config
+        on = [name for name in EAGLE31_FIELDS if getattr(c, name)]
+        if on and self.source not in CAPTURES_SORTED:
+            raise ValueError(f"this EAGLE-3 head has EAGLE 3.1's {', '.join(on)}, which {self.source}'s EAGLE-3 layer "
+                             "does not have: export it --format vllm or --format speculators (vLLM loads both)")
         ours = head.state_dict()
         if self.source in CAPTURES_SORTED:
-            ours["fc.weight"] = sorted_aux(head)[1]
+            ours.update(sorted_aux(head)[1])
         return ours
 
     def export_config(self, head):
         c = head.config
+        norms = {name: getattr(c, name) for name in EAGLE31_FIELDS}
         layers = list(sorted_aux(head)[0] if self.source in CAPTURES_SORTED else c.aux_layers)
         if self.source == "sglang":
             if min(layers) < 1:
@@ -259,10 +282,9 @@ class Eagle3Layout(Layout):
                                  "sizes fc by the distinct layers it captures: export --format vllm (it adds the "
                                  "repeated layer's fc blocks), or train with distinct aux layers")
             return {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size,
-                    "eagle_aux_hidden_state_layer_ids": layers, "norm_before_residual": False,
-                    "norm_before_fc": False}
+                    "eagle_aux_hidden_state_layer_ids": layers, "norm_before_residual": False, **norms}
         return {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size,
-                "eagle_aux_hidden_state_layer_ids": layers,
+                "eagle_aux_hidden_state_layer_ids": layers, **(norms if self.source in CAPTURES_SORTED else {}),
                 "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": layers}}
 
     def target_tensors(self, config):

@@ -102,3 +102,67 @@ def test_saved_tensors_include_its_own_norm_head_and_maps(llama_parts):
     names = set(Eagle3.from_target(llama_parts, draft_token_ids=range(8)).state_dict())
     assert {"d2t", "t2d", "norm.weight", "lm_head.weight", "fc.weight", "input_norm.weight", "hidden_norm.weight"} <= names
     assert not any(name.startswith("embed") for name in names)
+
+
+def rms_norm(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+@torch.no_grad()
+def eagle31(parts, **norms):
+    """An EAGLE-3 head with EAGLE 3.1's `norms`, every norm weight moved off 1."""
+    head = Eagle3.from_target(parts, aux_layers=(0, 1, 3), **norms)
+    generator = torch.Generator().manual_seed(5)
+    for name, param in head.named_parameters():
+        if "norm" in name:
+            param.uniform_(0.5, 1.5, generator=generator)
+    return head
+
+
+def test_eagle31_norms_before_fc_normalise_the_aux_states_together_or_each(llama_parts):
+    """norm_before_fc: fc(Norm(concat(a, b, c))), one weight 3h wide; fc_norm: fc(concat(Norm_a(a), Norm_b(b),
+    Norm_c(c))); off: fc(concat(a, b, c)) as in EAGLE-3."""
+    aux = [torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(i)) * (i + 1) * 10 for i in range(3)]
+    eps = llama_parts.layer.rms_norm_eps
+    with torch.no_grad():
+        together = eagle31(llama_parts, norm_before_fc=True)
+        assert together.fc_input_norm.weight.shape == (192,)
+        torch.testing.assert_close(together.fuse(aux), together.fc(rms_norm(torch.cat(aux, -1), together.fc_input_norm.weight, eps)))
+        each = eagle31(llama_parts, fc_norm=True)
+        assert len(each.fc_norm) == 3
+        expected = torch.cat([rms_norm(a, norm.weight, eps) for a, norm in zip(aux, each.fc_norm)], -1)
+        torch.testing.assert_close(each.fuse(aux), each.fc(expected))
+        plain = eagle31(llama_parts)
+        torch.testing.assert_close(plain.fuse(aux), plain.fc(torch.cat(aux, -1)))
+        assert not any("fc_norm" in name or "fc_input_norm" in name for name in plain.state_dict())
+    with pytest.raises(ValueError, match="norm_before_fc and fc_norm exclude each other"):
+        Eagle3.from_target(llama_parts, norm_before_fc=True, fc_norm=True)
+
+
+def test_eagle31_norm_output_feeds_the_normed_output_back(llama_parts, batch):
+    """With norm_output the layer's output goes through the final norm before the next step reads it as g, and the
+    LM head reads it as is: the same logits as EAGLE-3's at the first step, another input at the next."""
+    input_ids, positions, g = batch
+    plain = eagle31(llama_parts)
+    normed = eagle31(llama_parts, norm_output=True)
+    normed.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        out, out_normed = (head(input_ids, g, positions, DenseCausalAttention()) for head in (plain, normed))
+        torch.testing.assert_close(out_normed, plain.norm(out))
+        torch.testing.assert_close(normed.logits(out_normed), plain.logits(out))
+        again = normed(input_ids, out_normed, positions + 1, DenseCausalAttention())
+        torch.testing.assert_close(again, plain.norm(plain(input_ids, plain.norm(out), positions + 1, DenseCausalAttention())))
+
+
+@pytest.mark.parametrize("norms", [{"norm_before_fc": True}, {"fc_norm": True, "norm_output": True}])
+def test_eagle31_heads_save_and_load_with_their_norms(norms, llama_parts, tmp_path):
+    import heads
+
+    head = eagle31(llama_parts, **norms)
+    loaded = heads.load(heads.save(head, tmp_path / "head"), target=llama_parts)
+    assert loaded.config == head.config and all(getattr(loaded.config, name) for name in norms)
+    assert loaded.state_dict().keys() == head.state_dict().keys()
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match="norm_output=1 must be true or false"):
+        Eagle3.from_target(llama_parts, norm_output=1)

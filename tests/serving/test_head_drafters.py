@@ -1176,3 +1176,26 @@ def test_heads_draft_right_once_the_batch_shrinks_to_disable_by_batch_size(kind,
     assert all(first_drafts[o.request_id] > len(o.prompt_token_ids) + 1 for o in outputs[-3:])  # started late
     num_checked, mismatches = check_against_dense(folder, load_as_drafted(head_dir, folder), proposals, finals)
     assert num_checked >= 20 and not mismatches, mismatches[:10]
+
+
+EAGLE31 = {"norm_before_fc": dict(norm_before_fc=True, norm_output=True), "fc_norm": dict(fc_norm=True, norm_output=True)}
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+@pytest.mark.parametrize("norms", EAGLE31)
+def test_eagle31_heads_reproduce_plain_greedy_and_draft_as_the_dense_head(norms, concurrency, tiny_llama, heads_root):
+    """EAGLE 3.1's norms (before fc, and the normed output fed back) in the engine: outputs stay plain greedy
+    decoding's under chunked prefill and preemption, and every proposal equals the dense head's."""
+    with torch.random.fork_rng():
+        torch.manual_seed(11)
+        head = heads.Eagle3.from_target(target_parts(tiny_llama), draft_token_ids=torch.randperm(VOCAB)[:VOCAB // 2],
+                                        aux_layers=EAGLE3_AUX, **EAGLE31[norms])
+    folder = heads.save(perturb(head, seed=12), heads_root / f"eagle31-{norms}")
+    engine = make_engine(tiny_llama, spec_config("eagle3", folder), **SCENARIOS[concurrency])
+    proposals = record_proposals(engine)
+    outputs = engine.generate(PROMPTS, greedy(MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, PROMPTS, MAX_TOKENS)
+    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
+    num_checked, mismatches = check_against_dense(tiny_llama, load_as_drafted(folder, tiny_llama), proposals, finals)
+    assert num_checked >= 8 * 4
+    assert not mismatches, f"{len(mismatches)} of {num_checked} proposals differ:\n" + "\n".join(mismatches[:10])

@@ -222,3 +222,39 @@ def test_exporting_an_eagle1_head_over_a_token_map_says_where_the_map_applies(ti
     assert ("trained to draft among the 40 tokens of a token map: SGLang drafts among them given that file "
             "(--speculative-token-map), vLLM over the whole vocabulary") in capsys.readouterr().out
     assert "token_map" not in read(tmp_path / "out")[1]  # vLLM's EAGLE-1 has no map to load
+
+
+@pytest.mark.parametrize("engine", ["vllm", "speculators"])
+@pytest.mark.parametrize("norms", [{"norm_before_fc": True, "norm_output": True}, {"fc_norm": True}])
+def test_eagle31_norms_export_as_vllm_and_speculators_read_them(engine, norms, tiny_llama, tmp_path):
+    """EAGLE 3.1's options under their names in config.json, their norms as input_norm.weight (over the aux states
+    side by side) and fc_norm.{i}.weight (one per aux state), all in the ascending order vLLM captures the aux
+    layers in: fuse(aux) read back through the exported tensors is the head's own."""
+    parts = heads.load_target_parts(tiny_llama)
+    head = perturbed(heads.Eagle3.from_target(parts, aux_layers=(3, 1, 2), **norms), seed=9).eval()
+    config, tensors = read(exporting.export(head, engine, tmp_path / "out", verifier=tiny_llama))
+    for name in ("norm_before_fc", "fc_norm", "norm_output"):
+        assert config[name] is norms.get(name, False)
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    h, eps = parts.hidden_size, parts.layer.rms_norm_eps
+    aux = {layer: torch.randn(4, h, generator=torch.Generator().manual_seed(layer)) * 10 for layer in (1, 2, 3)}
+    norm = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    theirs = torch.cat([aux[i] for i in (1, 2, 3)], dim=-1)
+    if "norm_before_fc" in norms:
+        theirs = norm(theirs, tensors["input_norm.weight"])
+        assert "fc_norm.0.weight" not in tensors
+    else:
+        theirs = torch.cat([norm(aux[i], tensors[f"fc_norm.{j}.weight"]) for j, i in enumerate((1, 2, 3))], dim=-1)
+        assert "input_norm.weight" not in tensors
+    with torch.no_grad():
+        torch.testing.assert_close(theirs @ tensors["fc.weight"].T, head.fuse([aux[i] for i in (3, 1, 2)]))
+
+
+def test_eagle31_norms_sglang_lacks_or_a_repeated_aux_layer_are_clear_errors(tiny_llama, tmp_path):
+    parts = heads.load_target_parts(tiny_llama)
+    with pytest.raises(ValueError, match="EAGLE 3.1's norm_output, which sglang's EAGLE-3 layer does not have: "
+                                         "export it --format vllm or --format speculators"):
+        exporting.export(heads.Eagle3.from_target(parts, norm_output=True), "sglang", tmp_path / "sglang")
+    with pytest.raises(ValueError, match="name a layer twice, and with norm_before_fc or fc_norm its norm cannot be merged"):
+        exporting.export(heads.Eagle3.from_target(parts, aux_layers=(2, 2, 1), fc_norm=True), "vllm", tmp_path / "vllm")
+    assert not any(tmp_path.iterdir())

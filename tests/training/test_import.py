@@ -28,7 +28,10 @@ CASES = {  # case: (kind, layout)
     "eagle-vllm": ("eagle", "vllm"), "eagle-sglang": ("eagle", "sglang"), "eagle3-vllm": ("eagle3", "vllm"),
     "eagle3-sglang": ("eagle3", "sglang"), "medusa-token-map": ("medusa", "vllm"), "medusa-own": ("medusa", "vllm"),
     "eagle-speculators": ("eagle", "speculators"), "eagle3-speculators": ("eagle3", "speculators"),
+    "eagle31-vllm": ("eagle3", "vllm"), "eagle31-speculators": ("eagle3", "speculators"),
 }
+EAGLE31 = {"eagle31-vllm": {"norm_before_fc": True, "norm_output": True},
+           "eagle31-speculators": {"fc_norm": True, "norm_output": True}}  # EAGLE 3.1's norms
 
 
 def target_parts(folder):
@@ -45,7 +48,7 @@ def perturbed(head, seed: int):
 
 def new_head(case: str, folder):
     """A perturbed head for each exported layout: EAGLE-1 with and without fc's bias, EAGLE-3 over a third of the
-    vocabulary (aux layers >= 1, as SGLang needs), Medusa sharing the target's LM head over a token map, or with its
+    vocabulary (aux layers >= 1, as SGLang needs; eagle31: with EAGLE 3.1's norms), Medusa sharing the target's LM head over a token map, or with its
     own LM heads."""
     parts = target_parts(folder)
     if case == "eagle-vllm":
@@ -54,7 +57,8 @@ def new_head(case: str, folder):
         return perturbed(heads.Eagle.from_target(parts), 2)
     if case.startswith("eagle3"):
         ids = torch.arange(1, VOCAB, 3)
-        return perturbed(heads.Eagle3.from_target(parts, draft_token_ids=ids, aux_layers=(1, 2, 3)), 3)
+        return perturbed(heads.Eagle3.from_target(parts, draft_token_ids=ids, aux_layers=(1, 2, 3),
+                                                  **EAGLE31.get(case, {})), 3)
     if case == "medusa-token-map":
         token_map = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(4))[:40]
         parts.lm_head = lm_head_rows(parts.lm_head, token_map)
@@ -107,7 +111,7 @@ def record_drafts(engine) -> list:
 
 
 @pytest.mark.parametrize("case, spec", [("eagle-sglang", {"topk": 2, "num_draft_tokens": 6}), ("eagle3-vllm", {}),
-                                        ("medusa-token-map", {})])
+                                        ("medusa-token-map", {}), ("eagle31-vllm", {})])
 def test_a_reimported_head_drafts_as_the_original_in_the_engine(case, spec, tiny_llama, tmp_path):
     kind, layout = CASES[case]
     head = new_head(case, tiny_llama)
@@ -340,5 +344,5 @@ def test_a_speculators_eagle3_with_a_normed_residual_is_refused(tiny_llama, tmp_
     config["norm_before_residual"] = True
     (exported / "config.json").write_text(json.dumps(config))
     assert cli_main(import_args(exported, "eagle3", tiny_llama, tmp_path / "head")) == 2
-    assert "norm_before_residual is True, but this project's EAGLE-3 head has norm_before_residual false" in (
+    assert "norm_before_residual is true, but this project's EAGLE-3 head keeps g, not hidden_norm(g)" in (
         capsys.readouterr().err)

@@ -31,7 +31,8 @@ class Eagle3Module(DraftModule):
     hidden_layers = ("last", "eagle3")
 
     def __init__(self, num_steps: int = 7, decay: float = 0.8, draft_vocab_size: int = 32000,
-                 aux_layers: list[int] | None = None, intermediate_size: int | None = None, **kwargs):
+                 aux_layers: list[int] | None = None, intermediate_size: int | None = None, norm_before_fc: bool = False,
+                 fc_norm: bool = False, norm_output: bool = False, **kwargs):
         """An EAGLE-3 layer and its training-time test.
 
         Args:
@@ -40,12 +41,16 @@ class Eagle3Module(DraftModule):
             draft_vocab_size: Tokens the head drafts over: the store's most frequent answer tokens.
             aux_layers: The target layers whose inputs are fused (null: 2, L//2, L-3).
             intermediate_size: MLP width of the layer (null: the target's).
+            norm_before_fc: EAGLE 3.1: one RMSNorm over the concatenated aux states before fc.
+            fc_norm: EAGLE 3.1: one RMSNorm per aux state before fc (excludes norm_before_fc).
+            norm_output: EAGLE 3.1: the layer's output is normed before it is fed back to the next step.
         """
         super().__init__(**kwargs)
         if num_steps < 1:
             raise ValueError(f"num_steps={num_steps} must be >= 1")
         self.head = Eagle3.from_target(self.target_parts, draft_vocab_size=draft_vocab_size,
-                                       aux_layers=tuple(aux_layers or ()), intermediate_size=intermediate_size)
+                                       aux_layers=tuple(aux_layers or ()), intermediate_size=intermediate_size,
+                                       norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output)
         self.has_draft_vocab = False
 
     @property
