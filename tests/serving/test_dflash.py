@@ -99,8 +99,9 @@ def test_paged_blocks_equal_the_dense_head_with_the_explicit_mask(causal, topk, 
             mismatches.append(mismatch)
     assert len(records) >= 3 * 3
     assert not mismatches, f"{len(mismatches)} of {len(records)} proposals differ:\n" + "\n".join(mismatches)
-    full = [tree for _, _, budget, tree, _ in records if budget.depth == 3]
-    assert full and all(t.depth == 3 for t in full)
+    full = [tree for _, _, budget, tree, _ in records if budget.depth == 3 and budget.num_nodes == 3 * topk]
+    assert full and all(len(t) == 3 * topk and t.depth >= 2 for t in full)
+    assert topk > 1 or all(t.depth == 3 for t in full)
     if topk == 2:
         assert any(max(map(len, t.children)) == 2 for t in full)
 

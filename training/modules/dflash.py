@@ -64,8 +64,8 @@ class DFlashModule(DraftModule):
             mask_token_id: The token whose embedding (the target's, frozen) fills the mask slots: one the target never
                 writes, e.g. a reserved special token.
             causal: Mask slots attend to the slots before them only (false: to the whole block, as DFlash).
-            target_layers: Target layers whose inputs are fused (null: the store's aux layers offline, z-lab's
-                spacing, one per drafter layer, online). Offline they must be the store's aux layers.
+            target_layers: Target layers whose inputs are fused (null: the store's aux layers, or z-lab's spacing,
+                one per drafter layer, for a store without them). Offline they must be the store's aux layers.
             gamma: Slot k's loss weight is exp(-(k-1)/gamma).
             num_anchors: Blocks per training sequence per batch, at random label positions.
             intermediate_size: MLP width of the drafter layers (null: the target's).
@@ -89,12 +89,12 @@ class DFlashModule(DraftModule):
         return tuple(self.head.config.target_layers)
 
     def use_store(self, store) -> None:
-        """Offline, a head given no target_layers fuses the store's (its EAGLE-3 aux layers); given some, they must
-        be the store's. Online the store holds no layers and the target computes the head's."""
-        if "eagle3" not in store.layers or tuple(store.aux_layers) == self.aux_layers:
-            return
-        if self.hparams.target_layers is None:
-            self.head = self._new_head(tuple(store.aux_layers))
+        """A head given no target_layers fuses the store's aux layers (online too, where the target computes them);
+        given some, offline they must be the store's."""
+        layers = tuple(store.aux_layers)
+        if self.hparams.target_layers is None and layers and layers != self.aux_layers:
+            self.head = self._new_head(layers)
+        if "eagle3" not in store.layers or layers == self.aux_layers:
             return
         raise ValueError(f"store {store.path} holds the target layers {list(store.aux_layers)} but this DFlash head "
                          f"fuses {list(self.aux_layers)}: set model.init_args.target_layers: {list(store.aux_layers)} "
