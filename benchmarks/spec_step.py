@@ -13,6 +13,7 @@ import time
 import torch
 
 from serving.config import EngineConfig
+from serving.drafters.base import PooledDrafter
 from serving.engine import Engine
 from serving.bench.prompts import first_turn, load_prompts
 from serving.request import SamplingParams
@@ -64,7 +65,8 @@ def main() -> None:
     drafters = [Timer() for _ in configs]
     for speculator, drafter in zip(speculators, drafters):
         if speculator:
-            for name in ("observe", "propose"):
+            pooled = isinstance(speculator.drafter, PooledDrafter)  # its catch-up runs before propose
+            for name in ("observe", "catch_up", "propose") if pooled else ("observe", "propose"):
                 drafter.wrap(speculator.drafter, name)
         engine.use_speculator(speculator)
         engine.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up
@@ -85,7 +87,8 @@ def main() -> None:
                 total["stats"].merge(AcceptanceStats.from_dict(out.metrics["spec"]))
     for config, total in zip(configs, totals):
         tau = total["stats"].tau if config else 1.0
-        label = "plain" if config is None else config.label() + (" + token map" if config.token_map else "")
+        label = "plain" if config is None else config.label() + (" + token map" if config.token_map else "") + (
+            f" ({config.model})" if config.model else "")
         elapsed, steps = total["elapsed"], total["steps"]
         ms = [x / steps * 1e3 for x in (elapsed, total["target"], total["drafter"],
                                         elapsed - total["target"] - total["drafter"])]

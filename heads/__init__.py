@@ -1,7 +1,8 @@
-"""Draft heads (Medusa, EAGLE-1, EAGLE-3, MTP) and their checkpoint format: pure torch + safetensors, the
+"""Draft heads (Medusa, EAGLE-1, EAGLE-3, MTP, DFlash) and their checkpoint format: pure torch + safetensors, the
 contract between training and serving."""
 from heads.checkpoint import load, save
 from heads.config import FORMAT_VERSION, HeadConfig
+from heads.dflash import DFlash, DFlashConfig
 from heads.draft_head import DraftHead
 from heads.eagle import Eagle, EagleConfig
 from heads.eagle3 import Eagle3, Eagle3Config
@@ -10,6 +11,6 @@ from heads.mtp import Mtp, MtpConfig
 from heads.target_parts import TargetParts, load_target_parts
 
 __all__ = [
-    "FORMAT_VERSION", "DraftHead", "Eagle", "Eagle3", "Eagle3Config", "EagleConfig", "HeadConfig", "Medusa",
+    "DFlash", "DFlashConfig", "FORMAT_VERSION", "DraftHead", "Eagle", "Eagle3", "Eagle3Config", "EagleConfig", "HeadConfig", "Medusa",
     "MedusaConfig", "Mtp", "MtpConfig", "TargetParts", "load", "load_target_parts", "save",
 ]

@@ -1,5 +1,6 @@
-"""Attention in plain torch shared by the target and the heads: grouped-query SDPA and dense causal
-attention (training runs the decoder layers with it; the engine injects paged attention instead)."""
+"""Attention in plain torch shared by the target and the heads: grouped-query SDPA, dense causal attention
+(training runs the decoder layers with it; the engine injects paged attention instead) and dense attention over
+extra context K/V beside a query's own (DFlash's blocks)."""
 from __future__ import annotations
 
 import torch
@@ -37,3 +38,14 @@ class DenseCausalAttention:
 
     def __call__(self, layer_idx, q, k, v):
         return sdpa_gqa(q, k, v, self.mask, is_causal=self.mask is None)
+
+
+class DenseContextAttention:
+    """Attention over [context K/V | the queries' own K/V] with an explicit mask: mask [B, Q, C + Q] (True attends),
+    C the context's rows. Called as attention(layer_idx, q, k, v, context_k, context_v), context_k/v [B, C, KV, D]."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+
+    def __call__(self, layer_idx, q, k, v, context_k, context_v):
+        return sdpa_gqa(q, torch.cat([context_k, k], dim=1), torch.cat([context_v, v], dim=1), self.mask)

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from heads.config import FORMAT_VERSION
+from heads.dflash import DFlash
 from heads.draft_head import DraftHead
 from heads.eagle import Eagle
 from heads.eagle3 import Eagle3
@@ -26,7 +27,7 @@ from heads.mtp import Mtp
 from heads.target_parts import TargetParts
 from heads.token_map import check_token_ids
 
-HEADS: dict[str, type[DraftHead]] = {cls.config_class.kind: cls for cls in (Medusa, Eagle, Eagle3, Mtp)}
+HEADS: dict[str, type[DraftHead]] = {cls.config_class.kind: cls for cls in (Medusa, Eagle, Eagle3, Mtp, DFlash)}
 WEIGHTS_FILE = "model.safetensors"
 
 

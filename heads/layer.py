@@ -1,6 +1,6 @@
 """The one decoder layer (Llama family: Llama, Qwen2, Qwen3, Mistral) with its attention injected.
 
-The target in the engine, the EAGLE layers and the MTP blocks all run this layer. Attention is a
+The target in the engine, the EAGLE layers, the MTP blocks and DFlash's layers all run this layer. Attention is a
 callable `attention(layer_idx, q, k, v) -> out` over `[..., heads, head_dim]` tensors: dense causal
 attention in training, paged attention in the engine.
 """
@@ -79,15 +79,21 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden, cos, sin, attention, attention_input=None):
         """hidden: [..., hidden]; attention_input replaces input_norm(hidden) when the caller builds it
         (EAGLE-3 concatenates two normed streams)."""
-        c = self.config
         x = self.input_norm(hidden) if attention_input is None else attention_input
+        q, k, v = self.project(x, cos, sin)
+        hidden = hidden + self.o(attention(self.layer_idx, q, k, v).flatten(-2))
+        gate, up = self.gate_up(self.post_norm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down(F.silu(gate) * up)
+
+    def project(self, x, cos, sin):
+        """x: [..., attention_input] (already normed) -> q [..., heads, head_dim], k, v [..., kv_heads, head_dim],
+        q and k normed (Qwen3) and rotated to the positions of cos/sin. DFlash also calls it on the target's fused
+        features, whose k and v its blocks attend to beside their own."""
+        c = self.config
         qkv = self.qkv(x)
         qk = qkv[..., :self.q_size + self.kv_size].unflatten(-1, (c.num_heads + c.num_kv_heads, c.head_dim))
         v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (c.num_kv_heads, c.head_dim))
         if c.qk_norm:
             qk = torch.cat([self.q_norm(qk[..., :c.num_heads, :]), self.k_norm(qk[..., c.num_heads:, :])], dim=-2)
         qk = apply_rope(qk, cos, sin)  # the query and key heads in one go
-        q, k = qk[..., :c.num_heads, :], qk[..., c.num_heads:, :]
-        hidden = hidden + self.o(attention(self.layer_idx, q, k, v).flatten(-2))
-        gate, up = self.gate_up(self.post_norm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down(F.silu(gate) * up)
+        return qk[..., :c.num_heads, :], qk[..., c.num_heads:, :], v

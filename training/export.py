@@ -7,6 +7,9 @@ training/formats.py (which `draftheads import` reads the other way):
     Medusa   vLLM  "MedusaModel"             blocks.{i}.layers.{j}.weight/bias, lm_heads.{i}.weight
     EAGLE-3  speculators "Eagle3Speculator"  fc, layers.0.*, norm, lm_head, d2t, t2d; transformer_layer_config
     EAGLE-1  speculators "EagleSpeculator"   fusion_fc (fusion_bias), transformer.*; transformer_layer_config
+    DFlash   z-lab "DFlashDraftModel"        fc, hidden_norm, layers.{i}.* (Qwen3), norm; dflash_config
+    DFlash   speculators "DFlashSpeculator"  the same, with the target's embed_tokens and lm_head; block_size,
+                                             aux_hidden_state_layer_ids, mask_token_id
 
 EAGLE 3.1's norms (norm_before_fc, fc_norm, norm_output) go to vLLM and speculators under those names, with their
 tensors input_norm.weight and fc_norm.{i}.weight (vLLM 0.32 loads them); SGLang's EAGLE-3 layer has none, so a head
@@ -30,6 +33,10 @@ inside DeepSeek-V3-style checkpoints), and SGLang has no Medusa: those exports a
     vllm serve TARGET --speculative-config '{"method": "eagle3", "model": OUT, "num_speculative_tokens": 4}'
     vllm serve OUT          (--format speculators: the target is the verifier its config.json names)
     python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 --speculative-draft-model-path OUT
+    vllm serve TARGET --speculative-config '{"method": "dflash", "model": OUT, "num_speculative_tokens": B - 1}'
+
+A DFlash export drafts block_size - 1 tokens (its speculators proposal says so); a causal one is refused for the
+speculators format, whose full-attention layers attend within a block bidirectionally (z-lab's is_causal keeps it).
 """
 from __future__ import annotations
 
@@ -43,7 +50,7 @@ from heads.token_map import lm_head_rows
 from training.cli import DocHelpFormatter
 from training.formats import LAYOUTS, speculators_config, to_theirs
 
-FORMATS = ("vllm", "sglang", "speculators")
+FORMATS = ("vllm", "sglang", "speculators", "z-lab")
 WRITER = "draftheads"  # config.json's key naming what wrote an export
 
 
@@ -64,7 +71,8 @@ def run(args) -> int:
 
     head = heads.load(args.head)
     verifier = None
-    if (head.config.kind, args.format) == ("medusa", "vllm") and not head.config.own_lm_head:
+    if ((head.config.kind, args.format) == ("medusa", "vllm") and not head.config.own_lm_head
+            or (head.config.kind, args.format) == ("dflash", "speculators")):
         folder = targets.resolve(args.target or targets.DEFAULT_TARGET)
         parts = heads.load_target_parts(folder, fingerprint=targets.fingerprint(folder))
         if head.token_map is not None:
@@ -89,19 +97,22 @@ def export(head, engine: str, out, *, verifier=None, num_speculative_tokens: int
     if (kind, engine) not in LAYOUTS:
         why = {"mtp": "neither vLLM nor SGLang loads MTP modules for a Llama-family target (they read them only from "
                       "DeepSeek-V3-style checkpoints): serve it with `draftheads bench`",
-               "medusa": "SGLang and the speculators format have no Medusa drafter: export it --format vllm"}[kind]
+               "medusa": "SGLang and the speculators format have no Medusa drafter: export it --format vllm",
+               "dflash": "vLLM and SGLang load DFlash drafters in z-lab's layout: export it --format z-lab (or "
+                         "--format speculators, which vLLM also serves)"}[kind]
         raise ValueError(f"cannot export a {kind} head for {engine}: {why}")
-    if head.config.qk_norm:
+    if head.config.qk_norm and kind != "dflash":
         raise ValueError(f"this {kind} head has q/k norms (a Qwen3 target): the {engine} Llama draft layers have none")
     layout = LAYOUTS[kind, engine]
     tensors = {**to_theirs(layout.names, head.config, layout.exported(head)), **layout.target_values(head)}
+    layer = qwen3_config(head.config) if kind == "dflash" else llama_config(head.config)
     if engine == "speculators":
         if verifier is None:
             raise ValueError("a speculators export names its verifier: give the target's folder or hub id")
-        config = speculators_config(kind, llama_config(head.config), layout.export_config(head),
-                                    verifier_of(verifier), num_speculative_tokens)
+        drafts = head.config.block_size - 1 if kind == "dflash" else num_speculative_tokens
+        config = speculators_config(kind, layer, layout.export_config(head), verifier_of(verifier), drafts)
     else:
-        config = {**llama_config(head.config), "architectures": [layout.architecture], **layout.export_config(head)}
+        config = {**layer, "architectures": [layout.architecture], **layout.export_config(head)}
     config[WRITER] = {"version": importlib.metadata.version("draftheads"), "kind": kind, "format": engine}
     tensors = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in tensors.items()}
     return write_folder(out, config, tensors, {"format": "pt"})
@@ -121,3 +132,8 @@ def llama_config(c) -> dict:
             "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling,
             "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
             "attention_bias": c.attention_bias, "tie_word_embeddings": False, "torch_dtype": "float32"}
+
+
+def qwen3_config(c) -> dict:
+    """DFlash's layers: Qwen3's (q/k norm), as many as the head has."""
+    return {**llama_config(c), "model_type": "qwen3", "num_hidden_layers": c.num_layers, "attention_bias": False}

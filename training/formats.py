@@ -15,6 +15,10 @@ along dim 0 (our decoder layer fuses q/k/v and gate/up).
     eagle3  speculators  Eagle3Speculator         fc.weight, layers.0.* (input_layernorm, hidden_norm),  speculators
                                                   norm.weight, lm_head.weight, d2t, t2d              eagle3, vllm
     eagle3  vllm, speculators (EAGLE 3.1)         input_norm.weight (norm_before_fc), fc_norm.{i}.weight (fc_norm)
+    dflash  z-lab        DFlashDraftModel         fc.weight, hidden_norm.weight, layers.{i}.* (Qwen3:     z-lab dflash model.py
+                                                  q_norm, k_norm), norm.weight
+            speculators  DFlashSpeculator         the same, and the target's embed_tokens.weight and   speculators dflash,
+                                                  lm_head.weight                                     vllm qwen3_dflash.py
     medusa  vllm         MedusaModel              blocks.{i}.layers.{j}.weight/bias, lm_heads.{i}.weight,  vllm medusa.py
                                                   token_map
             medusa-repo  (medusa_lm_head.*)       medusa_head.{i}.{j}.linear.weight/bias,            FasterDecoding/Medusa
@@ -26,7 +30,9 @@ methods, verifier) and per-kind fields; import reads it flattened (speculators_c
 Their files may also hold tensors of the target (EAGLE's embed_tokens.weight; vLLM Medusa's one shared LM head,
 original_lm_head): an import checks their shapes and leaves them out, since a head reads the target's own.
 EAGLE-3's aux layer ids mean the input of layer i in this project, in vLLM and in the EAGLE repository; SGLang's
-file names the layer before (it captures the output of the layer it is given).
+file names the layer before (it captures the output of the layer it is given). DFlash's target layers likewise: the
+speculators format's aux_hidden_state_layer_ids are this project's target_layers, z-lab's dflash_config
+target_layer_ids one lower (z-lab reads the output of the layer it names).
 """
 from __future__ import annotations
 
@@ -65,6 +71,10 @@ EAGLE3_SPECULATORS: Names = {
     "hidden_norm.weight": "layers.0.hidden_norm.weight", **_under("layer.", "layers.0.", LLAMA_LAYER),
     "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d",
 }
+QWEN3_LAYER: Names = {**LLAMA_LAYER, "input_norm.weight": "input_layernorm.weight",
+                      "q_norm.weight": "self_attn.q_norm.weight", "k_norm.weight": "self_attn.k_norm.weight"}
+DFLASH: Names = {"fc.weight": "fc.weight", "hidden_norm.weight": "hidden_norm.weight", "norm.weight": "norm.weight",
+                 **_under("layers.{}.", "layers.{}.", QWEN3_LAYER)}
 MEDUSA_VLLM: Names = {
     "heads.{}.{}.linear.weight": "blocks.{}.layers.{}.weight", "heads.{}.{}.linear.bias": "blocks.{}.layers.{}.bias",
     "lm_heads.{}.weight": "lm_heads.{}.weight", "token_map": "token_map",
@@ -75,6 +85,7 @@ MEDUSA_REPO: Names = {
     "lm_heads.{}.weight": "medusa_head.{}.{num_layers}.weight",
 }
 EMBED = "embed_tokens.weight"  # the target's embedding, which EAGLE checkpoints may carry
+LM_HEAD = "lm_head.weight"  # the target's LM head, which speculators' DFlash checkpoints carry
 
 
 def _pattern(name: str) -> re.Pattern:
@@ -159,6 +170,10 @@ class Layout:
     def target_tensors(self, config) -> dict[str, tuple[int, ...]]:
         """Their names of tensors of the target a file may hold, with their shapes."""
         return {}
+
+    def check_tensors(self, config: dict, theirs: dict[str, torch.Tensor], where: str) -> None:
+        """Refuse, naming the fix, a file whose tensors disagree with its config.json in a way a missing tensor's name
+        would not explain."""
 
     def target_values(self, head) -> dict[str, torch.Tensor]:
         """Tensors of the target the export writes, under their names."""
@@ -332,8 +347,72 @@ class MedusaLayout(Layout):
         return {}
 
 
-SPECULATORS_KINDS = {"eagle": "eagle", "eagle3": "eagle3"}  # speculators_model_type -> our kind
-SPECULATORS_ARCHITECTURES = {"eagle": "EagleSpeculator", "eagle3": "Eagle3Speculator"}
+class DFlashLayout(Layout):
+    """z-lab's layout (a Qwen3 config with `dflash_config`; the target's embedding and LM head borrowed) or the
+    speculators format (the same tensors and the target's embedding and LM head, over the whole vocabulary here)."""
+
+    def kind_fields(self, config, where):
+        if self.source == "speculators":
+            if config.get("sample_from_anchor", False):
+                raise ValueError(f"{where}: sample_from_anchor is true (DSpark's slot 0 drafts too), but this project's "
+                                 "DFlash drafts from the mask slots only")
+            if config.get("draft_vocab_size", config["vocab_size"]) != config["vocab_size"]:
+                raise ValueError(f"{where}: draft_vocab_size {config['draft_vocab_size']} is not the vocabulary "
+                                 f"{config['vocab_size']}: this project's DFlash drafts over the target's LM head")
+            layers, causal = config["aux_hidden_state_layer_ids"], False
+        else:
+            dflash = config.get("dflash_config") or {}
+            layers = [i + 1 for i in dflash["target_layer_ids"]]
+            causal = bool(config.get("is_causal", False))
+        dflash = config.get("dflash_config") or {}
+        return {"num_layers": config["num_hidden_layers"], "target_layers": tuple(layers),
+                "block_size": config.get("block_size") or dflash.get("block_size"),
+                "mask_token_id": config.get("mask_token_id", dflash.get("mask_token_id")), "causal": causal,
+                **_intermediate(config)}
+
+    def check_tensors(self, config, theirs, where):
+        held = sorted({int(m.group(1)) for m in map(re.compile(r"layers\.(\d+)\.").match, theirs) if m})
+        if held != list(range(config["num_hidden_layers"])):
+            raise ValueError(f"{where}: config.json counts num_hidden_layers {config['num_hidden_layers']} but its weights "
+                             f"hold layers {held[0] if held else '-'}..{held[-1] if held else '-'}: the weights are "
+                             "incomplete (download every file), or num_hidden_layers is wrong")
+
+    def exported(self, head):
+        if head.token_map is not None:
+            raise ValueError(f"this DFlash head drafts among the {len(head.token_map)} tokens of a token map, which the "
+                             f"{self.source} layout cannot name: train it without --model.init_args.token_map to export it")
+        if self.source == "speculators" and head.config.causal:
+            raise ValueError("this DFlash head's blocks are causal, and the speculators format (vLLM) attends within a "
+                             "block bidirectionally on full-attention layers: export it --format z-lab (is_causal), or "
+                             "train with causal false")
+        if self.source == "z-lab" and min(head.config.target_layers) < 1:
+            raise ValueError(f"target layer 0 (the embeddings) cannot be named in z-lab's layout, which reads the output "
+                             f"of the layer it names: train with target layers >= 1 (got {list(head.config.target_layers)})")
+        return head.state_dict()
+
+    def export_config(self, head):
+        c = head.config
+        if self.source == "speculators":
+            return {"draft_vocab_size": c.vocab_size, "target_hidden_size": c.hidden_size, "block_size": c.block_size,
+                    "aux_hidden_state_layer_ids": list(c.target_layers), "mask_token_id": c.mask_token_id,
+                    "sample_from_anchor": False}
+        return {"block_size": c.block_size, "num_target_layers": c.num_target_layers, "is_causal": c.causal,
+                "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.target_layers],
+                                  "block_size": c.block_size}}
+
+    def target_tensors(self, config):
+        if self.source == "speculators":
+            return {EMBED: (config.vocab_size, config.hidden_size), LM_HEAD: (config.vocab_size, config.hidden_size)}
+        return {}
+
+    def target_values(self, head):
+        if self.source == "speculators":  # its files are self-contained: vLLM reads the drafter's own
+            return {EMBED: head.target.embed.weight, LM_HEAD: head.target.lm_head.weight}
+        return {}
+
+
+SPECULATORS_KINDS = {"eagle": "eagle", "eagle3": "eagle3", "dflash": "dflash"}  # speculators_model_type -> our kind
+SPECULATORS_ARCHITECTURES = {"eagle": "EagleSpeculator", "eagle3": "Eagle3Speculator", "dflash": "DFlashSpeculator"}
 
 
 def speculators_config(kind: str, layer_config: dict, kind_fields: dict, verifier: dict,
@@ -364,6 +443,8 @@ LAYOUTS: dict[tuple[str, str], Layout] = {
     ("eagle3", "eagle-repo"): Eagle3Layout("eagle3", "eagle-repo", "LlamaForCausalLMEagle3", EAGLE3),
     ("eagle", "speculators"): EagleLayout("eagle", "speculators", "EagleSpeculator", EAGLE_SPECULATORS),
     ("eagle3", "speculators"): Eagle3Layout("eagle3", "speculators", "Eagle3Speculator", EAGLE3_SPECULATORS),
+    ("dflash", "z-lab"): DFlashLayout("dflash", "z-lab", "DFlashDraftModel", DFLASH),
+    ("dflash", "speculators"): DFlashLayout("dflash", "speculators", "DFlashSpeculator", DFLASH),
     ("medusa", "vllm"): MedusaLayout("medusa", "vllm", "MedusaModel", MEDUSA_VLLM),
     ("medusa", "medusa-repo"): MedusaLayout("medusa", "medusa-repo", None, MEDUSA_REPO),
 }

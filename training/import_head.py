@@ -1,4 +1,4 @@
-"""`draftheads import`: a published or exported draft head (EAGLE-1, EAGLE-3, Medusa) as a head folder for a target,
+"""`draftheads import`: a published or exported draft head (EAGLE-1, EAGLE-3, Medusa, DFlash) as a head folder for a target,
 read through the same name maps `draftheads export` writes with (training/formats.py):
 
     draftheads import ~/hf/EAGLE3-LLaMA3.1-Instruct-8B --format eagle3 --target ~/hf/Llama-3.1-8B-Instruct --out heads/e3
@@ -8,7 +8,8 @@ SRC is a local folder (a downloaded hub repository) with config.json and the wei
 pytorch_model.bin, or Medusa's medusa_lm_head.safetensors / .pt, which hold MedusaModel.medusa_head's tensors).
 --from is read from config.json when not given: what wrote it when `draftheads export` did (its "draftheads" key),
 the speculators format's speculators_model_type, else its architecture (EagleLlamaForCausalLM: vllm,
-LlamaForCausalLMEagle: sglang, LlamaForCausalLM: eagle-repo, LlamaForCausalLMEagle3: vllm, MedusaModel: vllm) or
+LlamaForCausalLMEagle: sglang, LlamaForCausalLM: eagle-repo, LlamaForCausalLMEagle3: vllm, MedusaModel: vllm,
+DFlashDraftModel: z-lab) or
 Medusa's medusa_num_heads (medusa-repo). An EAGLE-3 file that names its aux layers needs --from, since SGLang
 numbers them one lower than vLLM and the EAGLE repository.
 
@@ -33,12 +34,13 @@ from heads.token_map import check_token_ids, lm_head_rows
 from training.cli import DocHelpFormatter
 from training.formats import LAYOUTS, SOURCES, Layout, speculators_config_fields, to_ours
 
-KINDS = ("eagle", "eagle3", "medusa")
+KINDS = ("eagle", "eagle3", "medusa", "dflash")
 SOURCE_OF = {"EagleLlamaForCausalLM": "vllm", "LlamaForCausalLMEagle": "sglang", "LlamaForCausalLM": "eagle-repo",
              "LlamaForCausalLMEagle3": "vllm", "MedusaModel": "vllm", "EagleSpeculator": "speculators",
-             "Eagle3Speculator": "speculators"}
+             "Eagle3Speculator": "speculators", "DFlashDraftModel": "z-lab", "DFlashSpeculator": "speculators"}
 KIND_OF = {"EagleLlamaForCausalLM": "eagle", "LlamaForCausalLMEagle": "eagle", "LlamaForCausalLMEagle3": "eagle3",
-           "MedusaModel": "medusa", "EagleSpeculator": "eagle", "Eagle3Speculator": "eagle3"}
+           "MedusaModel": "medusa", "EagleSpeculator": "eagle", "Eagle3Speculator": "eagle3", "DFlashDraftModel": "dflash",
+           "DFlashSpeculator": "dflash"}
 WRITER = "draftheads"  # what `draftheads export` records in config.json: version, kind, format
 TORCH_FILES = ("pytorch_model.bin", "medusa_lm_head.pt")
 MEDUSA_FILE = "medusa_lm_head"  # its tensors are MedusaModel.medusa_head's, named from inside it
@@ -87,6 +89,7 @@ def import_head(src, kind: str, target, source: str | None = None) -> tuple[Draf
     with torch.device("cpu"):
         head = cls(head_config)
     theirs = _read_tensors(src)
+    layout.check_tensors(config, theirs, where)
     ours, used = to_ours(layout.names, head_config, theirs, head.state_dict(), where)
     for name, shape in layout.target_tensors(head_config).items():
         if name in theirs and tuple(theirs[name].shape) != shape:

@@ -1,9 +1,9 @@
-"""Trained heads (Medusa, EAGLE-1, EAGLE-3, MTP) as drafters: loading a head folder against the engine's target,
+"""Trained heads (Medusa, EAGLE-1, EAGLE-3, MTP, DFlash) as drafters: loading a head folder against the engine's target,
 and the head's calibrated confidence that every head drafter scores its drafts with.
 
 Medusa (drafters/medusa.py) reads the target's hidden state of the newest computed token and needs no K/V. EAGLE-1,
 EAGLE-3 and MTP (drafters/eagle.py, drafters/mtp.py) run a decoder layer of their own over a pool with the target's
-block size, addressed by the target's block tables.
+block size, addressed by the target's block tables; DFlash (drafters/dflash.py) keeps its layers' context K/V there.
 """
 from __future__ import annotations
 
@@ -63,6 +63,14 @@ def make_head_drafter(ctx, config):
                              f"{head.config.depth} (serve_mode 'chain' drafts one token per module): draft fewer "
                              "tokens or set serve_mode 'reuse_first' in its config.json")
         return MtpChainDrafter(ctx, head, token_map, config.confidence_threshold)
+    if kind == "dflash":
+        from serving.drafters.dflash import DFlashDrafter
+
+        if config.num_speculative_tokens > head.config.block_size - 1:
+            raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds the {head.config.block_size - 1} "
+                             f"drafts of this DFlash head's block (block_size={head.config.block_size}): draft fewer "
+                             "tokens, or train a head with longer blocks")
+        return DFlashDrafter(ctx, head, token_map, config)
     from serving.drafters.eagle import EagleDrafter
 
     return EagleDrafter(ctx, head, token_map, config)

@@ -6,10 +6,10 @@ import json
 import math
 from dataclasses import dataclass
 
-METHODS = ("ngram", "suffix", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp", "lookahead")
-NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp")
-HEADS = ("medusa", "eagle", "eagle3", "mtp")  # trained draft heads: they read the target's hidden states
-TAKES_TOKEN_MAP = ("medusa", "eagle", "mtp")
+METHODS = ("ngram", "suffix", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp", "dflash", "lookahead")
+NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp", "dflash")
+HEADS = ("medusa", "eagle", "eagle3", "mtp", "dflash")  # trained draft heads: they read the target's hidden states
+TAKES_TOKEN_MAP = ("medusa", "eagle", "mtp", "dflash")
 DRAFT_WEIGHTS = ("bfloat16", "float32")
 
 

@@ -23,7 +23,7 @@ from training.modules.schedule import lr_factor
 from training.modules.unroll import unroll
 
 SMALL = {"medusa": {"num_heads": 2, "num_speculative_tokens": 2}, "eagle": {}, "eagle3": {"num_steps": 2, "draft_vocab_size": 1024},
-         "mtp": {}}
+         "mtp": {}, "dflash": {"block_size": 5, "mask_token_id": 16, "num_anchors": 8}}
 
 
 def test_a_head_kind_is_its_speculative_method():
