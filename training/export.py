@@ -7,6 +7,7 @@ training/formats.py (which `draftheads import` reads the other way):
     Medusa   vLLM  "MedusaModel"             blocks.{i}.layers.{j}.weight/bias, lm_heads.{i}.weight
     EAGLE-3  speculators "Eagle3Speculator"  fc, layers.0.*, norm, lm_head, d2t, t2d; transformer_layer_config
     EAGLE-1  speculators "EagleSpeculator"   fusion_fc (fusion_bias), transformer.*; transformer_layer_config
+    P-EAGLE  speculators "PEagleSpeculator"  EAGLE-3's, mask_hidden; mask_token_id (vLLM: eagle3, parallel drafting)
 
 The speculators format (vllm-project/speculators) names the verifier, the target folder (--target), so vLLM serves
 an EAGLE-3 export given as its model: `vllm serve OUT`, draft length from --num-speculative-tokens (its
@@ -85,7 +86,9 @@ def export(head, engine: str, out, *, verifier=None, num_speculative_tokens: int
     if (kind, engine) not in LAYOUTS:
         why = {"mtp": "neither vLLM nor SGLang loads MTP modules for a Llama-family target (they read them only from "
                       "DeepSeek-V3-style checkpoints): serve it with `draftheads bench`",
-               "medusa": "SGLang and the speculators format have no Medusa drafter: export it --format vllm"}[kind]
+               "medusa": "SGLang and the speculators format have no Medusa drafter: export it --format vllm",
+               "peagle": "vLLM serves P-EAGLE from the speculators format (EAGLE-3 with parallel drafting): export "
+                         "it --format speculators"}[kind]
         raise ValueError(f"cannot export a {kind} head for {engine}: {why}")
     if head.config.qk_norm:
         raise ValueError(f"this {kind} head has q/k norms (a Qwen3 target): the {engine} Llama draft layers have none")

@@ -14,6 +14,8 @@ along dim 0 (our decoder layer fuses q/k/v and gate/up).
     eagle   speculators  EagleSpeculator          fusion_fc.weight/bias (fusion_bias), transformer.*  speculators eagle.py
     eagle3  speculators  Eagle3Speculator         fc.weight, layers.0.* (input_layernorm, hidden_norm),  speculators
                                                   norm.weight, lm_head.weight, d2t, t2d              eagle3, vllm
+    peagle  speculators  PEagleSpeculator         eagle3's, mask_hidden [1, 1, num_aux * hidden];    speculators
+                                                  config mask_token_id                               peagle, vllm
     medusa  vllm         MedusaModel              blocks.{i}.layers.{j}.weight/bias, lm_heads.{i}.weight,  vllm medusa.py
                                                   token_map
             medusa-repo  (medusa_lm_head.*)       medusa_head.{i}.{j}.linear.weight/bias,            FasterDecoding/Medusa
@@ -63,6 +65,7 @@ EAGLE3_SPECULATORS: Names = {
     "hidden_norm.weight": "layers.0.hidden_norm.weight", **_under("layer.", "layers.0.", LLAMA_LAYER),
     "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d",
 }
+PEAGLE_SPECULATORS: Names = {**EAGLE3_SPECULATORS, "mask_hidden": "mask_hidden"}
 MEDUSA_VLLM: Names = {
     "heads.{}.{}.linear.weight": "blocks.{}.layers.{}.weight", "heads.{}.{}.linear.bias": "blocks.{}.layers.{}.bias",
     "lm_heads.{}.weight": "lm_heads.{}.weight", "token_map": "token_map",
@@ -269,6 +272,32 @@ class Eagle3Layout(Layout):
         return {EMBED: (config.vocab_size, config.hidden_size)}
 
 
+class PeagleLayout(Eagle3Layout):
+    """EAGLE-3's speculators layout and P-EAGLE's own: `mask_token_id` and the tensor `mask_hidden` (fc's input, so
+    ordered as fc's blocks are), and the depths trained as the greedy proposal's `speculative_tokens` (speculators'
+    training writes num_depths there) unless the config names `num_depths`."""
+
+    def kind_fields(self, config, where):
+        fields = super().kind_fields(config, where)
+        if config.get("mask_token_id") is None:
+            raise ValueError(f"{where}: its config.json has no mask_token_id, which a P-EAGLE head needs (the "
+                             "token its placeholder rows read)")
+        methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        return {**fields, "mask_token_id": config["mask_token_id"],
+                "num_depths": config.get("num_depths", methods[0].get("speculative_tokens", 4))}
+
+    def exported(self, head):
+        ours = super().exported(head)
+        aux = list(head.config.aux_layers)
+        order = sorted(range(len(aux)), key=aux.__getitem__)
+        ours["mask_hidden"] = head.mask_hidden.detach().view(len(aux), -1)[order].view(head.mask_hidden.shape)
+        return ours
+
+    def export_config(self, head):
+        return {**super().export_config(head), "mask_token_id": head.config.mask_token_id,
+                "num_depths": head.config.num_depths}
+
+
 class MedusaLayout(Layout):
     def kind_fields(self, config, where):
         if self.source == "medusa-repo":
@@ -310,8 +339,8 @@ class MedusaLayout(Layout):
         return {}
 
 
-SPECULATORS_KINDS = {"eagle": "eagle", "eagle3": "eagle3"}  # speculators_model_type -> our kind
-SPECULATORS_ARCHITECTURES = {"eagle": "EagleSpeculator", "eagle3": "Eagle3Speculator"}
+SPECULATORS_KINDS = {"eagle": "eagle", "eagle3": "eagle3", "peagle": "peagle"}  # speculators_model_type -> our kind
+SPECULATORS_ARCHITECTURES = {"eagle": "EagleSpeculator", "eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}
 
 
 def speculators_config(kind: str, layer_config: dict, kind_fields: dict, verifier: dict,
@@ -342,6 +371,7 @@ LAYOUTS: dict[tuple[str, str], Layout] = {
     ("eagle3", "eagle-repo"): Eagle3Layout("eagle3", "eagle-repo", "LlamaForCausalLMEagle3", EAGLE3),
     ("eagle", "speculators"): EagleLayout("eagle", "speculators", "EagleSpeculator", EAGLE_SPECULATORS),
     ("eagle3", "speculators"): Eagle3Layout("eagle3", "speculators", "Eagle3Speculator", EAGLE3_SPECULATORS),
+    ("peagle", "speculators"): PeagleLayout("peagle", "speculators", "PEagleSpeculator", PEAGLE_SPECULATORS),
     ("medusa", "vllm"): MedusaLayout("medusa", "vllm", "MedusaModel", MEDUSA_VLLM),
     ("medusa", "medusa-repo"): MedusaLayout("medusa", "medusa-repo", None, MEDUSA_REPO),
 }

@@ -1,7 +1,7 @@
 """Drafters propose token trees for the target to verify, behind one interface (`serving.drafters.base.Drafter`), one
 drafter per file: ngram.py (prompt lookup), draft_model.py, early_exit.py, medusa.py, eagle.py (EAGLE-1, EAGLE-3,
-MTP reusing its first module), mtp.py (MTP, one module per draft), lookup_first.py (prompt lookup, then a head),
-lookahead.py (lookahead decoding: Jacobi iteration and an n-gram pool)."""
+MTP reusing its first module), mtp.py (MTP, one module per draft), peagle.py (P-EAGLE, a block of drafts per
+forward), lookup_first.py (prompt lookup, then a head), lookahead.py (lookahead decoding: Jacobi iteration and an n-gram pool)."""
 from __future__ import annotations
 
 from serving.drafters.context import DraftContext

@@ -1,9 +1,9 @@
-"""Trained heads (Medusa, EAGLE-1, EAGLE-3, MTP) as drafters: loading a head folder against the engine's target,
-and the head's calibrated confidence that every head drafter scores its drafts with.
+"""Trained heads (Medusa, EAGLE-1, EAGLE-3, MTP, P-EAGLE) as drafters: loading a head folder against the engine's
+target, and the head's calibrated confidence that every head drafter scores its drafts with.
 
 Medusa (drafters/medusa.py) reads the target's hidden state of the newest computed token and needs no K/V. EAGLE-1,
-EAGLE-3 and MTP (drafters/eagle.py, drafters/mtp.py) run a decoder layer of their own over a pool with the target's
-block size, addressed by the target's block tables.
+EAGLE-3, MTP and P-EAGLE (drafters/eagle.py, drafters/mtp.py, drafters/peagle.py) run a decoder layer of their own
+over a pool with the target's block size, addressed by the target's block tables.
 """
 from __future__ import annotations
 
@@ -63,6 +63,10 @@ def make_head_drafter(ctx, config):
                              f"{head.config.depth} (serve_mode 'chain' drafts one token per module): draft fewer "
                              "tokens or set serve_mode 'reuse_first' in its config.json")
         return MtpChainDrafter(ctx, head, token_map, config.confidence_threshold)
+    if kind == "peagle":
+        from serving.drafters.peagle import PeagleDrafter
+
+        return PeagleDrafter(ctx, head, config)
     from serving.drafters.eagle import EagleDrafter
 
     return EagleDrafter(ctx, head, token_map, config)

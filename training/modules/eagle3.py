@@ -25,26 +25,13 @@ from training.modules.base import DraftModule, kl_divergence
 from training.modules.unroll import shift_left, unroll
 
 
-class Eagle3Module(DraftModule):
-    kind = "eagle3"
+class FusedAuxModule(DraftModule):
+    """What the kinds over EAGLE-3's body share (EAGLE-3, P-EAGLE): the aux layers the store must hold, and the draft
+    vocabulary chosen from the store when training starts. Subclasses set `self.head`."""
     hidden_layers = ("last", "eagle3")
 
-    def __init__(self, num_steps: int = 7, decay: float = 0.8, draft_vocab_size: int = 32000,
-                 aux_layers: list[int] | None = None, intermediate_size: int | None = None, **kwargs):
-        """An EAGLE-3 layer and its training-time test.
-
-        Args:
-            num_steps: Unrolled training-time-test steps.
-            decay: Loss weight decay^s of step s.
-            draft_vocab_size: Tokens the head drafts over: the store's most frequent answer tokens.
-            aux_layers: The target layers whose inputs are fused (null: 2, L//2, L-3).
-            intermediate_size: MLP width of the layer (null: the target's).
-        """
+    def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        if num_steps < 1:
-            raise ValueError(f"num_steps={num_steps} must be >= 1")
-        self.head = Eagle3.from_target(self.target_parts, draft_vocab_size=draft_vocab_size,
-                                       aux_layers=tuple(aux_layers or ()), intermediate_size=intermediate_size)
         self.has_draft_vocab = False
 
     @property
@@ -62,13 +49,34 @@ class Eagle3Module(DraftModule):
             self.head.init_from_target()
             self.has_draft_vocab = True
 
+    def draft_rows(self) -> torch.Tensor:
+        return self.target_parts.lm_head.weight[self.head.draft_token_ids]  # [draft_vocab, hidden]
+
+
+class Eagle3Module(FusedAuxModule):
+    kind = "eagle3"
+
+    def __init__(self, num_steps: int = 7, decay: float = 0.8, draft_vocab_size: int = 32000,
+                 aux_layers: list[int] | None = None, intermediate_size: int | None = None, **kwargs):
+        """An EAGLE-3 layer and its training-time test.
+
+        Args:
+            num_steps: Unrolled training-time-test steps.
+            decay: Loss weight decay^s of step s.
+            draft_vocab_size: Tokens the head drafts over: the store's most frequent answer tokens.
+            aux_layers: The target layers whose inputs are fused (null: 2, L//2, L-3).
+            intermediate_size: MLP width of the layer (null: the target's).
+        """
+        super().__init__(**kwargs)
+        if num_steps < 1:
+            raise ValueError(f"num_steps={num_steps} must be >= 1")
+        self.head = Eagle3.from_target(self.target_parts, draft_vocab_size=draft_vocab_size,
+                                       aux_layers=tuple(aux_layers or ()), intermediate_size=intermediate_size)
+
     def _steps(self, batch: dict, hidden: dict, num_steps: int) -> list[torch.Tensor]:
         g = self.head.fuse(hidden["eagle3"])  # [B, S, hidden]
         return unroll(self.head, batch["input_ids"], g, batch["padding_mask"], num_steps,
                       self.head.config.max_position_embeddings)
-
-    def draft_rows(self) -> torch.Tensor:
-        return self.target_parts.lm_head.weight[self.head.draft_token_ids]  # [draft_vocab, hidden]
 
     def _loss(self, labels: torch.Tensor, has_label: torch.Tensor, last: torch.Tensor,
               outs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
