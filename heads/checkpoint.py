@@ -24,10 +24,11 @@ from heads.eagle3 import Eagle3
 from heads.hf_folder import CONFIG_FILE, read_config, read_file
 from heads.medusa import Medusa
 from heads.mtp import Mtp
+from heads.peagle import Peagle
 from heads.target_parts import TargetParts
 from heads.token_map import check_token_ids
 
-HEADS: dict[str, type[DraftHead]] = {cls.config_class.kind: cls for cls in (Medusa, Eagle, Eagle3, Mtp, DFlash)}
+HEADS: dict[str, type[DraftHead]] = {cls.config_class.kind: cls for cls in (Medusa, Eagle, Eagle3, Mtp, Peagle, DFlash)}
 WEIGHTS_FILE = "model.safetensors"
 
 

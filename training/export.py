@@ -7,6 +7,7 @@ training/formats.py (which `draftheads import` reads the other way):
     Medusa   vLLM  "MedusaModel"             blocks.{i}.layers.{j}.weight/bias, lm_heads.{i}.weight
     EAGLE-3  speculators "Eagle3Speculator"  fc, layers.0.*, norm, lm_head, d2t, t2d; transformer_layer_config
     EAGLE-1  speculators "EagleSpeculator"   fusion_fc (fusion_bias), transformer.*; transformer_layer_config
+    P-EAGLE  speculators "PEagleSpeculator"  EAGLE-3's, mask_hidden; mask_token_id (vLLM: eagle3, parallel drafting)
     DFlash   z-lab "DFlashDraftModel"        fc, hidden_norm, layers.{i}.* (Qwen3), norm; dflash_config
     DFlash   speculators "DFlashSpeculator"  the same, with the target's embed_tokens and lm_head; block_size,
                                              aux_hidden_state_layer_ids, mask_token_id
@@ -99,7 +100,9 @@ def export(head, engine: str, out, *, verifier=None, num_speculative_tokens: int
                       "DeepSeek-V3-style checkpoints): serve it with `draftheads bench`",
                "medusa": "SGLang and the speculators format have no Medusa drafter: export it --format vllm",
                "dflash": "vLLM and SGLang load DFlash drafters in z-lab's layout: export it --format z-lab (or "
-                         "--format speculators, which vLLM also serves)"}[kind]
+                         "--format speculators, which vLLM also serves)",
+               "peagle": "vLLM serves P-EAGLE from the speculators format (EAGLE-3 with parallel drafting): export "
+                         "it --format speculators"}[kind]
         raise ValueError(f"cannot export a {kind} head for {engine}: {why}")
     if head.config.qk_norm and kind != "dflash":
         raise ValueError(f"this {kind} head has q/k norms (a Qwen3 target): the {engine} Llama draft layers have none")

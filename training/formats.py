@@ -19,6 +19,8 @@ along dim 0 (our decoder layer fuses q/k/v and gate/up).
                                                   q_norm, k_norm), norm.weight
             speculators  DFlashSpeculator         the same, and the target's embed_tokens.weight and   speculators dflash,
                                                   lm_head.weight                                     vllm qwen3_dflash.py
+    peagle  speculators  PEagleSpeculator         eagle3's, mask_hidden [1, 1, num_aux * hidden];    speculators
+                                                  config mask_token_id                               peagle, vllm
     medusa  vllm         MedusaModel              blocks.{i}.layers.{j}.weight/bias, lm_heads.{i}.weight,  vllm medusa.py
                                                   token_map
             medusa-repo  (medusa_lm_head.*)       medusa_head.{i}.{j}.linear.weight/bias,            FasterDecoding/Medusa
@@ -75,6 +77,7 @@ QWEN3_LAYER: Names = {**LLAMA_LAYER, "input_norm.weight": "input_layernorm.weigh
                       "q_norm.weight": "self_attn.q_norm.weight", "k_norm.weight": "self_attn.k_norm.weight"}
 DFLASH: Names = {"fc.weight": "fc.weight", "hidden_norm.weight": "hidden_norm.weight", "norm.weight": "norm.weight",
                  **_under("layers.{}.", "layers.{}.", QWEN3_LAYER)}
+PEAGLE_SPECULATORS: Names = {**EAGLE3_SPECULATORS, "mask_hidden": "mask_hidden"}
 MEDUSA_VLLM: Names = {
     "heads.{}.{}.linear.weight": "blocks.{}.layers.{}.weight", "heads.{}.{}.linear.bias": "blocks.{}.layers.{}.bias",
     "lm_heads.{}.weight": "lm_heads.{}.weight", "token_map": "token_map",
@@ -306,6 +309,32 @@ class Eagle3Layout(Layout):
         return {EMBED: (config.vocab_size, config.hidden_size)}
 
 
+class PeagleLayout(Eagle3Layout):
+    """EAGLE-3's speculators layout and P-EAGLE's own: `mask_token_id` and the tensor `mask_hidden` (fc's input, so
+    ordered as fc's blocks are), and the depths trained as the greedy proposal's `speculative_tokens` (speculators'
+    training writes num_depths there) unless the config names `num_depths`."""
+
+    def kind_fields(self, config, where):
+        fields = super().kind_fields(config, where)
+        if config.get("mask_token_id") is None:
+            raise ValueError(f"{where}: its config.json has no mask_token_id, which a P-EAGLE head needs (the "
+                             "token its placeholder rows read)")
+        methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        return {**fields, "mask_token_id": config["mask_token_id"],
+                "num_depths": config.get("num_depths", methods[0].get("speculative_tokens", 4))}
+
+    def exported(self, head):
+        ours = super().exported(head)
+        aux = list(head.config.aux_layers)
+        order = sorted(range(len(aux)), key=aux.__getitem__)
+        ours["mask_hidden"] = head.mask_hidden.detach().view(len(aux), -1)[order].view(head.mask_hidden.shape)
+        return ours
+
+    def export_config(self, head):
+        return {**super().export_config(head), "mask_token_id": head.config.mask_token_id,
+                "num_depths": head.config.num_depths}
+
+
 class MedusaLayout(Layout):
     def kind_fields(self, config, where):
         if self.source == "medusa-repo":
@@ -411,8 +440,9 @@ class DFlashLayout(Layout):
         return {}
 
 
-SPECULATORS_KINDS = {"eagle": "eagle", "eagle3": "eagle3", "dflash": "dflash"}  # speculators_model_type -> our kind
-SPECULATORS_ARCHITECTURES = {"eagle": "EagleSpeculator", "eagle3": "Eagle3Speculator", "dflash": "DFlashSpeculator"}
+SPECULATORS_KINDS = {"eagle": "eagle", "eagle3": "eagle3", "peagle": "peagle", "dflash": "dflash"}  # speculators_model_type -> our kind
+SPECULATORS_ARCHITECTURES = {"eagle": "EagleSpeculator", "eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator",
+                             "dflash": "DFlashSpeculator"}
 
 
 def speculators_config(kind: str, layer_config: dict, kind_fields: dict, verifier: dict,
@@ -445,6 +475,7 @@ LAYOUTS: dict[tuple[str, str], Layout] = {
     ("eagle3", "speculators"): Eagle3Layout("eagle3", "speculators", "Eagle3Speculator", EAGLE3_SPECULATORS),
     ("dflash", "z-lab"): DFlashLayout("dflash", "z-lab", "DFlashDraftModel", DFLASH),
     ("dflash", "speculators"): DFlashLayout("dflash", "speculators", "DFlashSpeculator", DFLASH),
+    ("peagle", "speculators"): PeagleLayout("peagle", "speculators", "PEagleSpeculator", PEAGLE_SPECULATORS),
     ("medusa", "vllm"): MedusaLayout("medusa", "vllm", "MedusaModel", MEDUSA_VLLM),
     ("medusa", "medusa-repo"): MedusaLayout("medusa", "medusa-repo", None, MEDUSA_REPO),
 }

@@ -1,5 +1,5 @@
-"""`draftheads import`: a published or exported draft head (EAGLE-1, EAGLE-3, Medusa, DFlash) as a head folder for a target,
-read through the same name maps `draftheads export` writes with (training/formats.py):
+"""`draftheads import`: a published or exported draft head (EAGLE-1, EAGLE-3, Medusa, P-EAGLE, DFlash) as a head
+folder for a target, read through the same name maps `draftheads export` writes with (training/formats.py):
 
     draftheads import ~/hf/EAGLE3-LLaMA3.1-Instruct-8B --format eagle3 --target ~/hf/Llama-3.1-8B-Instruct --out heads/e3
     draftheads import exported/eagle --format eagle --from sglang --target debug --out heads/eagle
@@ -34,13 +34,14 @@ from heads.token_map import check_token_ids, lm_head_rows
 from training.cli import DocHelpFormatter
 from training.formats import LAYOUTS, SOURCES, Layout, speculators_config_fields, to_ours
 
-KINDS = ("eagle", "eagle3", "medusa", "dflash")
+KINDS = ("eagle", "eagle3", "medusa", "peagle", "dflash")
 SOURCE_OF = {"EagleLlamaForCausalLM": "vllm", "LlamaForCausalLMEagle": "sglang", "LlamaForCausalLM": "eagle-repo",
              "LlamaForCausalLMEagle3": "vllm", "MedusaModel": "vllm", "EagleSpeculator": "speculators",
-             "Eagle3Speculator": "speculators", "DFlashDraftModel": "z-lab", "DFlashSpeculator": "speculators"}
+             "Eagle3Speculator": "speculators", "PEagleSpeculator": "speculators", "DFlashDraftModel": "z-lab",
+             "DFlashSpeculator": "speculators"}
 KIND_OF = {"EagleLlamaForCausalLM": "eagle", "LlamaForCausalLMEagle": "eagle", "LlamaForCausalLMEagle3": "eagle3",
-           "MedusaModel": "medusa", "EagleSpeculator": "eagle", "Eagle3Speculator": "eagle3", "DFlashDraftModel": "dflash",
-           "DFlashSpeculator": "dflash"}
+           "MedusaModel": "medusa", "EagleSpeculator": "eagle", "Eagle3Speculator": "eagle3", "PEagleSpeculator": "peagle",
+           "DFlashDraftModel": "dflash", "DFlashSpeculator": "dflash"}
 WRITER = "draftheads"  # what `draftheads export` records in config.json: version, kind, format
 TORCH_FILES = ("pytorch_model.bin", "medusa_lm_head.pt")
 MEDUSA_FILE = "medusa_lm_head"  # its tensors are MedusaModel.medusa_head's, named from inside it
@@ -167,7 +168,7 @@ def _check_vocabulary(head: DraftHead, where: str) -> None:
     """EAGLE-3's d2t must give distinct target ids, ascending, that t2d marks; a token map distinct ids."""
     if head.token_map is not None:
         check_token_ids(head.token_map, head.config.vocab_size, f"{where}: token_map")
-    if head.config.kind == "eagle3":
+    if isinstance(head, heads.Eagle3):  # P-EAGLE's too
         ids = head.draft_token_ids
         fine = bool((ids >= 0).all() and (ids < head.config.vocab_size).all() and (ids.diff() > 0).all())
         if not fine or int(head.t2d.sum()) != len(ids) or not head.t2d[ids.clamp(0, head.config.vocab_size - 1)].all():

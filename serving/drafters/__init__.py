@@ -1,9 +1,9 @@
 """Drafters propose token trees for the target to verify, behind one interface (`serving.drafters.base.Drafter`), one
 drafter per file: ngram.py (prompt lookup), draft_model.py, early_exit.py, medusa.py, eagle.py (EAGLE-1, EAGLE-3,
-MTP reusing its first module), mtp.py (MTP, one module per draft), dflash.py (DFlash, a block per forward),
-lookup_first.py (prompt lookup, then a head), lookahead.py (lookahead decoding: Jacobi iteration and an n-gram pool),
-suffix.py (suffix decoding: suffix trees over the request and earlier answers), suffix_first.py (suffix decoding, then
-a head)."""
+MTP reusing its first module), mtp.py (MTP, one module per draft), peagle.py (P-EAGLE, a block of drafts per
+forward), dflash.py (DFlash, a block per forward), lookup_first.py (prompt lookup, then a head), lookahead.py
+(lookahead decoding: Jacobi iteration and an n-gram pool), suffix.py (suffix decoding: suffix trees over the request
+and earlier answers), suffix_first.py (suffix decoding, then a head)."""
 from __future__ import annotations
 
 from serving.drafters.context import DraftContext

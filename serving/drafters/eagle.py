@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from heads.eagle3 import Eagle3
 from serving.attention import KVCache, PagedAttention
 from serving.drafters.base import PooledDrafter
 from serving.drafters.head import Confidence, top_log_probs
@@ -64,18 +65,23 @@ class EagleDrafter(PooledDrafter):
     def __init__(self, ctx, head, token_map, config):
         self.head, self.kind, self.token_map = head, head.config.kind, token_map
         self.confidence, self.topk = Confidence(head, config.confidence_threshold), config.topk
-        self.aux_layers = tuple(head.config.aux_layers) if self.kind == "eagle3" else ()
+        self.fuses_aux = isinstance(head, Eagle3)  # EAGLE-3's body (P-EAGLE's too): reads the aux layers through fc
+        self.aux_layers = tuple(head.config.aux_layers) if self.fuses_aux else ()
         layer = head.config.layer_config()
         runner = ctx.runner
         self.block_size, self.device = runner.block_size, runner.device
-        # scratch: one run of slots for each of up to max_num_seqs requests drafted at once, one per node expanded
-        self.num_scratch = config.topk * max(config.num_speculative_tokens - 1, 0)
+        # scratch: one run of slots for each of up to max_num_seqs requests drafted at once
+        self.num_scratch = self.scratch_rows(config)
         self.scratch_start = runner.cache.num_blocks * runner.block_size
         self.max_requests = ctx.max_num_seqs
         num_scratch_blocks = -(-self.max_requests * self.num_scratch // runner.block_size)
         self.cache = KVCache(1, runner.cache.num_blocks + num_scratch_blocks, runner.block_size, layer.num_kv_heads,
                              layer.head_dim, runner.dtype, runner.device)
         self.unrun: dict[int, Unrun] = {}  # block id -> the pairs moved there when the prefix cache registered it
+
+    def scratch_rows(self, config) -> int:
+        """Scratch slots per request drafted: one per node expanded."""
+        return config.topk * max(config.num_speculative_tokens - 1, 0)
 
     def state(self, request) -> HeadState:
         """The request's slot, made on first use."""
@@ -84,7 +90,7 @@ class EagleDrafter(PooledDrafter):
     def _features(self, step, rows: torch.Tensor) -> torch.Tensor:
         """The target's rows the head reads, as noted: EAGLE-3's aux layers side by side, fused only at catch-up (one
         call over every pending row instead of one per step)."""
-        if self.kind == "eagle3":
+        if self.fuses_aux:
             return torch.cat([step.out.aux[layer][rows] for layer in self.aux_layers], dim=-1)
         return step.out.hidden[rows]
 
@@ -98,7 +104,7 @@ class EagleDrafter(PooledDrafter):
         """(log-probabilities, target ids) of the topk most likely drafts after each row of head outputs."""
         logits = self.head.logits(0, out) if self.kind == "mtp" else self.head.logits(out)
         log_probs, best = top_log_probs(logits, self.topk, self.confidence.temperature(depth))
-        if self.kind == "eagle3":
+        if self.fuses_aux:
             return log_probs, self.head.to_target_ids(best)
         return log_probs, best if self.token_map is None else self.token_map[best]
 
@@ -161,11 +167,11 @@ class EagleDrafter(PooledDrafter):
             first -= 1
         return [self.unrun.pop(request.block_ids[index]).pairs for index in range(first, len(request.block_hashes))]
 
-    @torch.inference_mode()
-    def catch_up(self, ctx, requests) -> int:
-        """Runs the head over the pending pairs of `requests` (those of their shared blocks first) in one forward,
-        writing their K/V into the pool; keeps each one's newest output, which its first draft reads."""
-        chunks, features, last, num_rows = [], [], [], 0
+    def take_pending(self, requests) -> list[tuple]:
+        """Takes the pairs the head has not run over for `requests` (those of their shared blocks first): for each
+        request that has some, (request, their tokens x_{p+1}, the position of the first, their feature rows as
+        noted)."""
+        taken = []
         for request in requests:
             parts = self._unrun_pairs(request)
             state = self.state(request)
@@ -174,19 +180,30 @@ class EagleDrafter(PooledDrafter):
             if not parts:
                 continue
             assert all(a.end == b.start for a, b in zip(parts, parts[1:])), "pending pairs follow each other"
-            tokens = [token for part in parts for token in part.tokens]
-            chunks.append((tokens, parts[0].start, request.block_ids))
-            features += [f for part in parts for f in part.features]
-            num_rows += len(tokens)
-            last.append((state, num_rows - 1))
-        if not chunks:
-            return 0
-        ids, positions, meta, _ = ctx.runner.flatten(chunks)
+            taken.append((request, [token for part in parts for token in part.tokens], parts[0].start,
+                          [f for part in parts for f in part.features]))
+        return taken
+
+    def input_features(self, features: list[torch.Tensor]) -> torch.Tensor:
+        """The noted feature rows as the head's input g: EAGLE-3's aux rows fused by fc (one call over all of them)."""
         features = torch.cat(features)
-        out = self._forward(ids, self.head.fuse(features) if self.kind == "eagle3" else features, positions, meta)
-        for state, row in last:
-            state.last_output = out[row]
-        return num_rows
+        return self.head.fuse(features) if self.fuses_aux else features
+
+    @torch.inference_mode()
+    def catch_up(self, ctx, requests) -> int:
+        """Runs the head over the pending pairs of `requests` (those of their shared blocks first) in one forward,
+        writing their K/V into the pool; keeps each one's newest output, which its first draft reads."""
+        taken = self.take_pending(requests)
+        if not taken:
+            return 0
+        chunks = [(tokens, start, request.block_ids) for request, tokens, start, _ in taken]
+        ids, positions, meta, query_lens = ctx.runner.flatten(chunks)
+        out = self._forward(ids, self.input_features([f for *_, features in taken for f in features]), positions, meta)
+        last = 0
+        for (request, *_), num in zip(taken, query_lens):
+            last += num
+            self.state(request).last_output = out[last - 1]
+        return len(ids)
 
     def propose(self, ctx, requests, budgets):
         self.catch_up(ctx, requests)

@@ -1,9 +1,10 @@
-"""Trained heads (Medusa, EAGLE-1, EAGLE-3, MTP, DFlash) as drafters: loading a head folder against the engine's target,
-and the head's calibrated confidence that every head drafter scores its drafts with.
+"""Trained heads (Medusa, EAGLE-1, EAGLE-3, MTP, P-EAGLE, DFlash) as drafters: loading a head folder against the
+engine's target, and the head's calibrated confidence that every head drafter scores its drafts with.
 
 Medusa (drafters/medusa.py) reads the target's hidden state of the newest computed token and needs no K/V. EAGLE-1,
-EAGLE-3 and MTP (drafters/eagle.py, drafters/mtp.py) run a decoder layer of their own over a pool with the target's
-block size, addressed by the target's block tables; DFlash (drafters/dflash.py) keeps its layers' context K/V there.
+EAGLE-3, MTP and P-EAGLE (drafters/eagle.py, drafters/mtp.py, drafters/peagle.py) run a decoder layer of their own
+over a pool with the target's block size, addressed by the target's block tables; DFlash (drafters/dflash.py) keeps
+its layers' context K/V there.
 """
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ def make_head_drafter(ctx, config):
                              f"drafts of this DFlash head's block (block_size={head.config.block_size}): draft fewer "
                              "tokens, or train a head with longer blocks")
         return DFlashDrafter(ctx, head, token_map, config)
+    if kind == "peagle":
+        from serving.drafters.peagle import PeagleDrafter
+
+        return PeagleDrafter(ctx, head, config)
     from serving.drafters.eagle import EagleDrafter
 
     return EagleDrafter(ctx, head, token_map, config)

@@ -6,9 +6,10 @@ import json
 import math
 from dataclasses import dataclass
 
-METHODS = ("ngram", "suffix", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp", "dflash", "lookahead")
-NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp", "dflash")
-HEADS = ("medusa", "eagle", "eagle3", "mtp", "dflash")  # trained draft heads: they read the target's hidden states
+METHODS = ("ngram", "suffix", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp", "peagle", "dflash",
+           "lookahead")
+NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp", "peagle", "dflash")
+HEADS = ("medusa", "eagle", "eagle3", "mtp", "peagle", "dflash")  # trained draft heads: they read the target's hidden states
 TAKES_TOKEN_MAP = ("medusa", "eagle", "mtp", "dflash")
 DRAFT_WEIGHTS = ("bfloat16", "float32")
 
@@ -24,27 +25,27 @@ class SpeculativeConfig:
     # neither is given. Heads looking up first default to 2 and 3.
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
-    model: str | None = None  # draft_model: a target name or folder; medusa/eagle/eagle3/mtp: a head folder
+    model: str | None = None  # draft_model: a target name or folder; medusa/eagle/eagle3/mtp/peagle: a head folder
     num_layers: int | None = None  # early_exit: how many of the target's layers draft
     draft_temperature: float | None = None  # draft_model: sample drafts (supplying q) instead of greedy drafting
     # medusa/eagle/mtp: a file of token ids (`draftheads token-map`, SGLang's --speculative-token-map): the head
     # drafts among those tokens only, reading just their rows of the LM head (FR-Spec). A head trained over a map
     # drafts among it without this; a different map is refused.
     token_map: str | None = None
-    # medusa/eagle/eagle3/mtp: end a chain before the first draft where the product of the head's probabilities of
-    # the chain's drafts (at the temperatures its fit calibrated, `confidence_temperatures` in its config.json)
+    # medusa/eagle/eagle3/mtp/peagle: end a chain before the first draft where the product of the head's probabilities
+    # of the chain's drafts (at the temperatures its fit calibrated, `confidence_temperatures` in its config.json)
     # falls below this, so steps where the head is unsure verify fewer tokens (0: always draft
     # num_speculative_tokens).
     confidence_threshold: float = 0.0
-    # medusa/eagle/eagle3/mtp: how the head's weights (and its token map's LM-head rows) are stored for the CPU
+    # medusa/eagle/eagle3/mtp/peagle: how the head's weights (and its token map's LM-head rows) are stored for the CPU
     # kernels: "bfloat16" (default when unset) streams half the bytes per draft and still computes in float32;
     # drafts may differ from float32 ones, outputs never do (the target verifies every draft).
     draft_weights: str | None = None
-    # medusa/eagle/eagle3/mtp: draft by prompt lookup (as ngram, prompt_lookup_min..max) where the sequence's last
-    # tokens occurred before, and by the head where they did not. A 1-token suffix nearly always occurred before
+    # medusa/eagle/eagle3/mtp/peagle: draft by prompt lookup (as ngram, prompt_lookup_min..max) where the sequence's
+    # last tokens occurred before, and by the head where they did not. A 1-token suffix nearly always occurred before
     # and takes steps from the head for little, hence a default minimum of 2 here.
     prompt_lookup_first: bool = False
-    # medusa/eagle/eagle3/mtp: draft a token tree, EAGLE-2's dynamic tree (SGLang's speculative_eagle_topk,
+    # medusa/eagle/eagle3/mtp/peagle: draft a token tree, EAGLE-2's dynamic tree (SGLang's speculative_eagle_topk,
     # speculative_num_draft_tokens; num_speculative_tokens is its speculative_num_steps): for num_speculative_tokens
     # depths expand the topk most likely children of the topk best nodes so far, each node scored by the product of
     # the head's probabilities along its path, then keep the num_draft_tokens - 1 best nodes. topk 1 is a chain.

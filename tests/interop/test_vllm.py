@@ -146,6 +146,17 @@ def test_vllm_serves_our_speculators_export_given_as_its_model(workspace, prompt
             prompt_ids, plain)
 
 
+def test_vllm_serves_our_speculators_peagle_export_with_parallel_drafting(workspace, prompt_ids, plain):
+    """vLLM reads a speculators P-EAGLE export as EAGLE-3 with parallel drafting (all drafts from one forward, the
+    mask token and mask_hidden in the placeholder rows): the same outputs and accepted drafts per position as ours."""
+    root, target, trained = workspace
+    exported = exporting.export(heads.load(trained["peagle"]), "speculators", root / "speculators-peagle",
+                                verifier=target, num_speculative_tokens=K)
+    with VllmServer(exported, None) as server:
+        compare(target, trained["peagle"], {"method": "peagle", "num_speculative_tokens": K}, server, prompt_ids,
+                plain)
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "eagle", "medusa"])
 def test_vllm_serves_our_export_with_our_outputs_and_acceptance(kind, workspace, prompt_ids, plain):
     root, target, trained = workspace

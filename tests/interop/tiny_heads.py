@@ -25,6 +25,8 @@ FIT = {
     "eagle3": ["--model.init_args.learning_rate=1e-2", "--model.init_args.num_steps=4",
                f"--model.init_args.aux_layers=[{','.join(map(str, AUX_LAYERS))}]",
                "--model.init_args.draft_vocab_size=512", "--trainer.max_steps=40"],
+    "peagle": ["--model.init_args.learning_rate=1e-2", f"--model.init_args.aux_layers=[{','.join(map(str, AUX_LAYERS))}]",
+               "--model.init_args.draft_vocab_size=512", "--trainer.max_steps=40"],
 }
 
 

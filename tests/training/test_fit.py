@@ -27,7 +27,7 @@ from training.fit import build_cli
 pytestmark = pytest.mark.usefixtures("in_tmp_path")
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = ("medusa", "eagle", "eagle3", "mtp")
+KINDS = ("medusa", "eagle", "eagle3", "mtp", "peagle")
 
 
 def prompt_messages(num_prompts: int) -> list[list[dict]]:
@@ -89,6 +89,7 @@ OVERFIT = {
     "eagle3": (["--model.init_args.learning_rate=1e-2", "--model.init_args.num_steps=4",
                 "--model.init_args.draft_vocab_size=512", WIDE], 40, 3.0),
     "mtp": (["--model.init_args.learning_rate=1e-2", WIDE], 30, 10.0),
+    "peagle": (["--model.init_args.learning_rate=1e-2", "--model.init_args.draft_vocab_size=512", WIDE], 40, 3.0),
 }
 MIN_TAU = 1.6  # an untrained head drafts this chaotic target at tau ~1.0
 

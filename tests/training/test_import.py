@@ -21,6 +21,7 @@ from serving.engine import Engine
 from serving.request import SamplingParams
 from training.cli import main as cli_main
 from training.export import export
+from training.import_head import import_head
 from training.fit import build_cli
 
 H, I, Q, KV, VOCAB = 64, 128, 64, 32, 256  # the conftest targets: hidden, MLP, 4 x 16 query and 2 x 16 KV widths
@@ -29,6 +30,7 @@ CASES = {  # case: (kind, layout)
     "eagle3-sglang": ("eagle3", "sglang"), "medusa-token-map": ("medusa", "vllm"), "medusa-own": ("medusa", "vllm"),
     "eagle-speculators": ("eagle", "speculators"), "eagle3-speculators": ("eagle3", "speculators"),
     "eagle31-vllm": ("eagle3", "vllm"), "eagle31-speculators": ("eagle3", "speculators"),
+    "peagle-speculators": ("peagle", "speculators"),
 }
 EAGLE31 = {"eagle31-vllm": {"norm_before_fc": True, "norm_output": True},
            "eagle31-speculators": {"fc_norm": True, "norm_output": True}}  # EAGLE 3.1's norms
@@ -55,6 +57,10 @@ def new_head(case: str, folder):
         return perturbed(heads.Eagle.from_target(parts, fc_bias=False), 1)
     if case in ("eagle-sglang", "eagle-speculators"):  # speculators keeps fc's bias (its fusion_bias, HASS)
         return perturbed(heads.Eagle.from_target(parts), 2)
+    if case.startswith("peagle"):
+        ids = torch.arange(1, VOCAB, 3)
+        return perturbed(heads.Peagle.from_target(parts, draft_token_ids=ids, aux_layers=(1, 2, 3), mask_token_id=7,
+                                                  num_depths=5), 7)
     if case.startswith("eagle3"):
         ids = torch.arange(1, VOCAB, 3)
         return perturbed(heads.Eagle3.from_target(parts, draft_token_ids=ids, aux_layers=(1, 2, 3),
@@ -336,6 +342,32 @@ def test_a_speculators_export_has_the_fields_vllms_loader_reads(tiny_llama, tmp_
     assert (config["speculators_model_type"], config["fusion_bias"], config["layernorms"]) == ("eagle", True, False)
     assert {"fusion_fc.weight", "fusion_fc.bias", "transformer.mlp.down_proj.weight"} <= load_file(
         str(eagle / "model.safetensors")).keys()
+
+
+def test_a_speculators_peagle_export_is_what_vllm_serves_as_eagle3_with_parallel_drafting(tiny_llama, tmp_path):
+    """vLLM reads speculators_model_type peagle as method eagle3 with parallel_drafting, mask_token_id as its pard
+    token and mask_hidden [1, 1, num_aux * hidden] as fc's input; aux layers named out of order are exported sorted,
+    fc's blocks and mask_hidden's in the same order, and import back into a head that computes the same."""
+    parts = target_parts(tiny_llama)
+    head = perturbed(heads.Peagle.from_target(parts, aux_layers=(3, 1, 2), mask_token_id=9, num_depths=3), 8)
+    exported = export(head, "speculators", tmp_path / "out", verifier=tiny_llama, num_speculative_tokens=3)
+    config = json.loads((exported / "config.json").read_text())
+    assert (config["speculators_model_type"], config["architectures"]) == ("peagle", ["PEagleSpeculator"])
+    assert config["speculators_config"]["algorithm"] == "peagle" and config["mask_token_id"] == 9
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and config["num_depths"] == 3
+    stored = load_file(str(exported / "model.safetensors"))
+    assert stored["mask_hidden"].shape == (1, 1, 3 * H)
+    imported, _ = import_head(exported, "peagle", tiny_llama)
+    assert imported.config.aux_layers == (1, 2, 3) and imported.config.mask_token_id == 9
+    aux = torch.randn(5, 3, H, generator=torch.Generator().manual_seed(0))  # by layer 1, 2, 3
+    ours = dict(zip(head.config.aux_layers, aux.unbind(1)))
+    with torch.no_grad():
+        torch.testing.assert_close(imported.fuse(aux.flatten(1)), head.fuse([ours[i] for i in head.config.aux_layers]))
+        torch.testing.assert_close(imported.mask_feature(), head.mask_feature())
+    del config["mask_token_id"]
+    (exported / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="its config.json has no mask_token_id, which a P-EAGLE head needs"):
+        import_head(exported, "peagle", tiny_llama)
 
 
 def test_a_speculators_eagle3_with_a_normed_residual_is_refused(tiny_llama, tmp_path, capsys):

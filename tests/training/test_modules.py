@@ -23,7 +23,8 @@ from training.modules.schedule import lr_factor
 from training.modules.unroll import unroll
 
 SMALL = {"medusa": {"num_heads": 2, "num_speculative_tokens": 2}, "eagle": {}, "eagle3": {"num_steps": 2, "draft_vocab_size": 1024},
-         "mtp": {}, "dflash": {"block_size": 5, "mask_token_id": 16, "num_anchors": 8}}
+         "mtp": {}, "peagle": {"draft_vocab_size": 1024},
+         "dflash": {"block_size": 5, "mask_token_id": 16, "num_anchors": 8}}
 
 
 def test_a_head_kind_is_its_speculative_method():
@@ -343,7 +344,7 @@ def test_eagle_unrolled_training_scores_step_s_against_the_next_feature_and_toke
 
 def greedy_before(module, last: torch.Tensor) -> torch.Tensor:
     """[B, S] the target's greedy token after each position, among the LM-head rows the head drafts from."""
-    if module.kind == "eagle3":
+    if module.kind in ("eagle3", "peagle"):
         ids = module.head.draft_token_ids
     elif module.token_map_ids is not None:
         ids = module.token_map_ids

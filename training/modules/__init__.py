@@ -5,7 +5,9 @@ from training.modules.eagle import EagleModule
 from training.modules.eagle3 import Eagle3Module
 from training.modules.medusa import MedusaModule
 from training.modules.mtp import MtpModule
+from training.modules.peagle import PeagleModule
 
-MODULES = {cls.kind: cls for cls in (MedusaModule, EagleModule, Eagle3Module, MtpModule, DFlashModule)}
+MODULES = {cls.kind: cls for cls in (MedusaModule, EagleModule, Eagle3Module, MtpModule, PeagleModule, DFlashModule)}
 
-__all__ = ["MODULES", "DFlashModule", "DraftModule", "Eagle3Module", "EagleModule", "MedusaModule", "MtpModule"]
+__all__ = ["MODULES", "DFlashModule", "DraftModule", "Eagle3Module", "EagleModule", "MedusaModule", "MtpModule",
+           "PeagleModule"]

@@ -1,7 +1,7 @@
 """What every draft-head LightningModule shares: the frozen target, the per-position validation metrics, the token
 loss of a draft position (`loss`, losses.py: self.draft_loss) and the optimizer. Each head kind (medusa.py, eagle.py,
-eagle3.py, mtp.py) adds its model and its loss: which rows each draft position trains on, the target's distribution
-there, and the per-position weighting.
+eagle3.py, mtp.py, peagle.py, dflash.py) adds its model and its loss: which rows each draft position trains on, the
+target's distribution there, and the per-position weighting.
 
 The frozen target is the embedding, final norm and LM head read from the target's safetensors
 (heads.load_target_parts), and, only when the data module runs online, the whole target (serving.model.Model)
@@ -99,7 +99,8 @@ class DraftModule(LightningModule):
         if token_map:
             if self.kind not in TAKES_TOKEN_MAP:
                 raise ValueError(f"token_map applies to {', '.join(TAKES_TOKEN_MAP)} heads, not {self.kind}"
-                                 + (": EAGLE-3 trains over its own draft vocabulary (draft_vocab_size)" if self.kind == "eagle3" else ""))
+                                 + (": EAGLE-3 trains over its own draft vocabulary (draft_vocab_size)"
+                                    if self.kind in ("eagle3", "peagle") else ""))
             ids = load_token_map(token_map, parts.vocab_size)
             parts.lm_head = lm_head_rows(parts.lm_head, ids)
         # target id -> index in the token map, -1 outside it; empty without a map. Buffers outside the state dict.

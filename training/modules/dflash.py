@@ -5,8 +5,8 @@ answer token; with prompt_loss, also a prompt token: base.loss_labels), several 
 block of anchor a is [x_a, MASK x (B-1)] at positions a..a+B-1; it attends to the context strictly before its anchor
 (the target's fused features at positions p < a, as K/V of every drafter layer) and to itself (the whole block, or
 with `causal` the slots up to its own), never to another block: `block_mask`. This is what the engine serves, the
-newest token x_a being the one the target has not run yet. Slot k (1..B-1) predicts x_{a+k}; its cross-entropy
-against that token is weighted exp(-(k-1)/gamma) (DFlash's decay: early slots decide acceptance), slot 0 is not
+newest token x_a being the one the target has not run yet. Slot k (1..B-1) predicts x_{a+k}; its token loss
+(losses.py; by default the cross-entropy against that token, as DFlash) is weighted exp(-(k-1)/gamma) (DFlash's decay: early slots decide acceptance), slot 0 is not
 trained, and the loss is the weighted sum over the labels in reach divided by their number (as speculators'
 DFlash loss).
 
@@ -18,7 +18,6 @@ fuses (offline: as its EAGLE-3 aux layers), or the data module runs online and t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from heads import DFlash
 from heads.attention import DenseContextAttention
@@ -52,6 +51,7 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
 class DFlashModule(DraftModule):
     kind = "dflash"
     hidden_layers = ("last", "eagle3")
+    default_loss = "ce"
 
     def __init__(self, num_layers: int = 1, block_size: int = 8, mask_token_id: int | None = None, causal: bool = False,
                  target_layers: list[int] | None = None, gamma: float = 4.0, num_anchors: int = 32,
@@ -137,7 +137,13 @@ class DFlashModule(DraftModule):
         valid[..., 0] = False  # the anchor is given, not drafted
         rows, valid = self.draft_labels(slot_labels, valid)
         logits = self.head.logits(out[valid]).float()  # [M, vocab]
-        ce = F.cross_entropy(logits, rows[valid], reduction="none")
+        target_logprobs = None
+        if self.draft_loss.needs_target:  # the target's distribution of x_{a+k}: its last hidden state at a+k-1
+            with torch.no_grad():
+                last = hidden["last"]
+                before = last.gather(1, (at - 1).flatten(1)[..., None].expand(-1, -1, last.shape[-1]))
+                target_logprobs = self.target_parts.lm_head(before.view(*at.shape, -1)[valid]).float().log_softmax(-1)
+        ce = self.draft_loss(logits, target_logprobs, rows[valid])
         weights = slot_weights(block, self.hparams.gamma).to(ce.device)
         slots = torch.arange(block, device=ce.device).expand_as(valid)[valid]
         loss = (weights[slots] * ce).sum() / max(1, len(ce))

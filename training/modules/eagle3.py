@@ -26,9 +26,36 @@ from training.modules.base import DraftModule
 from training.modules.unroll import shift_left, unroll
 
 
-class Eagle3Module(DraftModule):
-    kind = "eagle3"
+class FusedAuxModule(DraftModule):
+    """What the kinds over EAGLE-3's body share (EAGLE-3, P-EAGLE): the aux layers the store must hold, and the draft
+    vocabulary chosen from the store when training starts. Subclasses set `self.head`."""
     hidden_layers = ("last", "eagle3")
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.has_draft_vocab = False
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return tuple(self.head.config.aux_layers)
+
+    def use_store(self, store) -> None:
+        if tuple(store.aux_layers) != self.aux_layers:
+            raise ValueError(f"store {store.path} holds aux layers {list(store.aux_layers)} but this EAGLE-3 head fuses "
+                             f"{list(self.aux_layers)}: set model.init_args.aux_layers: {list(store.aux_layers)}, or "
+                             f"regenerate the store with --aux-layers {','.join(map(str, self.aux_layers))}")
+        if not self.has_draft_vocab:  # a resumed run then loads the checkpoint's vocabulary over this one
+            d2t, _ = draft_vocab(store, self.head.config.draft_vocab_size)
+            self.head.set_draft_vocab(d2t + torch.arange(len(d2t)))
+            self.head.init_from_target()
+            self.has_draft_vocab = True
+
+    def draft_rows(self) -> torch.Tensor:
+        return self.target_parts.lm_head.weight[self.head.draft_token_ids]  # [draft_vocab, hidden]
+
+
+class Eagle3Module(FusedAuxModule):
+    kind = "eagle3"
 
     def __init__(self, num_steps: int = 7, decay: float = 0.8, draft_vocab_size: int = 32000,
                  aux_layers: list[int] | None = None, intermediate_size: int | None = None, norm_before_fc: bool = False,
@@ -51,30 +78,11 @@ class Eagle3Module(DraftModule):
         self.head = Eagle3.from_target(self.target_parts, draft_vocab_size=draft_vocab_size,
                                        aux_layers=tuple(aux_layers or ()), intermediate_size=intermediate_size,
                                        norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output)
-        self.has_draft_vocab = False
-
-    @property
-    def aux_layers(self) -> tuple[int, ...]:
-        return tuple(self.head.config.aux_layers)
-
-    def use_store(self, store) -> None:
-        if tuple(store.aux_layers) != self.aux_layers:
-            raise ValueError(f"store {store.path} holds aux layers {list(store.aux_layers)} but this EAGLE-3 head fuses "
-                             f"{list(self.aux_layers)}: set model.init_args.aux_layers: {list(store.aux_layers)}, or "
-                             f"regenerate the store with --aux-layers {','.join(map(str, self.aux_layers))}")
-        if not self.has_draft_vocab:  # a resumed run then loads the checkpoint's vocabulary over this one
-            d2t, _ = draft_vocab(store, self.head.config.draft_vocab_size)
-            self.head.set_draft_vocab(d2t + torch.arange(len(d2t)))
-            self.head.init_from_target()
-            self.has_draft_vocab = True
 
     def _steps(self, batch: dict, hidden: dict, num_steps: int) -> list[torch.Tensor]:
         g = self.head.fuse(hidden["eagle3"])  # [B, S, hidden]
         return unroll(self.head, batch["input_ids"], g, batch["padding_mask"], num_steps,
                       self.head.config.max_position_embeddings)
-
-    def draft_rows(self) -> torch.Tensor:
-        return self.target_parts.lm_head.weight[self.head.draft_token_ids]  # [draft_vocab, hidden]
 
     def _loss(self, labels: torch.Tensor, has_label: torch.Tensor, last: torch.Tensor,
               outs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:

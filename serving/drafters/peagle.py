@@ -1,0 +1,93 @@
+"""P-EAGLE (heads/peagle.py) as a drafter: the whole block of drafts from one head forward per step.
+
+It is an EAGLE-3 drafter (drafters/eagle.py) for everything but drafting: the same pool sharing the target's block
+tables, the same lazy catch-up over the kept pairs (noted each step, run only when the request drafts, handed to the
+blocks the prefix cache registers). What differs is that the catch-up and the drafts are one forward: for every
+drafting request, its pending pairs (causal, their K/V kept in the pool) and then depth - 1 placeholder rows (the mask
+token and fc(mask_hidden) at positions anchor + 1 .. anchor + depth - 1, the anchor being its newest pair), each a
+tree row that sees the context and the placeholder rows before it, their K/V in scratch slots past the target's blocks
+and never kept. The pool takes every row's K/V before any row attends, so the placeholders read the catch-up written in
+the same call. The newest pair's output gives depth 1's distribution, placeholder d's depth d + 1's; `catch_up` does
+nothing of its own, so the adaptive policy prices drafting as that one call (its rows grow with the depth drafted).
+
+The drafts are a chain, or (topk > 1) the tree of the per-depth marginals: best-first by the product of the
+calibrated probabilities along a path, cut at num_draft_tokens (tree_search.grow_from_marginals).
+"""
+from __future__ import annotations
+
+import torch
+
+from serving.drafters.eagle import EagleDrafter
+from serving.drafters.head import top_log_probs
+from serving.drafters.tree_search import grow_from_marginals
+
+
+class PeagleDrafter(EagleDrafter):
+    def __init__(self, ctx, head, config):
+        if config.num_speculative_tokens > head.config.num_depths:
+            raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds the "
+                             f"{head.config.num_depths} depths {config.model} was trained for: draft at most "
+                             f"{head.config.num_depths} tokens, or train the head with --model.init_args.num_depths "
+                             f"{config.num_speculative_tokens}")
+        super().__init__(ctx, head, None, config)
+
+    def scratch_rows(self, config) -> int:
+        """One slot per placeholder row."""
+        return config.num_speculative_tokens - 1
+
+    def catch_up(self, ctx, requests) -> int:
+        """Nothing apart: the pending pairs run in the drafting forward (`propose`)."""
+        return 0
+
+    def propose(self, ctx, requests, budgets):
+        trees = {}
+        for first in range(0, len(requests), self.max_requests):  # more only if max_num_seqs grew since
+            trees.update(self._draft(ctx, requests[first:first + self.max_requests], budgets))
+        return trees
+
+    @torch.inference_mode()
+    def _draft(self, ctx, requests, budgets):
+        taken = self.take_pending(requests)
+        if not taken:
+            return {}
+        mask_id = self.head.config.mask_token_id
+        ids, positions, query_lens, context_lens, tables, paths, features = [], [], [], [], [], [], []
+        rows = []  # per request: its rows of the flat batch at depth 1, 2, ... (the newest pair's, then placeholders')
+        sources = []  # per row: its pair's feature row, or -1 (the last row of g below) for a placeholder
+        num_rows = num_pairs = 0
+        for r, (request, tokens, start, noted) in enumerate(taken):
+            num_masks = budgets[request.request_id].depth - 1
+            anchor = start + len(tokens) - 1
+            scratch = [self.scratch_start + r * self.num_scratch + d for d in range(num_masks)]
+            ids += tokens + [mask_id] * num_masks
+            positions += list(range(start, anchor + 1)) + list(range(anchor + 1, anchor + 1 + num_masks))
+            query_lens.append(len(tokens))
+            context_lens.append(anchor + 1)
+            tables.append(request.block_ids)
+            paths.append([scratch[:d + 1] for d in range(num_masks)])
+            sources += list(range(num_pairs, num_pairs + len(tokens))) + [-1] * num_masks
+            num_pairs += len(tokens)
+            features += noted
+            num_rows += len(tokens) + num_masks
+            rows.append(list(range(num_rows - num_masks - 1, num_rows)))
+        g = self.input_features(features)  # [catch-up rows, hidden]
+        g = torch.cat([g, self.head.mask_feature()[None]])[torch.tensor(sources, device=self.device)]
+        meta = ctx.runner.metadata(query_lens, context_lens, tables, paths)
+        out = self._forward(torch.tensor(ids, device=self.device), g, torch.tensor(positions, device=self.device), meta)
+
+        max_depths = [budgets[request.request_id].depth for request, *_ in taken]
+        depth = max(max_depths)
+        log_probs = torch.full((len(taken), depth, self.topk), -torch.inf)
+        tokens = torch.zeros(len(taken), depth, self.topk, dtype=torch.long)
+        for d in range(depth):
+            drafting = [r for r, request_rows in enumerate(rows) if d < len(request_rows)]
+            at = torch.tensor([rows[r][d] for r in drafting], device=self.device)
+            logits = self.head.logits(out[at])
+            best_log_probs, best = top_log_probs(logits, self.topk, self.confidence.temperature(d + 1))
+            log_probs[drafting, d] = best_log_probs.cpu()
+            tokens[drafting, d] = self.head.to_target_ids(best).cpu()
+        found = grow_from_marginals(log_probs, tokens, self.topk, max_depths,
+                                    [self.confidence.log_threshold_for(budgets[request.request_id])
+                                     for request, *_ in taken])
+        return {request.request_id: candidates.best(budgets[request.request_id].num_nodes)
+                for (request, *_), candidates in zip(taken, found)}

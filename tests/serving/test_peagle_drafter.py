@@ -1,0 +1,172 @@
+"""P-EAGLE in the engine (serving/drafters/peagle.py): a block of drafts from one head forward per step.
+
+1. Paged equals dense: every proposal of a random P-EAGLE head (chain, and a tree of topk 2; per-depth calibrated
+   temperatures; float32 draft weights), with chunked prefill, four requests at once sharing a cached prefix, makes
+   the candidates (tokens, parents, depths; scores within 2e-5) and keeps the tree that `grow_from_marginals` gives
+   over the same module run densely with an explicit mask (heads.peagle.block_mask): the pairs (fuse(aux_p), x_{p+1})
+   at positions 0..T-2 from transformers' hidden states, then depth - 1 placeholder rows at T-2+d, each seeing the
+   context and the placeholders before it. One head forward per drafting step.
+2. Greedy outputs are plain decoding's at concurrency 1 and 4, with forced preemption, chunked prefill and prefix-cache
+   hits, as a chain and as a tree.
+3. Sampled: the law of the two tokens after the prefill's, each step verifying a P-EAGLE tree, is the target's within
+   total variation 0.07 (as tests/serving/test_trees.py's engine test, with the head in place of its stub).
+4. Serving more drafts than the head was trained for is a clear error.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import heads
+from heads.attention import sdpa_gqa
+from heads.peagle import block_mask
+from serving.drafters.head import Confidence, top_log_probs
+from serving.drafters.tree_search import grow_from_marginals
+from serving.request import SamplingParams
+
+from test_head_drafters import (EAGLE3_AUX, assert_pool_idle, greedy, hf_hidden_states, load_as_drafted, make_engine,
+                                perturb, plain_outputs, random_prompts, target_parts)
+from test_trees import E2E_PROMPT, E2E_SAMPLES, compare_candidates, tv, two_token_law
+
+PREFIX = random_prompts((21,), seed=31)[0]
+PROMPTS = [PREFIX + tail for tail in random_prompts((1, 6, 3, 11, 2, 9), seed=32)] + random_prompts((13, 30), seed=33)
+TEMPERATURES = [0.7, 1.4, 2.0, 1.1]
+
+
+def peagle_head_dir(folder, root, *, num_depths=4, full_vocab=False) -> str:
+    """A random P-EAGLE head for the target in `folder` (perturbed weights, a random half of the vocabulary unless
+    `full_vocab`, calibrated temperatures per depth), saved under `root`."""
+    parts = target_parts(folder)
+    path = root / f"peagle-{folder.name}-{num_depths}-{full_vocab}"
+    if not path.exists():
+        with torch.random.fork_rng():
+            torch.manual_seed(11)
+            vocab = range(parts.vocab_size) if full_vocab else torch.randperm(parts.vocab_size)[:parts.vocab_size // 2]
+            head = heads.Peagle.from_target(parts, draft_token_ids=vocab, aux_layers=EAGLE3_AUX, mask_token_id=5,
+                                            num_depths=num_depths)
+        head = perturb(head, seed=12)
+        head.config.confidence_temperatures = TEMPERATURES[:num_depths]
+        heads.save(head, path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def heads_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("peagle_heads")
+
+
+@torch.no_grad()
+def dense_candidates(head, states, tokens, budget, topk):
+    """The block search after `tokens` (T of them), the head run densely over its context and placeholders with
+    block_mask: every candidate made (tree_search.Candidates)."""
+    num, num_masks = len(tokens) - 1, budget.depth - 1
+    ids = torch.tensor(list(tokens[1:]) + [head.config.mask_token_id] * num_masks)
+    g = torch.cat([head.fuse([states[i][:num] for i in head.config.aux_layers]),
+                   head.mask_feature().expand(num_masks, -1)])
+    anchors = torch.tensor(list(range(num)) + [num - 1] * num_masks)
+    depths = torch.tensor([0] * num + list(range(1, num_masks + 1)))
+    mask = block_mask(anchors, depths, torch.ones(len(ids), dtype=torch.bool))
+    out = head(ids[None], g[None], (anchors + depths)[None], lambda i, q, k, v: sdpa_gqa(q, k, v, mask[None]))[0]
+    confidence = Confidence(head, 0.0)
+    log_probs, best = zip(*(top_log_probs(head.logits(out[row][None]), topk, confidence.temperature(d + 1))
+                            for d, row in enumerate([num - 1] + list(range(num, num + num_masks)))))
+    tokens = head.to_target_ids(torch.stack(best, 1))  # [1, depth, topk]
+    return grow_from_marginals(torch.stack(log_probs, 1), tokens, topk, [budget.depth],
+                               [confidence.log_threshold_for(budget)])[0]
+
+
+@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+def test_paged_block_drafts_equal_the_dense_forward(topk, tiny_llama, heads_root, monkeypatch):
+    import serving.drafters.peagle as peagle
+
+    head_dir = peagle_head_dir(tiny_llama, heads_root)
+    spec = {"method": "peagle", "model": head_dir, "num_speculative_tokens": 3, "topk": topk,
+            "num_draft_tokens": 6 if topk > 1 else 4, "draft_weights": "float32"}
+    engine = make_engine(tiny_llama, spec, max_num_seqs=4, max_num_batched_tokens=16)
+    drafter = engine.speculator.drafter
+    assert isinstance(drafter, peagle.PeagleDrafter)
+    searches, records, forwards = [], [], []
+    grow = peagle.grow_from_marginals
+    monkeypatch.setattr(peagle, "grow_from_marginals", lambda *a, **k: searches.extend(found := grow(*a, **k)) or found)
+    forward = drafter._forward
+    drafter._forward = lambda *args: forwards.append(1) or forward(*args)
+    propose = drafter.propose
+
+    def spy(ctx, requests, budgets):
+        before = {r.request_id: list(r.token_ids) for r in requests}
+        searches.clear()
+        num_forwards = len(forwards)
+        trees = propose(ctx, requests, budgets)
+        assert len(forwards) - num_forwards == 1, "one head forward per drafting step"
+        records.extend((rid, before[rid], budgets[rid], tree, found)
+                       for (rid, tree), found in zip(trees.items(), searches))
+        return trees
+
+    drafter.propose = spy
+    engine.generate(PROMPTS[:1], greedy(4))  # the shared prefix is cached for the requests after
+    outputs = engine.generate(PROMPTS, greedy(12))
+    assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, PROMPTS, 12)
+    assert sum(o.metrics["num_cached_tokens"] for o in outputs) >= 20 * 6
+    head = load_as_drafted(head_dir, tiny_llama, "float32")
+    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
+    states = {rid: hf_hidden_states(tiny_llama, final) for rid, final in finals.items()}
+    mismatches = []
+    for rid, tokens, budget, tree, paged in records:
+        if rid not in finals:
+            continue  # the warm-up request's
+        dense = dense_candidates(head, states[rid], tokens, budget, topk)
+        mismatch = compare_candidates(f"request {rid} at T={len(tokens)}", paged, dense, tree,
+                                      dense.best(budget.num_nodes))
+        if mismatch:
+            mismatches.append(mismatch)
+    assert len(records) >= 8 * 3
+    assert not mismatches, f"{len(mismatches)} of {len(records)} proposals differ:\n" + "\n".join(mismatches)
+    num_nodes = spec["num_draft_tokens"] - 1
+    full = [tree for _, _, budget, tree, _ in records if budget.depth == 3 and budget.num_nodes == num_nodes]
+    assert full and all(len(tree) == num_nodes and tree.depth >= 2 for tree in full)
+
+
+@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_greedy_outputs_are_plain_decodings(concurrency, topk, tiny_llama, heads_root):
+    spec = {"method": "peagle", "model": peagle_head_dir(tiny_llama, heads_root), "num_speculative_tokens": 4,
+            "topk": topk}
+    # concurrency 4: 8 requests growing to 22-60 tokens in 28 blocks of 4 force preemption
+    engine = make_engine(tiny_llama, spec, max_num_seqs=concurrency, max_num_batched_tokens=16,
+                         **({"num_blocks": 28, "max_model_len": 96} if concurrency > 1 else {}))
+    engine.generate(PROMPTS[:1], greedy(4))
+    outputs = engine.generate(PROMPTS, greedy(20))
+    assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, PROMPTS, 20)
+    assert_pool_idle(engine)
+    assert sum(engine.speculator.stats.proposed) > 0
+    assert sum(o.metrics["num_cached_tokens"] for o in outputs) > 0
+    if concurrency > 1:
+        assert sum(o.metrics["num_preemptions"] for o in outputs) > 0
+
+
+def test_a_sampled_tree_keeps_the_target_law(v8_target, heads_root):
+    """x1 comes from the prefill; the first verify step carries the head's tree (topk 2, 2 depths, 4 nodes): the law
+    of (x2, x3) is the target's (two_token_law)."""
+    params = [SamplingParams(temperature=0.8, top_k=5, seed=i, max_tokens=4, ignore_eos=True)
+              for i in range(E2E_SAMPLES)]
+    law, _, _ = two_token_law(v8_target, E2E_PROMPT, params[0])
+    spec = {"method": "peagle", "model": peagle_head_dir(v8_target, heads_root, num_depths=2, full_vocab=True),
+            "num_speculative_tokens": 2, "topk": 2, "num_draft_tokens": 5}
+    engine = make_engine(v8_target, spec, block_size=4, num_blocks=1024, max_model_len=64, max_num_seqs=256,
+                         max_num_batched_tokens=4096)
+    outputs = engine.generate([E2E_PROMPT] * E2E_SAMPLES, params)
+    assert_pool_idle(engine)
+    stats = engine.speculator.stats
+    assert stats.proposed[:2] == [E2E_SAMPLES, E2E_SAMPLES], "every request verifies a tree of depth 2 after x1"
+    assert 0 < stats.accepted[0] < stats.reached[0] and 0 < stats.accepted[1] < stats.reached[1]
+    counts = torch.zeros(8, 8)
+    for o in outputs:
+        counts[o.token_ids[1], o.token_ids[2]] += 1
+    distance = tv(counts.flatten(), law.flatten())
+    assert distance <= 0.07, f"TV {distance:.4f} between the engine's (x2, x3) and the target law"
+
+
+def test_more_drafts_than_depths_trained_is_a_clear_error(tiny_llama, heads_root):
+    head_dir = peagle_head_dir(tiny_llama, heads_root, num_depths=2, full_vocab=True)
+    with pytest.raises(ValueError, match="num_speculative_tokens=3 exceeds the 2 depths .* was trained for"):
+        make_engine(tiny_llama, {"method": "peagle", "model": head_dir, "num_speculative_tokens": 3})
