@@ -1,7 +1,8 @@
 """Drafters propose token trees for the target to verify, behind one interface (`serving.drafters.base.Drafter`), one
 drafter per file: ngram.py (prompt lookup), draft_model.py, early_exit.py, medusa.py, eagle.py (EAGLE-1, EAGLE-3,
 MTP reusing its first module), mtp.py (MTP, one module per draft), lookup_first.py (prompt lookup, then a head),
-lookahead.py (lookahead decoding: Jacobi iteration and an n-gram pool)."""
+lookahead.py (lookahead decoding: Jacobi iteration and an n-gram pool), grammar.py (nothing but the tokens a request's
+grammar forces)."""
 from __future__ import annotations
 
 from serving.drafters.context import DraftContext
@@ -13,6 +14,10 @@ def make_drafter(ctx: DraftContext, config: SpeculativeConfig):
         from serving.drafters.ngram import NgramDrafter
 
         return NgramDrafter(config)
+    if config.method == "grammar":
+        from serving.drafters.grammar import GrammarDrafter
+
+        return GrammarDrafter()
     if config.method == "lookahead":
         from serving.drafters.lookahead import LookaheadDrafter
 
