@@ -234,9 +234,7 @@ class Engine:
                     self.speculator.record(request, tree, path, request.num_tokens - num_before)
             else:  # plain decoding, or a speculated step with no drafts
                 if request.grammar is not None:
-                    bitmask = self.grammars.new_bitmask(1)
-                    self.grammars.fill(request.grammar, bitmask, 0)
-                    logits, best = mask_logits(logits[:1], bitmask), [None]
+                    logits, best = mask_logits(logits[:1], self.grammars.bitmask(request.grammar)), [None]
                 token, logprob = next_token(logits[0], request, request.generator, best[0])
                 self._append(request, [token], [logprob])
                 if speculating and is_decode:  # counted as a verify step

@@ -53,7 +53,7 @@ class StructuredOutputs:
                 schema = self.json
             if not isinstance(schema, dict):
                 raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
-            object.__setattr__(self, "json", json.dumps(schema, sort_keys=True))
+            object.__setattr__(self, "json", json.dumps(schema))  # key order kept: it orders the properties
         if self.json_object is not True and self.json_object is not False:
             raise ValueError(f"structured_outputs.json_object must be true or false, got {self.json_object!r}")
         if self.choice is not None:
@@ -150,6 +150,12 @@ class Grammars:
     def new_bitmask(self, num_rows: int) -> np.ndarray:
         """[num_rows, words] int32, every token allowed."""
         return llguidance.numpy.allocate_token_bitmask(num_rows, self.tokenizer.vocab_size)
+
+    def bitmask(self, matcher: llguidance.LLMatcher) -> np.ndarray:
+        """[1, words]: the tokens the matcher's state allows next."""
+        bitmask = self.new_bitmask(1)
+        self.fill(matcher, bitmask, 0)
+        return bitmask
 
     def fill(self, matcher: llguidance.LLMatcher, bitmask: np.ndarray, row: int) -> None:
         """Row `row` of `bitmask`: the tokens the matcher's state allows next."""

@@ -47,16 +47,17 @@ SCHEMA = {
                    "n": {"type": "integer", "maximum": 99}},
     "required": ["name", "kind", "n"],
     "additionalProperties": False,
+    "x-guidance": {"whitespace_flexible": False},  # llguidance's option: no whitespace, so a random model ends
 }
 
 
 # ---- 1. errors ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fields, message", [
-    ({"json": {"type": "foo"}}, r"structured_outputs.json is invalid: .*foo"),
+    ({"json": {"type": "foo"}}, r"(?s)structured_outputs.json is invalid: .*foo"),
     ({"json": "{not json"}, r"structured_outputs.json is not valid JSON"),
-    ({"regex": "[a-"}, r"structured_outputs.regex is invalid: .*unclosed character class"),
-    ({"grammar": "start: missing_rule\n"}, r"structured_outputs.grammar is invalid: .*unknown name"),
+    ({"regex": "[a-"}, r"(?s)structured_outputs.regex is invalid: .*unclosed character class"),
+    ({"grammar": "start: missing_rule\n"}, r"(?s)structured_outputs.grammar is invalid: .*unknown name"),
     ({"choice": []}, r"choice must be a non-empty list"),
     ({"json": SCHEMA, "regex": "a"}, r"exactly one of .*; got json, regex"),
     ({}, r"exactly one of .*; got none"),
@@ -148,14 +149,14 @@ def drafter_config(kind, folder, heads_root):
 
 
 SETTINGS = {"c1": dict(max_num_seqs=1), "c4": dict(max_num_seqs=4),
-            "c4-preempt": dict(max_num_seqs=4, block_size=4, num_blocks=40, max_model_len=128)}
+            "c4-preempt": dict(max_num_seqs=4, block_size=4, num_blocks=24, max_model_len=96)}
 
 
 @pytest.mark.parametrize("grammar_drafts", [True, False], ids=["grammar-drafts", "no-grammar-drafts"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("kind", ["ngram", "eagle-chain", "eagle-tree", "random-trees"])
 def test_greedy_under_a_grammar_is_plain_decoding(tiny_llama, heads_root, kind, setting, grammar_drafts):
-    max_tokens = 40
+    max_tokens = 60
     plain = plain_under_grammar(tiny_llama, max_tokens)
     if kind == "random-trees":
         engine = byte_engine(tiny_llama, {"method": "ngram", "num_speculative_tokens": 4}, **SETTINGS[setting])
@@ -170,7 +171,8 @@ def test_greedy_under_a_grammar_is_plain_decoding(tiny_llama, heads_root, kind, 
         assert out.finish_reason == expected.finish_reason
     assert_pool_idle(engine)
     stats = engine.speculator.stats
-    assert stats.num_drafts > 0 and (stats.num_grammar_draft_tokens > 0) == grammar_drafts
+    assert stats.num_draft_tokens + stats.num_invalid_spec_tokens > 0, "nothing drafted"
+    assert (stats.num_grammar_draft_tokens > 0) == grammar_drafts
     assert stats.num_accepted_grammar_draft_tokens <= stats.num_grammar_draft_tokens
     if kind == "random-trees":
         assert stats.num_invalid_spec_tokens > 0 and sum(stats.accepted[1:]) > 0
@@ -193,11 +195,13 @@ class ForbiddenSiblingStub(TruthStub):
         if depth < 1:
             return DraftTree()
         self.num_forbidden += 2
-        return DraftTree([upcoming[0], FORBIDDEN, *upcoming[1:depth], ord("a")], [-1, -1, *range(0, depth - 1), 1])
+        # nodes: the true next token, the forbidden byte, the true tokens after (up_i at node i + 1), a child of the byte
+        chain_parents = [0 if i == 1 else i for i in range(1, depth)]
+        return DraftTree([upcoming[0], FORBIDDEN, *upcoming[1:depth], ord("a")], [-1, -1, *chain_parents, 1])
 
 
 def test_forbidden_drafts_are_cut_before_verification_and_counted(tiny_llama):
-    max_tokens = 40
+    max_tokens = 60
     plain = plain_under_grammar(tiny_llama, max_tokens)
     engine = byte_engine(tiny_llama, {"method": "ngram", "num_speculative_tokens": 3}, max_num_seqs=4)
     stub = ForbiddenSiblingStub({tuple(p): out.token_ids for p, out in zip(PROMPTS, plain)})
@@ -244,7 +248,7 @@ def allowed(x2: int | None = None) -> torch.Tensor:
         letters = "abcd"
     else:
         letters = "cdefg" if LETTERS.get(x2) in ("a", "b") else "abcd"
-    return torch.tensor([LETTERS.get(i) in letters for i in range(8)])
+    return torch.tensor([i in LETTERS and LETTERS[i] in letters for i in range(8)])
 
 
 def masked_law(folder, params):
@@ -311,9 +315,11 @@ def test_sampled_speculation_under_a_grammar_keeps_the_masked_target_law(v8_targ
     outputs = engine.generate([E2E_PROMPT] * E2E_SAMPLES, params)
     assert_pool_idle(engine)
     stats = engine.speculator.stats
-    assert stats.proposed[:2] == [E2E_SAMPLES, E2E_SAMPLES], "every request verifies a tree of depth 2 after x1"
+    if not sampled:  # every request verifies the tree of width 2 at depths 1 and 2; e and its child are cut
+        assert stats.proposed[:2] == [E2E_SAMPLES, E2E_SAMPLES]
+        assert stats.num_invalid_spec_tokens == 2 * E2E_SAMPLES
     assert 0 < stats.accepted[0] < stats.reached[0] and 0 < stats.accepted[1] < stats.reached[1]
-    assert stats.num_invalid_spec_tokens >= 2 * E2E_SAMPLES  # e and its child, at least
+    assert stats.num_invalid_spec_tokens >= 2 * E2E_SAMPLES
     counts = torch.zeros(8, 8)
     for o in outputs:
         counts[o.token_ids[1], o.token_ids[2]] += 1
@@ -351,5 +357,5 @@ def test_server_response_format_json_schema(tmp_path):
                                            extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
         assert choice.choices[0].text in ("yes", "no")
         again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=200, temperature=0,
-                                               response_format={"type": "json_object"})
-        assert isinstance(json.loads(again.choices[0].message.content), dict)
+                                               extra_body={"structured_outputs": {"json": SCHEMA}})
+        assert again.choices[0].message.content == answer.choices[0].message.content
