@@ -24,6 +24,7 @@ from serving.sampler import make_generator, next_token
 from serving.scheduler import Scheduler
 from serving.spec_decode.config import SpeculativeConfig
 from serving.spec_decode.speculator import Speculator
+from serving.structured_output import Grammars, mask_logits
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class Engine:
         model_config = model.config
         self.max_model_len = _max_model_len(config.max_model_len, model_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(self.folder)
+        self.grammars = Grammars.from_hf(self.tokenizer, model_config.vocab_size, model_config.eos_token_ids, self.folder)
         layer, block_size = model_config.layer, config.block_size
         bytes_per_block = KVCache.bytes_per_block(model_config.num_layers, block_size, layer.num_kv_heads, layer.head_dim,
                                                   self.dtype)
@@ -139,6 +141,8 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         eos = () if params.ignore_eos else self.model.config.eos_token_ids
         request = Request(request_id, ids, params, eos)
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars.matcher(params.structured_outputs)
         if not params.is_greedy:
             request.generator = make_generator(params.seed)
         self.requests[request_id] = request
@@ -158,6 +162,8 @@ class Engine:
             raise ValueError(f"SamplingParams.stop needs a tokenizer and target {self.folder} has none: use stop_token_ids")
         if params.logit_bias and not all(0 <= token < vocab for token in params.logit_bias):
             raise ValueError(f"SamplingParams.logit_bias keys must be token ids in [0, {vocab})")
+        if params.structured_outputs is not None:
+            self.grammars.matcher(params.structured_outputs)  # compiled once per grammar: a bad one fails here
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -227,6 +233,8 @@ class Engine:
                 if is_decode:
                     self.speculator.record(request, tree, path, request.num_tokens - num_before)
             else:  # plain decoding, or a speculated step with no drafts
+                if request.grammar is not None:
+                    logits, best = mask_logits(logits[:1], self.grammars.bitmask(request.grammar)), [None]
                 token, logprob = next_token(logits[0], request, request.generator, best[0])
                 self._append(request, [token], [logprob])
                 if speculating and is_decode:  # counted as a verify step
@@ -263,8 +271,13 @@ class Engine:
             request.token_ids.append(token)
             if logprob is not None:
                 request.logprobs.append(logprob)
+            if request.grammar is not None and not request.grammar.consume_token(token):
+                raise RuntimeError(f"request {request.request_id} emitted token {token}, which its grammar forbids: "
+                                   f"{request.grammar.get_error()}")
             if token in request.eos_token_ids or (p.stop_token_ids and token in p.stop_token_ids):
                 request.finish_reason = "stop"
+            elif request.grammar is not None and request.grammar.is_stopped():
+                request.finish_reason = "stop"  # the grammar is complete: nothing but the end may follow
             elif p.stop and self._hits_stop_string(request):
                 request.finish_reason = "stop"
             elif request.num_output_tokens >= p.max_tokens or request.num_tokens >= self.max_model_len:

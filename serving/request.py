@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from serving.spec_decode.metrics import AcceptanceStats
 from serving.spec_decode.tree import DraftTree
+from serving.structured_output import StructuredOutputs
 
 
 @dataclass
@@ -26,6 +27,10 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # the answer constrained to a JSON schema, JSON object, regex, choice or grammar (a dict of vLLM's fields works)
+    structured_outputs: StructuredOutputs | dict | None = None
+    # with structured_outputs and speculation: the tokens the grammar forces are drafted too (default on)
+    grammar_drafts: bool | None = None
 
     def __post_init__(self):
         def bad(name, value, allowed):
@@ -64,6 +69,17 @@ class SamplingParams:
                 bad("logit_bias", self.logit_bias, "a mapping of integer token ids to float biases")
         if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "a list of integer token ids")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            bad("structured_outputs", self.structured_outputs, "a StructuredOutputs, a dict of its fields, or None")
+        if self.grammar_drafts not in (None, True, False):
+            bad("grammar_drafts", self.grammar_drafts, "true, false or None (on when structured_outputs is set)")
+        if self.grammar_drafts is None:
+            self.grammar_drafts = self.structured_outputs is not None
+        elif self.grammar_drafts and self.structured_outputs is None:
+            bad("grammar_drafts", self.grammar_drafts, "false without structured_outputs (there is no grammar to "
+                "draft from)")
 
     @property
     def is_greedy(self) -> bool:
@@ -120,6 +136,9 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []
         self.spec = SpecState()
+        # llguidance.LLMatcher of a structured-output request, in the state after every emitted token; it outlives
+        # preemption, which keeps the emitted tokens
+        self.grammar = None
         self.generator = None  # torch.Generator of a sampled request, seeded by its params
         self.captured: list = []  # (hidden rows, {layer: rows}) per computed chunk in token order, when capturing
         self.finish_reason: str | None = None

@@ -11,6 +11,7 @@ arrival order while budget, sequence slots and blocks last, and never in a step 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from serving.blocks import BlockManager
@@ -90,8 +91,9 @@ class Scheduler:
             num_budget_tokens -= num_new
         return output
 
-    def draft_budgets(self, requests: list[Request], max_drafts: int) -> dict[str, int]:
-        """How many draft nodes each of `requests` (running, in running order) can carry next step, in one pass:
+    def draft_budgets(self, requests: list[Request], max_drafts: int | Mapping[str, int]) -> dict[str, int]:
+        """How many draft nodes each of `requests` (running, in running order) can carry next step, at most
+        `max_drafts` (one number, or one per request id), in one pass:
         those that fit in the token budget and the free blocks left once every running request, with the drafts it
         already holds, is served, each request's grant counted against the next one's. Speculation never preempts
         or delays another request."""
@@ -116,7 +118,8 @@ class Scheduler:
             num_blocks = (len(request.block_ids) + self.block_manager.num_new_blocks(request, num_base)
                           + max(0, num_spare_blocks))
             num_spare_slots = num_blocks * self.block_manager.block_size - request.num_tokens
-            num = max(0, min(max_drafts, num_spare_tokens, num_spare_slots, self.max_model_len - request.num_tokens))
+            most = max_drafts if isinstance(max_drafts, int) else max_drafts[request.request_id]
+            num = max(0, min(most, num_spare_tokens, num_spare_slots, self.max_model_len - request.num_tokens))
             budgets[request.request_id] = num
             num_spare_tokens -= num
             num_spare_blocks -= (self.block_manager.num_new_blocks(request, num_base + num)

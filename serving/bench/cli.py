@@ -35,6 +35,9 @@ HELP = {
     "seed": "per-request seeds are seed + index",
     "speculative_config": 'a speculative config, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; repeat for more rows',
     "baseline": "hf also times transformers' generate on the same prompts",
+    "structured_outputs": "constrain every answer (plain decoding's too), as vLLM's structured_outputs: JSON with one "
+                          "of json (a schema), json_object, regex, choice, grammar, e.g. '{\"json\": {\"type\": "
+                          "\"object\"}}'",
     "dtype": ENGINE_HELP["dtype"],
     "weights": ENGINE_HELP["weights"],
     "block_size": ENGINE_HELP["block_size"],
@@ -59,6 +62,7 @@ class BenchConfig:
     seed: int = 0
     speculative_config: list = field(default_factory=list)  # SpeculativeConfig, or its JSON text or mapping
     baseline: str | None = None
+    structured_outputs: dict | str | None = None  # vLLM's fields, or their JSON text
     dtype: str = "float32"
     weights: str = "float32"
     block_size: int = 16
@@ -87,6 +91,13 @@ class BenchConfig:
                                    for c in self.speculative_config]
         for temperature in self.temperature:
             SamplingParams(max_tokens=self.max_new_tokens, temperature=temperature, seed=self.seed)
+        if isinstance(self.structured_outputs, str):
+            try:
+                self.structured_outputs = json.loads(self.structured_outputs)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"structured_outputs is not valid JSON ({error}): {self.structured_outputs!r}") from None
+        if self.structured_outputs is not None:
+            SamplingParams(structured_outputs=self.structured_outputs)  # a bad schema or grammar fails here
         self.engine_config()  # a bad device or weights fails before the prompts load
 
     def engine_config(self, max_num_seqs: int = 64) -> EngineConfig:
@@ -100,7 +111,8 @@ def add_arguments(parser) -> None:
     add_options(parser, BenchConfig, HELP, types, {
         "config": {"metavar": "FILE"}, "speculative_config": {"action": "append", "metavar": "JSON"},
         "concurrency": {"nargs": "+", "metavar": "N"}, "temperature": {"nargs": "+", "metavar": "T"},
-        "baseline": {"choices": ["hf"]}, "dtype": {"choices": DTYPES}, "weights": {"choices": list(WEIGHTS)}, "json": {"metavar": "PATH"},
+        "baseline": {"choices": ["hf"]}, "dtype": {"choices": DTYPES}, "weights": {"choices": list(WEIGHTS)},
+        "structured_outputs": {"metavar": "JSON"}, "json": {"metavar": "PATH"},
         "out": {"metavar": "DIR"}})
     parser.add_argument("--cost-model", action="store_true",
                         help="print the target's step-cost table on this device (what the adaptive policy prices steps "
@@ -129,7 +141,8 @@ def run(args) -> None:
     engine = Engine(config.engine_config(max_num_seqs=max(config.concurrency)))
     settings = [Setting(config.prompts, float(t), c, config.baseline) for t in config.temperature for c in config.concurrency]
     results = run_settings(engine, {config.prompts: (messages, list(dataset["category"]))}, settings,
-                           config.speculative_config, config.max_new_tokens, config.seed, out=config.out)
+                           config.speculative_config, config.max_new_tokens, config.seed, out=config.out,
+                           structured_outputs=config.structured_outputs)
     if config.out:
         write_report(results, config.out, "bench")
     elif len(results) > 1:

@@ -15,14 +15,16 @@ from serving.spec_decode.speculator import Speculator
 
 
 def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency, temperature=0.0, seed=0,
-              baseline=None, progress=False) -> dict:
+              baseline=None, progress=False, structured_outputs=None) -> dict:
     """Plain decoding, each speculative config and (baseline="hf") transformers' generate take turns on each group
     of `concurrency` prompts, the turn's first method one further each group, so that drift in the machine's speed
     hits every method alike. `progress` shows a bar over the prompts, each counted once every method has answered
-    it."""
+    it. `structured_outputs` (serving.structured_output.StructuredOutputs or a dict of its fields) constrains every
+    answer, plain decoding's too."""
     from tqdm.auto import tqdm
 
-    params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i) for i in range(len(prompts))]
+    params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i,
+                             structured_outputs=structured_outputs) for i in range(len(prompts))]
     engine.scheduler.max_num_seqs = concurrency
     methods = [None, *configs]
     # Each drafter is loaded once, before any timing (a bad head fails here), and warmed up.
@@ -67,6 +69,9 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
                 stats.merge(request_stats)
                 per_category.setdefault(category, AcceptanceStats()).merge(request_stats)
             summary = stats.to_dict()
+            row.update(num_invalid_spec_tokens=summary["num_invalid_spec_tokens"],
+                       num_grammar_draft_tokens=summary["num_grammar_draft_tokens"],
+                       num_accepted_grammar_draft_tokens=summary["num_accepted_grammar_draft_tokens"])
             row.update(tau=summary["tau"], mean_acceptance_length=summary["mean_acceptance_length"],
                        acceptance_rate=summary["acceptance_rate"], rows_per_step=summary["rows_per_step"],
                        per_position=summary["per_position"],
@@ -81,6 +86,7 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
             row.update(speculator.drafter.summary())  # lookahead: its pool's hit rate
         rows.append(row)
     result = {"target": str(engine.folder), "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+              "structured_outputs": params[0].structured_outputs.key if params[0].structured_outputs else None,
               "concurrency": concurrency, "temperature": temperature, "dtype": str(engine.dtype).replace("torch.", ""),
               "device": str(engine.device), "threads": torch.get_num_threads(), "rows": rows}
     if hf:

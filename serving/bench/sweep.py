@@ -38,15 +38,18 @@ class Setting:
 
 
 def run_settings(engine, prompt_sets: dict, settings: list[Setting], configs: list, max_new_tokens: int, seed: int = 0,
-                 out: str | Path | None = None) -> list[dict]:
+                 out: str | Path | None = None, structured_outputs=None) -> list[dict]:
     """prompt_sets: name -> (prompts, categories). Plain decoding and `configs` side by side (`run_bench`) in each
     setting in turn; returns the settings' results in order, each with its setting's `name` and `prompts`. With
-    `out`, settings whose file in out/settings/ holds their result under the same options are not run again."""
+    `out`, settings whose file in out/settings/ holds their result under the same options are not run again.
+    `structured_outputs` constrains every answer (run_bench)."""
     folder = Path(out) / "settings" if out is not None else None
     results, paths, options = {}, {}, {}
     if folder:
         for setting in settings:
             options[setting] = setting_options(engine, prompt_sets[setting.prompts][0], setting, configs, max_new_tokens, seed)
+            if structured_outputs is not None:
+                options[setting]["structured_outputs"] = structured_outputs
             paths[setting] = folder / f"{setting.stem}-{digest(json.dumps(options[setting], sort_keys=True).encode())}.json"
             if paths[setting].exists():
                 results[setting] = json.loads(paths[setting].read_text())["result"]
@@ -63,7 +66,7 @@ def run_settings(engine, prompt_sets: dict, settings: list[Setting], configs: li
               f"drafters" + (" + transformers' generate" if setting.baseline else ""), flush=True)
         start = time.perf_counter()
         result = run_bench(engine, prompts, categories, configs, max_new_tokens, setting.concurrency, setting.temperature,
-                           seed, baseline=setting.baseline, progress=True)
+                           seed, baseline=setting.baseline, progress=True, structured_outputs=structured_outputs)
         result.update(name=setting.name, prompts=setting.prompts)
         print(f"{to_markdown(result)}\ntook {time.perf_counter() - start:.0f} s")
         if folder:

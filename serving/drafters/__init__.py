@@ -3,7 +3,8 @@ drafter per file: ngram.py (prompt lookup), draft_model.py, early_exit.py, medus
 MTP reusing its first module), mtp.py (MTP, one module per draft), peagle.py (P-EAGLE, a block of drafts per
 forward), dflash.py (DFlash, a block per forward), lookup_first.py (prompt lookup, then a head), lookahead.py
 (lookahead decoding: Jacobi iteration and an n-gram pool), suffix.py (suffix decoding: suffix trees over the request
-and earlier answers), suffix_first.py (suffix decoding, then a head)."""
+and earlier answers), suffix_first.py (suffix decoding, then a head), grammar.py (nothing but the tokens a
+request's grammar forces)."""
 from __future__ import annotations
 
 from serving.drafters.context import DraftContext
@@ -19,6 +20,10 @@ def make_drafter(ctx: DraftContext, config: SpeculativeConfig):
         from serving.drafters.suffix import SuffixDrafter
 
         return SuffixDrafter(config)
+    if config.method == "grammar":
+        from serving.drafters.grammar import GrammarDrafter
+
+        return GrammarDrafter()
     if config.method == "lookahead":
         from serving.drafters.lookahead import LookaheadDrafter
 

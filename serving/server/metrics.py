@@ -44,6 +44,13 @@ class ServerMetrics:
                                         label, registry=r)
         self.num_emitted_tokens = Counter("draftheads:spec_decode_num_emitted_tokens", "Tokens emitted by verify steps",
                                           label, registry=r)
+        # Structured outputs: drafts the grammar forbade (vLLM's num_invalid_spec_tokens), and those it forced.
+        self.num_invalid_spec_tokens = Counter("draftheads:spec_decode_num_invalid_spec_tokens",
+                                               "Drafts the grammar forbade, cut before verification", label, registry=r)
+        self.num_grammar_draft_tokens = Counter("draftheads:spec_decode_num_grammar_draft_tokens",
+                                                "Draft tokens the grammar forced, verified", label, registry=r)
+        self.num_accepted_grammar_draft_tokens = Counter("draftheads:spec_decode_num_accepted_grammar_draft_tokens",
+                                                         "Draft tokens the grammar forced, accepted", label, registry=r)
         self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds", "From arrival to the first token",
                                              label, buckets=LATENCY_BUCKETS, registry=r)
         self.inter_token_latency = Histogram("vllm:inter_token_latency_seconds",
@@ -67,7 +74,7 @@ class ServerMetrics:
         if engine.speculator is None:
             return
         stats = engine.speculator.stats
-        seen = self._spec_seen or (0, 0, 0, 0, [])
+        seen = self._spec_seen or (0, 0, 0, 0, [], 0, 0, 0)
         self.of(self.num_verify_steps).inc(stats.num_steps - seen[0])
         self.of(self.num_emitted_tokens).inc(stats.num_emitted - seen[1])
         self.of(self.num_drafts).inc(stats.num_drafts - seen[2])
@@ -76,8 +83,12 @@ class ServerMetrics:
         for position, accepted in enumerate(stats.accepted, start=1):
             before = seen[4][position - 1] if position <= len(seen[4]) else 0
             self.of(self.num_accepted_tokens_per_pos, position=str(position)).inc(accepted - before)
+        self.of(self.num_invalid_spec_tokens).inc(stats.num_invalid_spec_tokens - seen[5])
+        self.of(self.num_grammar_draft_tokens).inc(stats.num_grammar_draft_tokens - seen[6])
+        self.of(self.num_accepted_grammar_draft_tokens).inc(stats.num_accepted_grammar_draft_tokens - seen[7])
         self._spec_seen = (stats.num_steps, stats.num_emitted, stats.num_drafts, stats.num_draft_tokens,
-                           list(stats.accepted))
+                           list(stats.accepted), stats.num_invalid_spec_tokens, stats.num_grammar_draft_tokens,
+                           stats.num_accepted_grammar_draft_tokens)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,14 +4,20 @@ Every field a body may carry is declared; any other is refused by name (`extra="
 believes a sampling option took effect when it did not. Beside OpenAI's fields they take vLLM's extra sampling
 fields (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos) and return_token_ids. `user` is accepted and
 ignored: it only labels the caller. Ranges are checked once, by SamplingParams.
+
+Structured outputs: OpenAI's `response_format` ({"type": "text"}, {"type": "json_object"}, {"type": "json_schema",
+"json_schema": {"name", "schema", "strict"}}) and vLLM's `structured_outputs` (json, json_object, regex, choice,
+grammar) become SamplingParams.structured_outputs; `grammar_drafts` (ours) turns the grammar's forced drafts off or on.
+A bad schema or grammar is a 400 naming it (the compile error in the message).
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from serving.request import SamplingParams
+from serving.structured_output import StructuredOutputs
 
 
 class APIError(Exception):
@@ -50,6 +56,43 @@ class Message(StrictModel):
         return {"role": self.role, "content": content}
 
 
+class JSONSchemaFormat(StrictModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def structured_outputs(self) -> dict | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise APIError(400, 'response_format of type "json_schema" needs json_schema.schema (a JSON schema '
+                                'object)', "response_format")
+        return {"json": self.json_schema.schema_}
+
+
+class StructuredOutputsFields(StrictModel):
+    """vLLM's structured_outputs: exactly one of these."""
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def structured_outputs(self) -> dict:
+        fields = self.model_dump(by_alias=True, exclude_none=True)
+        if fields.get("json_object") is False:
+            del fields["json_object"]
+        return fields
+
+
 class SamplingFields(StrictModel):
     """The fields chat and completions share."""
     model: str | None = None
@@ -71,6 +114,9 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
     return_token_ids: bool = False  # vLLM's extra field: the prompt's and the answer's token ids beside the text
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None  # vLLM's
+    grammar_drafts: bool | None = None  # ours: draft the tokens the grammar forces (default on with a grammar)
 
     def check(self) -> None:
         if self.n != 1:
@@ -85,14 +131,31 @@ class SamplingFields(StrictModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def structured(self) -> tuple[dict | None, str | None]:
+        """(the structured_outputs fields, the request field they came from)."""
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise APIError(400, "give response_format or structured_outputs, not both", "structured_outputs")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.structured_outputs(), "structured_outputs"
+        if self.response_format is not None:
+            return self.response_format.structured_outputs(), "response_format"
+        return None, None
+
     def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
+        structured, structured_field = self.structured()
+        try:
+            structured = None if structured is None else StructuredOutputs.from_dict(structured)
+        except ValueError as error:
+            raise APIError(400, f"{structured_field}: {error}", structured_field) from None
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                 top_k=0 if self.top_k == -1 else self.top_k, min_p=self.min_p, seed=self.seed,
                 repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias, logprobs=logprobs,
-                stop=self.stop or None, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+                stop=self.stop or None, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                structured_outputs=structured, grammar_drafts=self.grammar_drafts)
         except ValueError as error:
             message = str(error).removeprefix("SamplingParams.")
             raise APIError(400, message, message.split("=", 1)[0]) from None

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 METHODS = ("ngram", "suffix", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp", "peagle", "dflash",
-           "lookahead")
+           "lookahead", "grammar")
 NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp", "peagle", "dflash")
 HEADS = ("medusa", "eagle", "eagle3", "mtp", "peagle", "dflash")  # trained draft heads: they read the target's hidden states
 TAKES_TOKEN_MAP = ("medusa", "eagle", "mtp", "dflash")
@@ -89,6 +89,11 @@ class SpeculativeConfig:
     # request's own acceptance (serving/spec_decode/adaptive.py). Off by default: a fixed setting is what vLLM and SGLang run
     # and what published numbers use; disable_by_batch_size and confidence_threshold still apply on top.
     adaptive: bool = False
+    # any method: for structured-output requests that allow it (SamplingParams.grammar_drafts, on by default), the
+    # tokens the grammar forces are drafted before the drafter's own (serving/spec_decode/grammar.py); false leaves
+    # the drafter's alone, cut to what the grammar allows. Method "grammar" drafts nothing itself: the forced
+    # tokens are all its drafts.
+    grammar_drafts: bool = True
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -105,6 +110,10 @@ class SpeculativeConfig:
                              f"ngram - 1 = {self.ngram - 1} tokens (leave it unset, or raise ngram)")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive={self.adaptive!r} must be true or false")
+        if not isinstance(self.grammar_drafts, bool):
+            raise ValueError(f"grammar_drafts={self.grammar_drafts!r} must be true or false")
+        if self.method == "grammar" and not self.grammar_drafts:
+            raise ValueError("method \"grammar\" drafts only the tokens a grammar forces: grammar_drafts must be true")
         if not isinstance(self.prompt_lookup_first, bool):
             raise ValueError(f"prompt_lookup_first={self.prompt_lookup_first!r} must be true or false")
         if self.prompt_lookup_first and self.method not in HEADS:
@@ -290,6 +299,7 @@ class SpeculativeConfig:
         label += f" p>={self.confidence_threshold:g}" if self.confidence_threshold else ""
         label += f" batch<={self.disable_by_batch_size}" if self.disable_by_batch_size else ""
         label += " adaptive" if self.adaptive else ""
+        label += " -grammar drafts" if not self.grammar_drafts else ""
         return label + (f" ({self.draft_weights} weights)" if self.draft_weights == "float32" else "")
 
 

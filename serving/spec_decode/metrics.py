@@ -7,6 +7,9 @@ is accepted_i / steps that carried drafts (vLLM's per-position rate), the accept
 nodes verified (every node of every tree counts), rows per step is 1 + draft nodes per verify step, and the mean
 acceptance length tau is emitted tokens / verify steps (1.0 for plain decoding). A chain of d drafts is the tree
 whose depths are 1..d. Lookahead rows (computed, never accepted) count in rows per step, not as drafts.
+Structured outputs: drafts the grammar forbade are cut before verification and counted only in
+`num_invalid_spec_tokens` (vLLM's name); nodes the grammar forced count among the draft nodes, and apart in
+`num_grammar_draft_tokens` and `num_accepted_grammar_draft_tokens` (the drafter's own are the rest).
 """
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ class AcceptanceStats:
         self.num_drafts = 0  # steps that carried at least one draft (vLLM's spec_decode_num_drafts)
         self.num_draft_tokens = 0  # draft nodes verified (vLLM's spec_decode_num_draft_tokens)
         self.num_lookahead_rows = 0  # rows computed beside the drafts and never accepted (lookahead decoding)
+        self.num_invalid_spec_tokens = 0  # drafts the grammar forbade, cut before verification
+        self.num_grammar_draft_tokens = 0  # draft nodes the grammar forced, verified
+        self.num_accepted_grammar_draft_tokens = 0  # of those, accepted
         self.proposed = [0] * num_positions
         self.reached = [0] * num_positions
         self.accepted = [0] * num_positions
@@ -36,6 +42,9 @@ class AcceptanceStats:
         self.num_drafts += len(tree) > 0
         self.num_draft_tokens += len(tree)
         self.num_lookahead_rows += tree.num_rows - len(tree)
+        if tree.forced:
+            self.num_grammar_draft_tokens += tree.num_forced
+            self.num_accepted_grammar_draft_tokens += sum(tree.forced[node] for node in path)
         num_tried = depths_tried(tree, path)
         for i in range(depth):
             self.proposed[i] += 1
@@ -49,6 +58,9 @@ class AcceptanceStats:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_lookahead_rows += other.num_lookahead_rows
+        self.num_invalid_spec_tokens += other.num_invalid_spec_tokens
+        self.num_grammar_draft_tokens += other.num_grammar_draft_tokens
+        self.num_accepted_grammar_draft_tokens += other.num_accepted_grammar_draft_tokens
         for mine, theirs in ((self.proposed, other.proposed), (self.reached, other.reached), (self.accepted, other.accepted)):
             for i, n in enumerate(theirs):
                 mine[i] += n
@@ -94,6 +106,9 @@ class AcceptanceStats:
         stats.num_drafts = summary["spec_decode_num_drafts"]
         stats.num_draft_tokens = summary["spec_decode_num_draft_tokens"]
         stats.num_lookahead_rows = summary["num_lookahead_rows"]
+        stats.num_invalid_spec_tokens = summary["num_invalid_spec_tokens"]
+        stats.num_grammar_draft_tokens = summary["num_grammar_draft_tokens"]
+        stats.num_accepted_grammar_draft_tokens = summary["num_accepted_grammar_draft_tokens"]
         for key in ("proposed", "reached", "accepted"):
             setattr(stats, key, [p[key] for p in summary["per_position"]])
         return stats
@@ -110,6 +125,9 @@ class AcceptanceStats:
             "spec_decode_num_drafts": self.num_drafts,
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
             "num_lookahead_rows": self.num_lookahead_rows,
+            "num_invalid_spec_tokens": self.num_invalid_spec_tokens,
+            "num_grammar_draft_tokens": self.num_grammar_draft_tokens,
+            "num_accepted_grammar_draft_tokens": self.num_accepted_grammar_draft_tokens,
             "spec_decode_num_accepted_tokens": sum(self.accepted),
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted),
             "per_position": self.per_position(),

@@ -7,7 +7,10 @@ at depth d belongs in the slot of position (newest) + d, so each accepted node o
 there (none for a chain, whose node i is at depth i + 1). Trees are capped so that they fit in the token budget, the
 free blocks, max_tokens and the context: speculation never causes a preemption. Requests whose sampling depends on
 more than the target's distribution (penalties, biases, logprobs) get no drafts and decode one token per step beside
-the others. With `adaptive`, serving/spec_decode/adaptive.py chooses each request's tree within those caps.
+the others. Structured-output requests speculate (serving/spec_decode/grammar.py): their drafts are cut to what the
+grammar allows, the tokens it forces are drafted too (up to num_speculative_tokens rows beyond the drafter's), and
+every verified row's law is masked by the grammar state after its path. With `adaptive`,
+serving/spec_decode/adaptive.py chooses each request's tree within those caps.
 """
 from __future__ import annotations
 
@@ -24,9 +27,11 @@ from serving.sampler import target_probs
 from serving.spec_decode.adaptive import AdaptivePolicy, prior
 from serving.spec_decode.config import SpeculativeConfig
 from serving.spec_decode.cost import DraftCost
+from serving.spec_decode.grammar import constrain, row_masks
 from serving.spec_decode.metrics import AcceptanceStats, depths_tried
 from serving.spec_decode.tree import DraftTree
 from serving.spec_decode.verify import verify_greedy, verify_sampled
+from serving.structured_output import mask_logits
 
 EMPTY = DraftTree()
 
@@ -38,6 +43,7 @@ class Speculator:
         self.ctx = DraftContext(engine.runner, engine.folder, engine.fingerprint, engine.scheduler.max_num_seqs,
                                 engine.block_manager.enable_prefix_caching)
         self.drafter = make_drafter(self.ctx, config)
+        self.grammars = engine.grammars
         self.stats = AcceptanceStats(config.num_speculative_tokens)
         self.policy = (AdaptivePolicy(config, engine.step_cost, DraftCost(), per_request=not self.drafter.is_calibrated)
                        if config.adaptive else None)
@@ -74,7 +80,14 @@ class Speculator:
 
     @staticmethod
     def can_speculate(request: Request) -> bool:
+        """Whether a request's tokens can be drafted for exactly: its law at a row depends only on the target's
+        logits there and, for structured outputs, on the grammar state of the row's path; penalties, biases and
+        logprobs (`needs_history`) decode plainly."""
         return not request.params.needs_history
+
+    def grammar_drafts(self, request: Request) -> bool:
+        """Whether the tokens the request's grammar forces are drafted: the request and the config allow it."""
+        return request.params.grammar_drafts and self.config.grammar_drafts
 
     # ---- 1. verify and roll back ----------------------------------------------------------------------
 
@@ -83,6 +96,9 @@ class Speculator:
         argmaxes. Rolls the request back to its accepted tokens and returns (the tree, the accepted path, the tokens
         to emit). The accepted nodes' K/V move into the slots of their positions; lookahead rows are never accepted."""
         tree, request.spec.tree = request.spec.tree, DraftTree()
+        if request.grammar is not None:
+            logits = mask_logits(logits[:1 + len(tree)], row_masks(self.grammars, request.grammar, tree))
+            best = logits.argmax(-1).tolist()
         if request.params.is_greedy:
             path, emitted = verify_greedy(tree, best)
         else:
@@ -102,6 +118,13 @@ class Speculator:
         self.stats.record(tree, path, num_emitted)
         if self.policy:
             self.policy.record(request, depths_tried(tree, path), len(path), tree.depth)
+
+    def record_invalid(self, request: Request, num_invalid: int) -> None:
+        """Drafts the request's grammar forbade, cut before verification."""
+        if request.spec.stats is None:
+            request.spec.stats = AcceptanceStats(self.config.num_speculative_tokens)
+        request.spec.stats.num_invalid_spec_tokens += num_invalid
+        self.stats.num_invalid_spec_tokens += num_invalid
 
     def record_undrafted(self, request: Request, num_emitted: int) -> None:
         """A step in which the request carried no draft: `record` of an empty tree, without building one."""
@@ -141,21 +164,29 @@ class Speculator:
         if limit is not None and len(scheduler.running) > limit:
             return
         ready = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1 and self.can_speculate(r)]
-        grants = scheduler.draft_budgets(ready, config.max_draft_nodes) if ready else {}
+        # rows a request may verify at most: the drafter's, and for grammar drafts a chain's more
+        most = {r.request_id: config.max_draft_nodes + (config.num_speculative_tokens if self.grammar_drafts(r) else 0)
+                for r in ready}
+        grants = scheduler.draft_budgets(ready, most) if ready else {}
         limits = {}
         for request in ready:
             depth = min(config.num_speculative_tokens, request.params.max_tokens - request.num_output_tokens - 1)
             if grants[request.request_id] > 0 and depth > 0:
-                limits[request.request_id] = DraftBudget(grants[request.request_id], depth)
+                limits[request.request_id] = DraftBudget(min(grants[request.request_id], config.max_draft_nodes), depth)
         if self.policy and limits:
             limits = self.policy.choose(scheduler, ready, limits, prior(self.stats))
-        budgets, requests = {}, []
+        budgets, rows, requests = {}, {}, []
         for request in ready:
             budget = limits.get(request.request_id)
+            if not budget:
+                continue
+            num_rows = budget.num_nodes
+            if self.grammar_drafts(request):
+                num_rows = min(grants[request.request_id], num_rows + budget.depth)
             # Reserve the blocks. When the pool is overcommitted (someone will be preempted next step) the request
             # gets no drafts.
-            if budget and self.block_manager.allocate_slots(request, 1 + budget.num_nodes):
-                budgets[request.request_id] = budget
+            if self.block_manager.allocate_slots(request, 1 + num_rows):
+                budgets[request.request_id], rows[request.request_id] = budget, num_rows
                 requests.append(request)
         if not requests:
             return
@@ -172,8 +203,13 @@ class Speculator:
             self.policy.draft_cost.add(max(b.depth for b in budgets.values()), sum(b.num_nodes for b in budgets.values()),
                                        time.perf_counter() - drafting)
         for request in requests:
-            budget = budgets[request.request_id]
+            budget, num_rows = budgets[request.request_id], rows[request.request_id]
             tree = trees.get(request.request_id, DraftTree()).prefix(budget.num_nodes, budget.depth)
+            if request.grammar is not None:
+                tree, num_invalid = constrain(self.grammars, request.grammar, tree, num_rows, budget.depth,
+                                              self.grammar_drafts(request))
+                if num_invalid:
+                    self.record_invalid(request, num_invalid)
             request.spec.tree = tree
-            if tree.num_rows < budget.num_nodes:
+            if tree.num_rows < num_rows:
                 self.block_manager.trim(request, request.num_tokens + tree.num_rows)

@@ -3,7 +3,8 @@
 Node i holds `tokens[i]` and hangs off `parents[i]`: -1 for a child of the request's newest token, else an earlier
 node, so the nodes are in topological order and any prefix of them is a tree too (budgets cut a tree that way). A
 chain is the tree whose node i hangs off node i - 1. `q[i]`, for drafters that sample, is the distribution node i
-was drawn from; without it every node is a deterministic draft (q one-hot).
+was drawn from; without it every node is a deterministic draft (q one-hot). `forced[i]` marks a node the request's
+grammar forced (serving/spec_decode/grammar.py), counted apart from the drafter's own; empty when none is.
 
 `lookahead`, for lookahead decoding, holds rows the step computes after the nodes whose logits the drafter reads and
 that are never accepted: `len(tree)` counts the nodes (what verification sees), `num_rows` every row the step computes
@@ -49,10 +50,14 @@ class DraftTree:
     parents: tuple[int, ...] = ()
     q: torch.Tensor | None = None  # [num_nodes, vocab]
     lookahead: LookaheadRows | None = None
+    forced: tuple[bool, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
         object.__setattr__(self, "parents", tuple(int(p) for p in self.parents))
+        object.__setattr__(self, "forced", tuple(bool(f) for f in self.forced) if any(self.forced) else ())
+        if self.forced and len(self.forced) != len(self.tokens):
+            raise ValueError(f"a draft tree's forced flags are {len(self.forced)} for {len(self.tokens)} nodes")
         if len(self.tokens) != len(self.parents):
             raise ValueError(f"a draft tree needs one parent per token: {len(self.tokens)} tokens, {len(self.parents)} parents")
         for i, parent in enumerate(self.parents):
@@ -113,7 +118,12 @@ class DraftTree:
         index = {node: n for n, node in enumerate(keep)}
         parents = [-1 if self.parents[i] < 0 else index[self.parents[i]] for i in keep]
         q = None if self.q is None else self.q[keep]
-        return DraftTree(tuple(self.tokens[i] for i in keep), tuple(parents), q, lookahead)
+        forced = tuple(self.forced[i] for i in keep) if self.forced else ()
+        return DraftTree(tuple(self.tokens[i] for i in keep), tuple(parents), q, lookahead, forced)
+
+    @property
+    def num_forced(self) -> int:
+        return sum(self.forced)
 
 
 def path_to(parents, node: int) -> list[int]:

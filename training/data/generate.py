@@ -18,6 +18,7 @@ source. `--layers none` stores token ids only, for training online.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -48,6 +49,8 @@ HELP = {
     "max_new_tokens": "most tokens per answer",
     "temperature": "sampling temperature; 0 is greedy",
     "top_p": "nucleus sampling mass",
+    "structured_outputs": "constrain every answer generated here, as vLLM's structured_outputs: JSON with one of json "
+                          "(a schema), json_object, regex, choice, grammar, e.g. '{\"json_object\": true}'",
     "seed": "sampling seed; each request draws from a seed derived from it, the conversation id and the turn",
     "layers": "hidden states to store, comma-separated: last (after the final norm), eagle3 (three aux layers); "
               "none stores token ids only, for a head trained online (data.mode: online)",
@@ -86,6 +89,7 @@ class GenerateConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
+    structured_outputs: dict | str | None = None  # vLLM's fields, or their JSON text
     seed: int = 0
     layers: tuple[str, ...] | str = ("last", "eagle3")
     aux_layers: tuple[int, ...] | str | None = None
@@ -138,7 +142,16 @@ class GenerateConfig:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: it must be >= 1")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"num_prompts={self.num_prompts} is invalid: it must be >= 1, or null for all")
-        SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
+        if isinstance(self.structured_outputs, str):
+            try:
+                self.structured_outputs = json.loads(self.structured_outputs)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"structured_outputs is not valid JSON ({error}): {self.structured_outputs!r}") from None
+        if self.structured_outputs is not None and (self.answers != "target" or self.endpoint is not None):
+            raise ValueError("structured_outputs constrains answers the target generates here: drop --endpoint and "
+                             "--answers dataset, or the constraint")
+        SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                       structured_outputs=self.structured_outputs)
 
     @classmethod
     def from_options(cls, options: dict) -> "GenerateConfig":
@@ -223,7 +236,8 @@ def write_store(config: GenerateConfig, folder: Path, fingerprint: dict, aux_lay
         "hidden_size": fingerprint["hidden_size"],
         "hidden_dtype": str(HIDDEN_DTYPE).removeprefix("torch."),
         "sampling": {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
-                     "top_p": config.top_p, "seed": config.seed},
+                     "top_p": config.top_p, "seed": config.seed,
+                     **({"structured_outputs": config.structured_outputs} if config.structured_outputs else {})},
         "prompts": {"source": str(prompt_file.resolve()) if prompt_file.is_file() else config.prompts,
                     "turns": config.turns, "max_model_len": config.max_model_len},
         "num_prompts": config.num_prompts,
@@ -326,7 +340,8 @@ class Generation:
     def submit(self, conversation: Conversation, prompt_ids: list[int]) -> None:
         config, turn = self.config, conversation.num_answers
         params = SamplingParams(max_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
-                                seed=request_seed(config.seed, conversation.id, turn))
+                                seed=request_seed(config.seed, conversation.id, turn),
+                                structured_outputs=config.structured_outputs)
         self.active[self.engine.add_request(prompt_ids, params, request_id=f"{conversation.id}/{turn}")] = conversation
 
     def answered(self, conversation: Conversation, output) -> None:
@@ -362,8 +377,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "concurrency": int, "max_model_len": int, "max_num_batched_tokens": int, "shard_size": int,
              "endpoint_concurrency": int, "endpoint_retries": int, "endpoint_timeout": float}
     add_options(parser, GenerateConfig, HELP, types,
-                {"turns": {"choices": TURNS}, "dtype": {"choices": DTYPES}, "weights": {"choices": WEIGHTS}, "answers": {"choices": ANSWERS},
-                 "endpoint": {"metavar": "URL"}, "endpoint_model": {"metavar": "NAME"}})
+                {"turns": {"choices": TURNS}, "dtype": {"choices": DTYPES}, "weights": {"choices": WEIGHTS},
+                 "answers": {"choices": ANSWERS}, "endpoint": {"metavar": "URL"}, "endpoint_model": {"metavar": "NAME"},
+                 "structured_outputs": {"metavar": "JSON"}})
 
 
 def run(args: argparse.Namespace) -> int:
