@@ -356,7 +356,7 @@ def test_a_speculators_peagle_export_is_what_vllm_serves_as_eagle3_with_parallel
     imported, _ = import_head(exported, "peagle", tiny_llama)
     assert imported.config.aux_layers == (1, 2, 3) and imported.config.mask_token_id == 9
     aux = torch.randn(5, 3, H, generator=torch.Generator().manual_seed(0))  # by layer 1, 2, 3
-    ours = dict(zip(head.config.aux_layers, aux.unbind(1)))
+    ours = dict(zip((1, 2, 3), aux.unbind(1)))
     with torch.no_grad():
         torch.testing.assert_close(imported.fuse(aux.flatten(1)), head.fuse([ours[i] for i in head.config.aux_layers]))
         torch.testing.assert_close(imported.mask_feature(), head.mask_feature())
