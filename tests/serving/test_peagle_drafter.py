@@ -145,8 +145,8 @@ def test_greedy_outputs_are_plain_decodings(concurrency, topk, tiny_llama, heads
 
 
 def test_a_sampled_tree_keeps_the_target_law(v8_target, heads_root):
-    """x1 comes from the prefill; the first verify step carries the head's tree (topk 2, 2 depths, 4 nodes): the law
-    of (x2, x3) is the target's (two_token_law)."""
+    """x1 comes from the prefill; the first verify step carries the head's tree (topk 2, 2 depths, 4 nodes), a later
+    one a depth-1 tree where x3 is still to come: the law of (x2, x3) is the target's (two_token_law)."""
     params = [SamplingParams(temperature=0.8, top_k=5, seed=i, max_tokens=4, ignore_eos=True)
               for i in range(E2E_SAMPLES)]
     law, _, _ = two_token_law(v8_target, E2E_PROMPT, params[0])
@@ -157,7 +157,7 @@ def test_a_sampled_tree_keeps_the_target_law(v8_target, heads_root):
     outputs = engine.generate([E2E_PROMPT] * E2E_SAMPLES, params)
     assert_pool_idle(engine)
     stats = engine.speculator.stats
-    assert stats.proposed[:2] == [E2E_SAMPLES, E2E_SAMPLES], "every request verifies a tree of depth 2 after x1"
+    assert stats.proposed[1] == E2E_SAMPLES, "every request verifies a tree of depth 2 after x1 (and later ones)"
     assert 0 < stats.accepted[0] < stats.reached[0] and 0 < stats.accepted[1] < stats.reached[1]
     counts = torch.zeros(8, 8)
     for o in outputs:
