@@ -166,6 +166,27 @@ def test_vllm_serves_our_export_with_our_outputs_and_acceptance(kind, workspace,
         compare(target, trained[kind], spec, server, prompt_ids, plain)
 
 
+@pytest.mark.parametrize("norms, layout", [("norm_before_fc", "vllm"), ("fc_norm", "speculators")])
+def test_vllm_serves_eagle31_norms_with_our_outputs_and_acceptance(norms, layout, workspace, prompt_ids, plain):
+    """EAGLE-3 heads trained with EAGLE 3.1's norms (one over the aux states side by side, or one per aux state; the
+    normed output fed back), exported with them: vLLM 0.32 drafts what the engine drafts."""
+    root, target, _ = workspace
+    with torch.random.fork_rng():
+        trained = tiny_heads.train("eagle3", target, tiny_heads.store(target, root / "data"), root / f"eagle31-{norms}",
+                                   tuple(tiny_heads.EAGLE31[norms]))
+    head = heads.load(trained)
+    assert head.config.norm_output and getattr(head.config, norms)
+    spec = {"method": "eagle3", "num_speculative_tokens": K}
+    if layout == "vllm":
+        with VllmServer(target, {**spec, "model": str(export_for_vllm("eagle3", trained, target, root / f"vllm-{norms}"))}) as server:
+            compare(target, trained, spec, server, prompt_ids, plain)
+    else:
+        exported = exporting.export(head, "speculators", root / f"speculators-{norms}", verifier=target,
+                                    num_speculative_tokens=K)
+        with VllmServer(exported, None) as server:
+            compare(target, trained, spec, server, prompt_ids, plain)
+
+
 def test_generate_from_vllm_stores_what_the_engine_stores_where_the_answers_agree(workspace, speculators_server,
                                                                                  tmp_path):
     """`draftheads generate --endpoint` against vLLM: answers as vLLM's token ids (return_token_ids), hidden states

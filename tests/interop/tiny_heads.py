@@ -29,6 +29,10 @@ FIT = {
                "--model.init_args.draft_vocab_size=512", "--trainer.max_steps=40"],
 }
 
+# EAGLE 3.1's norms, each trained into an EAGLE-3 head of its own (FIT["eagle3"] plus these).
+EAGLE31 = {"norm_before_fc": ["--model.init_args.norm_before_fc=true", "--model.init_args.norm_output=true"],
+           "fc_norm": ["--model.init_args.fc_norm=true", "--model.init_args.norm_output=true"]}
+
 
 def prompts(num: int = NUM_PROMPTS) -> list[list[dict]]:
     return [[{"role": "user", "content": f"Write a short note about topic number {i}."}] for i in range(num)]
@@ -52,13 +56,14 @@ def store(target: Path, folder: Path) -> Path:
     return folder / "store"
 
 
-def train(kind: str, target: Path, store_folder: Path, root: Path) -> Path:
-    """A head of `kind` fitted briefly on the store; its folder (runs/<kind>/heads/last under `root`)."""
+def train(kind: str, target: Path, store_folder: Path, root: Path, extra: tuple[str, ...] = ()) -> Path:
+    """A head of `kind` fitted briefly on the store, with `extra` fit overrides; its folder (runs/<kind>/heads/last
+    under `root`)."""
     args = ["-c", str(ROOT / "configs" / f"{kind}.yaml"), f"--model.init_args.target={target}",
             f"--data.store={store_folder}", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
             "--trainer.enable_model_summary=false", "--trainer.max_epochs=-1", "--data.batch_size=8",
             "--model.init_args.warmup_steps=2", "--trainer.check_val_every_n_epoch=1000",
-            "--trainer.num_sanity_val_steps=0", *FIT[kind]]
+            "--trainer.num_sanity_val_steps=0", *FIT[kind], *extra]
     root.mkdir(parents=True, exist_ok=True)
     with contextlib.chdir(root):
         cli = build_cli(args, run=False)
