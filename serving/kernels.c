@@ -3,8 +3,9 @@
  * gemm_panels: y[m, n] = x[m, k] @ W[k, n] (+ bias). W is stored as panels of NR columns, [ceil(n / NR)][k][NR], so each thread streams whole panels once and
  * reuses one from its L2 cache for every further group of MR rows. Each output is a single running sum over k in
  * order, whatever m is: a row's result does not depend on the other rows of the batch, so a verify step
- * computes bit for bit what decode steps would. gemm_panels_bf16 reads W as bfloat16 (half the bytes a drafter
- * streams) and computes in float32 all the same. */
+ * computes bit for bit what decode steps would. gemm_panels_bf16 reads W as bfloat16 (half the bytes a drafter,
+ * or the target with EngineConfig.weights = bfloat16, streams) and computes in float32 all the same. layer_pre and
+ * layer_post run a whole decoder layer around its attention on these kernels. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>

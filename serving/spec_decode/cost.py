@@ -51,7 +51,7 @@ ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  
 LONG_ROWS, LONG_REPEATS = 128, 2
 SEQS = (2, 4, 8, 16)
 LOGITS_ROWS = 64  # rows of the two chunks whose difference is the logits' cost
-VERSION = 3
+VERSION = 4  # 4: the target's layers as KernelLayers, one-row products two panels at a time
 
 
 @dataclass
@@ -108,7 +108,8 @@ def cache_key(engine) -> dict:
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
                else f"{_cpu_name()} x{torch.get_num_threads()} threads")
     return {"version": VERSION, "machine": machine, "target": engine.fingerprint["id"], "folder": str(engine.folder),
-            "dtype": str(engine.dtype).removeprefix("torch."), "device": str(device), "block_size": engine.block_size,
+            "dtype": str(engine.dtype).removeprefix("torch."), "weights": engine.config.weights, "device": str(device),
+            "block_size": engine.block_size,
             "torch": torch.__version__}
 
 

@@ -1,0 +1,99 @@
+"""Two step parts of this checkout against another commit's, side by side in one process: the linear layers' packed
+product at one row (kernels.c of both built and loaded together; the default target's 120 linear layers, float32 and
+bfloat16 weights) and `PagedMetadata.build` (serving/attention.py of both) for decode and verify steps at 1 and 16
+sequences of ~300 tokens. The two take turns, so that drift hits both alike.
+
+    python benchmarks/against_commit.py --commit 1b2846c [--repeats 30]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from serving.attention import PagedMetadata
+from serving.kernels import FLAGS, SIGNATURES, SOURCE, to_panels
+from serving.model import ModelConfig
+from serving.targets import DEFAULT_TARGET, resolve
+
+
+def show(commit: str, path: str, out: Path) -> Path:
+    out.write_text(subprocess.run(["git", "show", f"{commit}:{path}"], check=True, capture_output=True, text=True).stdout)
+    return out
+
+
+def build(source: Path, out: Path) -> ctypes.CDLL:
+    subprocess.run(["cc", *FLAGS, str(source), "-o", str(out), "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(out))
+    for name in ("gemm_panels", "gemm_panels_bf16"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = SIGNATURES[name], None
+    return lib
+
+
+def alternate(fns: dict, repeats: int) -> dict[str, float]:
+    times = {name: [] for name in fns}
+    for fn in fns.values():  # warm-up: the first call touches the weights' pages
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--commit", required=True)
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp())
+    libs = {"before": build(show(args.commit, "serving/kernels.c", tmp / "before.c"), tmp / "before.so"),
+            "after": build(SOURCE, tmp / "after.so")}
+    model_config = ModelConfig.from_folder(resolve(args.target))
+    c, num_layers = model_config.layer, model_config.num_layers
+    shapes = [(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim), (c.num_heads * c.head_dim, c.hidden_size),
+              (c.hidden_size, 2 * c.intermediate_size), (c.intermediate_size, c.hidden_size)]
+    weights = [(k, n, torch.randn(n, k)) for _ in range(num_layers) for k, n in shapes]
+    xs, outs = {k: torch.randn(1, k) for k, _ in shapes}, {n: torch.empty(1, n) for _, n in shapes}
+    print(f"{args.commit} against this checkout, median of {args.repeats}, {torch.get_num_threads()} threads\n")
+    print("| one row through the target's linear layers | before ms | after ms | ratio |\n|---|---|---|---|")
+    for dtype, name in ((torch.float32, "gemm_panels"), (torch.bfloat16, "gemm_panels_bf16")):
+        packed = [(k, n, to_panels(w.to(dtype))) for k, n, w in weights]
+
+        def product(lib, packed=packed, name=name):
+            fn = getattr(lib, name)
+            for k, n, p in packed:
+                fn(xs[k].data_ptr(), 1, k, p.data_ptr(), k, n, None, outs[n].data_ptr(), n)
+        ms = alternate({which: (lambda lib=lib: product(lib)) for which, lib in libs.items()}, args.repeats)
+        print(f"| {dtype} weights | {ms['before']:.2f} | {ms['after']:.2f} | {ms['before'] / ms['after']:.2f}x |")
+
+    spec = importlib.util.spec_from_file_location("attention_before", show(args.commit, "serving/attention.py",
+                                                                           tmp / "attention_before.py"))
+    before = importlib.util.module_from_spec(spec)
+    sys.modules["attention_before"] = before
+    spec.loader.exec_module(before)
+    print("\n| PagedMetadata.build | before ms | after ms | ratio |\n|---|---|---|---|")
+    for num_seqs, nodes in ((1, 0), (16, 0), (1, 4), (16, 4)):
+        tables = [list(range(i * 30, i * 30 + 30)) for i in range(num_seqs)]
+        contexts = [300 + i for i in range(num_seqs)]
+        paths = [[[c + 1 + j for j in range(d + 1)] for d in range(nodes)] for c in contexts] if nodes else None
+        step = ([1] * num_seqs, contexts, tables, 16, "cpu", paths)
+        ms = alternate({"before": lambda: before.PagedMetadata.build(*step),
+                        "after": lambda: PagedMetadata.build(*step)}, 10 * args.repeats)
+        label = "decode" if not nodes else f"verify 1 + {nodes} nodes"
+        print(f"| {num_seqs} sequences, {label} | {ms['before']:.3f} | {ms['after']:.3f} | "
+              f"{ms['before'] / ms['after']:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
