@@ -68,20 +68,13 @@ class DFlashDrafter(EagleDrafter):
     def catch_up(self, ctx, requests) -> int:
         """Writes the context K/V of the pending rows of `requests` (those of their shared blocks first) into the pool:
         one fusion and one k/v projection per layer over all of them."""
-        chunks, features = [], []
-        for request in requests:
-            parts = self._unrun_pairs(request)
-            state = self.state(request)
-            own, state.pending = state.pending, None
-            parts += [own] if own else []
-            if not parts:
-                continue
-            assert all(a.end == b.start for a, b in zip(parts, parts[1:])), "pending rows follow each other"
-            chunks.append(([token for part in parts for token in part.tokens], parts[0].start, request.block_ids))
-            features += [f for part in parts for f in part.features]
-            state.end = parts[-1].end
-        if not chunks:
+        taken = self.take_pending(requests)
+        if not taken:
             return 0
+        chunks = [(tokens, start, request.block_ids) for request, tokens, start, _ in taken]
+        for request, tokens, start, _ in taken:
+            self.state(request).end = start + len(tokens)
+        features = [f for *_, request_features in taken for f in request_features]
         _, positions, meta, _ = ctx.runner.flatten(chunks)
         context = self.head.fuse(torch.cat(features))
         for layer, (k, v) in enumerate(self.head.context_kv(context, positions)):
