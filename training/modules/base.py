@@ -1,5 +1,5 @@
 """What every draft-head LightningModule shares: the frozen target, the per-position validation metrics and the
-optimizer. Each head kind (medusa.py, eagle.py, eagle3.py, mtp.py) adds its model and loss.
+optimizer. Each head kind (medusa.py, eagle.py, eagle3.py, mtp.py, dflash.py) adds its model and loss.
 
 The frozen target is the embedding, final norm and LM head read from the target's safetensors
 (heads.load_target_parts), and, only when the data module runs online, the whole target (serving.model.Model)
