@@ -9,8 +9,8 @@ per (kind, loss, seed, norms); one that ended there with the same arguments is r
 parts (e.g. one kind or one seed per call) and picks up where it stopped. `--bench` then runs `draftheads bench`
 over every fitted head of the given kinds, seeds and losses (plain decoding once) and writes the table:
 
-    .venv/bin/python -m benchmarks.losses --store /work/demo/store --token-map /work/demo/runs/token_map-4096.pt \\
-        --out /work/loss_runs --kinds eagle3,medusa --losses ce,kl,tv,lk_hybrid --seeds 0,1 [--norms] [--bench]
+    .venv/bin/python -m benchmarks.losses --store data/demo-smollm2-135m-instruct --token-map runs/token_map-4096.pt \\
+        --out runs/losses --kinds eagle3,medusa --losses ce,kl,tv,lk_hybrid --seeds 0,1 [--norms] [--bench]
 
 writes losses.json and losses.md to --out and prints the table. A loss is a name or a JSON mix ('{"kl":0.5,"tv":0.5}').
 """

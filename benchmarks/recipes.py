@@ -33,8 +33,8 @@ two costs are within 5%, both get the same epochs. The machine's cores are share
 wall times are reported but not used to scale. Fits run in-process at `--nice` (19: others' timings on the same
 cores are not distorted) in scratch folders under --out; a fit that ended there with the same arguments is reused.
 
-    nice -n 19 .venv/bin/python -m benchmarks.recipes --store /work/demo/data/demo-smollm2-135m-instruct \\
-        --token-map /work/demo/runs/token_map-4096.pt --out /work/recipes_runs
+    nice -n 19 .venv/bin/python -m benchmarks.recipes --store data/demo-smollm2-135m-instruct \\
+        --token-map runs/token_map-4096.pt --out /work/recipes_runs
 
 writes recipes.json and recipes.md to --out and prints the table.
 """

@@ -10,7 +10,7 @@ whether it needs code or math, how many questions it asks, up to 3 keywords), th
 prompt.
 
     python benchmarks/structured_output.py --num-prompts 32 --max-new-tokens 96 --temperature 0 --concurrency 1 \
-        --head /work/demo/runs/eagle3/heads/best --json results/structured-T0-c1.json
+        --head runs/eagle3/heads/best --json results/structured-T0-c1.json
 """
 from __future__ import annotations
 
