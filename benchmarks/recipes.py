@@ -34,7 +34,7 @@ wall times are reported but not used to scale. Fits run in-process at `--nice` (
 cores are not distorted) in scratch folders under --out; a fit that ended there with the same arguments is reused.
 
     nice -n 19 .venv/bin/python -m benchmarks.recipes --store data/demo-smollm2-135m-instruct \\
-        --token-map runs/token_map-4096.pt --out /work/recipes_runs
+        --token-map runs/token_map-4096.pt --out runs/recipes
 
 writes recipes.json and recipes.md to --out and prints the table.
 """
