@@ -85,28 +85,39 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--head", help="an EAGLE-3 head folder (its rows: eagle3, chain of 4, with and without grammar drafts)")
+    parser.add_argument("--no-unconstrained", action="store_true",
+                        help="leave out plain decoding and the drafters on the same prompts without the grammar (by "
+                             "default they take turns with the rows under it)")
+    parser.add_argument("--disable-any-whitespace", action="store_true",
+                        help="vLLM's option: compact JSON, every key and separator forced by the grammar")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
 
     prompts = workload(args.num_prompts)
-    configs = []
-    for base in [{"method": "grammar", "num_speculative_tokens": 4},
-                 {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3},
-                 *([{"method": "eagle3", "model": args.head, "num_speculative_tokens": 4}] if args.head else [])]:
-        configs.append(SpeculativeConfig.from_json(base))
+    bases = [{"method": "grammar", "num_speculative_tokens": 4},
+             {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3},
+             *([{"method": "eagle3", "model": args.head, "num_speculative_tokens": 4}] if args.head else [])]
+    constrained = []
+    for base in bases:
+        constrained.append(SpeculativeConfig.from_json(base))
         if base["method"] != "grammar":
-            configs.append(SpeculativeConfig.from_json(dict(base, grammar_drafts=False)))
+            constrained.append(SpeculativeConfig.from_json(dict(base, grammar_drafts=False)))
+    unconstrained = [SpeculativeConfig.from_json(base) for base in bases if base["method"] != "grammar"]
     engine = Engine(EngineConfig(args.target, max_num_seqs=args.concurrency))
 
-    timed, outputs = Timed(), collections.defaultdict(list)
+    timed = Timed()
     timed.wrap(speculator_module, "constrain", "cut and extend drafts")
     timed.wrap(speculator_module, "row_masks", "bitmasks of verified rows")
     timed.wrap(speculator_module, "mask_logits", "mask verified rows")
     timed.wrap(Grammars, "bitmask", "plain step: bitmask and mask")
-    generate, steps = engine.generate, collections.Counter()
+    generate = engine.generate
+    outputs, steps = collections.defaultdict(list), collections.Counter()
 
     def recording_generate(prompts, params):
-        method = timed.method = engine.speculator.config.label() if engine.speculator else "plain"
+        if not isinstance(params, list):
+            return generate(prompts, params)  # run_bench's warm-up, not counted
+        method = engine.speculator.config.label() if engine.speculator else "plain"
+        method = timed.method = method if params[0].structured_outputs else "unconstrained " + method
         before = engine.num_steps
         result = generate(prompts, params)
         steps[method] += engine.num_steps - before
@@ -114,29 +125,41 @@ def main() -> None:
         return result
     engine.generate = recording_generate
 
-    result = run_bench(engine, prompts, ["json"] * len(prompts), configs, args.max_new_tokens, args.concurrency,
-                       args.temperature, structured_outputs={"json": SCHEMA}, progress=True)
-    checked = {}
-    for method, method_outputs in outputs.items():
-        method_outputs = method_outputs[-len(prompts):]  # the warm-up's came first
-        num_valid = 0
-        for output in method_outputs:
-            if output.finish_reason == "stop":
-                jsonschema.validate(json.loads(output.text), SCHEMA)
-                num_valid += 1
-        checked[method] = {"num_valid": num_valid, "num_cut_by_max_tokens": len(method_outputs) - num_valid}
-    for row in result["rows"]:
-        row.update(checked[row["method"]], num_steps=steps[row["method"]],
-                   grammar_seconds=dict(timed.seconds[row["method"]]))
+    structured = {"json": SCHEMA, "disable_any_whitespace": args.disable_any_whitespace}
+    result = run_bench(engine, prompts, ["json"] * len(prompts), constrained, args.max_new_tokens, args.concurrency,
+                       args.temperature, structured_outputs=structured, progress=True,
+                       unconstrained_configs=None if args.no_unconstrained else unconstrained)
+    for prefix, rows in [("", result["rows"]), ("unconstrained ", result.get("unconstrained", []))]:
+        for row in rows:
+            method = prefix + row["method"]
+            row.update(check(outputs[method]), num_steps=steps[method], grammar_seconds=dict(timed.seconds[method]))
     print(markdown(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
 
 
+def check(outputs) -> dict:
+    """Every answer that ended by itself validated against the schema by jsonschema; answers without a grammar may
+    be no JSON at all, counted, not raised."""
+    num_valid = num_invalid = 0
+    for output in outputs:
+        if output.finish_reason != "stop":
+            continue
+        try:
+            jsonschema.validate(json.loads(output.text), SCHEMA)
+            num_valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            num_invalid += 1
+    return {"num_valid": num_valid, "num_invalid": num_invalid, "num_cut_by_max_tokens": len(outputs) - num_valid - num_invalid,
+            "mean_answer_tokens": sum(len(o.token_ids) for o in outputs) / len(outputs)}
+
+
 def markdown(result) -> str:
     lines = [f"T={result['temperature']}, concurrency {result['concurrency']}, {result['num_prompts']} prompts x "
-             f"{result['max_new_tokens']} tokens",
+             f"{result['max_new_tokens']} tokens, "
+             + ("compact JSON (disable_any_whitespace)" if "whitespace_flexible" in result["structured_outputs"][1]
+                else "JSON with optional whitespace"),
              "| method | tok/s | speedup | tau | grammar drafts (accepted) | invalid drafts | identical | valid JSON "
              "| cut by max_tokens | step ms | grammar ms/step |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -150,6 +173,15 @@ def markdown(result) -> str:
     lines.append("grammar ms/step by part: " + "; ".join(
         f"{row['method']}: " + ", ".join(f"{k} {1e3 * v / row['num_steps']:.2f}" for k, v in row["grammar_seconds"].items())
         for row in result["rows"]))
+    if "unconstrained" in result:
+        under = {row["method"]: row for row in result["rows"]}
+        lines += ["", "The same drafters on the same prompts without the grammar (in the same turns):",
+                  "| method | tok/s | speedup | tau | answer tokens | schema-valid JSON / not / cut | tok/s under the grammar / without |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in result["unconstrained"]:
+            lines.append(f"| {row['method']} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f} | {row['tau']:.2f} "
+                         f"| {row['mean_answer_tokens']:.1f} | {row['num_valid']} / {row['num_invalid']} / "
+                         f"{row['num_cut_by_max_tokens']} | {under[row['method']]['tokens_per_s'] / row['tokens_per_s']:.2f} |")
     return "\n".join(lines)
 
 

@@ -37,6 +37,9 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # vLLM's name: a JSON answer written without optional whitespace (compact `,` and `:`), so that every key and
+    # separator a schema fixes is one forced run of tokens (grammar drafts) instead of a place to choose spacing.
+    disable_any_whitespace: bool = False
 
     def __post_init__(self):
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -65,23 +68,30 @@ class StructuredOutputs:
             value = getattr(self, kind)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {value!r}")
+        if self.disable_any_whitespace is not True and self.disable_any_whitespace is not False:
+            raise ValueError(f"structured_outputs.disable_any_whitespace must be true or false, got "
+                             f"{self.disable_any_whitespace!r}")
+        if self.disable_any_whitespace and self.json is None and not self.json_object:
+            raise ValueError("structured_outputs.disable_any_whitespace applies to json and json_object only; drop it "
+                             "for regex, choice and grammar (their whitespace is what they spell out)")
         grammar_text(self.key)  # checked now: a bad one fails where the request is made
 
     @classmethod
     def from_dict(cls, fields: dict) -> "StructuredOutputs":
-        unknown = set(fields) - set(KINDS)
+        unknown = set(fields) - set(KINDS) - {"disable_any_whitespace"}
         if unknown:
             raise ValueError(f"structured_outputs has unknown field(s) {', '.join(sorted(unknown))}: it takes "
-                             f"{', '.join(KINDS)}")
+                             f"{', '.join(KINDS)} and disable_any_whitespace")
         return cls(**fields)
 
     @property
     def key(self) -> tuple[str, str]:
         """(kind, text): what identifies the grammar, for the caches."""
-        if self.json is not None:
-            return "json", self.json
-        if self.json_object:
-            return "json", '{"type": "object"}'
+        if self.json is not None or self.json_object:
+            schema = json.loads(self.json) if self.json is not None else {"type": "object"}
+            if self.disable_any_whitespace:
+                schema["x-guidance"] = {**schema.get("x-guidance", {}), "whitespace_flexible": False}
+            return "json", json.dumps(schema)
         if self.regex is not None:
             return "regex", self.regex
         if self.choice is not None:

@@ -15,20 +15,27 @@ from serving.spec_decode.speculator import Speculator
 
 
 def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency, temperature=0.0, seed=0,
-              baseline=None, progress=False, structured_outputs=None) -> dict:
+              baseline=None, progress=False, structured_outputs=None, unconstrained_configs=None) -> dict:
     """Plain decoding, each speculative config and (baseline="hf") transformers' generate take turns on each group
     of `concurrency` prompts, the turn's first method one further each group, so that drift in the machine's speed
     hits every method alike. `progress` shows a bar over the prompts, each counted once every method has answered
     it. `structured_outputs` (serving.structured_output.StructuredOutputs or a dict of its fields) constrains every
-    answer, plain decoding's too."""
+    answer, plain decoding's too; `unconstrained_configs` (with structured_outputs) adds plain decoding and these
+    configs on the same prompts without it to the same turns, rows under result["unconstrained"] (their speedup
+    and identity against plain decoding without it)."""
     from tqdm.auto import tqdm
 
-    params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i,
-                             structured_outputs=structured_outputs) for i in range(len(prompts))]
+    def sampling(structured):
+        return [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i,
+                               structured_outputs=structured) for i in range(len(prompts))]
+
     engine.scheduler.max_num_seqs = concurrency
-    methods = [None, *configs]
+    methods = [(None, sampling(structured_outputs)), *((config, sampling(structured_outputs)) for config in configs)]
+    if unconstrained_configs is not None:
+        free = sampling(None)
+        methods += [(None, free), *((config, free) for config in unconstrained_configs)]
     # Each drafter is loaded once, before any timing (a bad head fails here), and warmed up.
-    speculators = [Speculator(engine, config) if config else None for config in methods]
+    speculators = [Speculator(engine, config) if config else None for config, _ in methods]
     warm_up = engine.encode(prompts[0])[:32]
     for speculator in speculators:
         engine.use_speculator(speculator)
@@ -36,22 +43,49 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
     seconds, outputs = [0.0] * len(methods), [[] for _ in methods]
     hf = HfGenerate(engine) if baseline == "hf" else None
     bar = tqdm(total=len(prompts), disable=not progress, unit="prompt",
-               desc=f"plain + {len(configs)} drafters" + (" + generate" if hf else ""))
+               desc=f"plain + {len(methods) - 1} drafters" + (" + generate" if hf else ""))
     for first in range(0, len(prompts), concurrency):
         group = slice(first, first + concurrency)
         turn = first // concurrency % len(methods)
         for m in [*range(turn, len(methods)), *range(turn)]:
             engine.use_speculator(speculators[m])
             start = time.perf_counter()
-            outputs[m] += engine.generate(prompts[group], params[group])
+            outputs[m] += engine.generate(prompts[group], methods[m][1][group])
             seconds[m] += time.perf_counter() - start
         if hf:
             hf.generate(prompts[group], max_new_tokens)
         bar.update(len(prompts[group]))
     bar.close()
     engine.use_speculator(None)
+    num_constrained = len(configs) + 1
+    rows = bench_rows([config for config, _ in methods[:num_constrained]], speculators[:num_constrained],
+                      seconds[:num_constrained], outputs[:num_constrained], categories, temperature)
+    params = methods[0][1]
+    result = {"target": str(engine.folder), "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+              "structured_outputs": params[0].structured_outputs.key if params[0].structured_outputs else None,
+              "concurrency": concurrency, "temperature": temperature, "dtype": str(engine.dtype).replace("torch.", ""),
+              "device": str(engine.device), "threads": torch.get_num_threads(), "rows": rows}
+    if unconstrained_configs is not None:
+        result["unconstrained"] = bench_rows([config for config, _ in methods[num_constrained:]],
+                                             speculators[num_constrained:], seconds[num_constrained:],
+                                             outputs[num_constrained:], categories, temperature)
+    plain_outputs = outputs[0]
+    if hf:
+        hf_rate = hf.num_tokens / hf.seconds
+        result["hf_tokens_per_s"] = hf_rate
+        result["speed_vs_hf"] = rows[0]["tokens_per_s"] / hf_rate
+        result["identical_to_hf"] = all(a.token_ids == b for a, b in zip(plain_outputs, hf.outputs)) if temperature == 0 else None
+        for row in rows:
+            row["speed_vs_hf"] = row["tokens_per_s"] / hf_rate
+    result.update(bandwidth_floor(engine, rows[0]))
+    result["peak_memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return result
+
+
+def bench_rows(configs, speculators, seconds, outputs, categories, temperature) -> list[dict]:
+    """One row per method; the first is plain decoding, the others' speedup and identity are against it."""
     rows, plain_outputs = [], outputs[0]
-    for config, speculator, elapsed, method_outputs in zip(methods, speculators, seconds, outputs):
+    for config, speculator, elapsed, method_outputs in zip(configs, speculators, seconds, outputs):
         num_tokens = sum(len(o.token_ids) for o in method_outputs)
         row = {"method": config.label() if config else "plain",
                "num_speculative_tokens": config.num_speculative_tokens if config else 0,
@@ -85,20 +119,7 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
         if speculator is not None:
             row.update(speculator.drafter.summary())  # lookahead: its pool's hit rate
         rows.append(row)
-    result = {"target": str(engine.folder), "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
-              "structured_outputs": params[0].structured_outputs.key if params[0].structured_outputs else None,
-              "concurrency": concurrency, "temperature": temperature, "dtype": str(engine.dtype).replace("torch.", ""),
-              "device": str(engine.device), "threads": torch.get_num_threads(), "rows": rows}
-    if hf:
-        hf_rate = hf.num_tokens / hf.seconds
-        result["hf_tokens_per_s"] = hf_rate
-        result["speed_vs_hf"] = rows[0]["tokens_per_s"] / hf_rate
-        result["identical_to_hf"] = all(a.token_ids == b for a, b in zip(plain_outputs, hf.outputs)) if temperature == 0 else None
-        for row in rows:
-            row["speed_vs_hf"] = row["tokens_per_s"] / hf_rate
-    result.update(bandwidth_floor(engine, rows[0]))
-    result["peak_memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return result
+    return rows
 
 
 class HfGenerate:

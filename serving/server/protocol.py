@@ -79,12 +79,14 @@ class ResponseFormat(StrictModel):
 
 
 class StructuredOutputsFields(StrictModel):
-    """vLLM's structured_outputs: exactly one of these."""
+    """vLLM's structured_outputs: exactly one of json, json_object, regex, choice, grammar; disable_any_whitespace
+    with json or json_object."""
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool | None = None
 
     def structured_outputs(self) -> dict:
         fields = self.model_dump(by_alias=True, exclude_none=True)

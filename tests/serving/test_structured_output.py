@@ -62,6 +62,8 @@ SCHEMA = {
     ({"json": SCHEMA, "regex": "a"}, r"exactly one of .*; got json, regex"),
     ({}, r"exactly one of .*; got none"),
     ({"schema": SCHEMA}, r"unknown field\(s\) schema"),
+    ({"regex": "a+", "disable_any_whitespace": True}, r"disable_any_whitespace applies to json and json_object only"),
+    ({"json_object": True, "disable_any_whitespace": 1}, r"disable_any_whitespace must be true or false"),
 ])
 def test_bad_structured_outputs_are_clear_errors(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -118,6 +120,23 @@ def assert_valid(outputs):
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(bytes(t for t in out.token_ids if t != 2).decode()), SCHEMA)
     assert any(out.finish_reason == "stop" for out in outputs), "no answer ended: the schema was never completed"
+
+
+def test_disable_any_whitespace_makes_keys_and_separators_forced_tokens():
+    """vLLM's disable_any_whitespace: the compact JSON grammar, in which a schema's next key and its separators are
+    the only bytes allowed, so the grammar forces them (the grammar drafts); with optional whitespace it forces none."""
+    flexible = {k: v for k, v in SCHEMA.items() if k != "x-guidance"}
+    compact = StructuredOutputs(json=flexible, disable_any_whitespace=True)
+    assert compact.key == StructuredOutputs(json=SCHEMA).key
+    assert json.loads(StructuredOutputs(json_object=True, disable_any_whitespace=True).key[1])["x-guidance"] == \
+        {"whitespace_flexible": False}
+    grammars = byte_grammars()
+    forced = {}
+    for name, structured in [("compact", compact), ("flexible", StructuredOutputs(json=flexible))]:
+        matcher = grammars.matcher(structured)
+        assert matcher.consume_token(ord("{"))
+        forced[name] = bytes(matcher.compute_ff_tokens())
+    assert forced == {"compact": b'"name":"', "flexible": b""}
 
 
 # ---- 2. greedy equals plain decoding under the grammar ------------------------------------------------------
