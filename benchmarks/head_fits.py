@@ -132,12 +132,28 @@ def bench(rows: list[dict], args, out: Path, keep_taus: bool) -> str:
             f"\"num_speculative_tokens\": {NUM_DRAFTS}}}' (one per head)")
 
 
-def run(name: str, args, fit: Callable[[Path], dict], to_markdown: Callable[[dict], str], *, benched: bool = True,
-        keep_taus: bool = False) -> dict:
+Column = tuple[str, Callable[[dict], str]]  # a table's heading, and a row's cell under it
+
+
+def to_markdown(rows: list[dict], columns: list[Column], tau_format: str) -> str:
+    """The rows as a table: `columns` first, then each head's held-out val/acc_1..4 and val/tau_walk and its MT-bench
+    tau (as `tau_format` writes it)."""
+    headings = ([heading for heading, _ in columns] + [f"val/acc_{i}" for i in range(1, NUM_DRAFTS + 1)]
+                + ["val/tau_walk", "MT-bench tau"])
+    lines = ["| " + " | ".join(headings) + " |", "|" + "---|" * len(headings)]
+    for row in rows:
+        cells = ([cell(row) for _, cell in columns] + [f"{row[f'val/acc_{i}']:.3f}" for i in range(1, NUM_DRAFTS + 1)]
+                 + [f"{row['val/tau_walk']:.3f}", format(row.get("mt_bench_tau", float("nan")), tau_format)])
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run(name: str, args, fit: Callable[[Path], dict], columns: list[Column], tau_format: str = ".3f", *,
+        benched: bool = True, keep_taus: bool = False) -> dict:
     """The sweep: at --nice, without W&B, at the demo's precision unless --precision says otherwise. `fit(out)` fits
     every configuration and returns {"rows": one dict per head (kind, head, its metrics, ...)} plus any fields the
     report keeps; unless `benched` is False (fits only: returns the rows), the heads are benched and the report
-    written to out/<name>.json and, as to_markdown gives it, out/<name>.md."""
+    written to out/<name>.json and, as a table of `columns` and the metrics (to_markdown), out/<name>.md."""
     os.nice(max(0, args.nice - os.nice(0)))
     os.environ.setdefault("WANDB_MODE", "disabled")
     args.precision = args.precision or demo.fit_precision()
@@ -152,7 +168,7 @@ def run(name: str, args, fit: Callable[[Path], dict], to_markdown: Callable[[dic
     report = {"store": str(Path(args.store).resolve()), "target": args.target, "precision": args.precision, **fitted,
               "bench": command, "rows": rows, "seconds": time.perf_counter() - start}
     (out / f"{name}.json").write_text(json.dumps(report, indent=2))
-    markdown = to_markdown(report)
+    markdown = to_markdown(rows, columns, tau_format)
     (out / f"{name}.md").write_text(markdown)
     print("\n" + markdown + f"\nwrote {out / f'{name}.json'} and {out / f'{name}.md'} in {report['seconds']:.0f} s")
     return report

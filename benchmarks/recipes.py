@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import head_fits
-from benchmarks.head_fits import NUM_DRAFTS, head_metrics, our_overrides, run_fit
+from benchmarks.head_fits import head_metrics, our_overrides, run_fit
 from training import demo
 
 COST_TOLERANCE = 0.05  # per-step costs this close count as equal: equal epochs
@@ -164,17 +164,10 @@ def fit_kind(kind: str, args, out: Path, num_batches: int) -> list[dict]:
     return rows
 
 
-def to_markdown(report: dict) -> str:
-    lines = ["| kind | recipe | epochs | steps | CPU ms/step (calibration) | fit s | "
-             + " | ".join(f"val/acc_{i}" for i in range(1, NUM_DRAFTS + 1)) + " | val/tau_walk | MT-bench tau |",
-             "|---|---|---|---|---|---|" + "---|" * (NUM_DRAFTS + 2)]
-    for row in report["rows"]:
-        step_ms = f"{row['step_ms']:.0f}" if "step_ms" in row else "-"
-        lines.append(f"| {row['kind']} | {row['recipe']} | {row['epochs']:g} | {row['num_steps']} | {step_ms} | "
-                     f"{row['seconds']:.0f} | "
-                     + " | ".join(f"{row[f'val/acc_{i}']:.3f}" for i in range(1, NUM_DRAFTS + 1))
-                     + f" | {row['val/tau_walk']:.3f} | {row.get('mt_bench_tau', float('nan')):.2f} |")
-    return "\n".join(lines) + "\n"
+COLUMNS = [("kind", lambda row: row["kind"]), ("recipe", lambda row: row["recipe"]),
+           ("epochs", lambda row: f"{row['epochs']:g}"), ("steps", lambda row: str(row["num_steps"])),
+           ("CPU ms/step (calibration)", lambda row: f"{row['step_ms']:.0f}" if "step_ms" in row else "-"),
+           ("fit s", lambda row: f"{row['seconds']:.0f}")]
 
 
 def main(argv=None) -> dict:
@@ -187,7 +180,7 @@ def main(argv=None) -> dict:
             row.pop("step_ends"), row.pop("cpu_step_ends", None)
         return {"steps_per_epoch": num_batches, "rows": rows}
 
-    return head_fits.run("recipes", args, fit, to_markdown)
+    return head_fits.run("recipes", args, fit, COLUMNS, ".2f")
 
 
 if __name__ == "__main__":
