@@ -43,18 +43,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning.pytorch import Callback
-
-from heads.hf_folder import read_config
+from benchmarks import head_fits
+from benchmarks.head_fits import head_metrics, our_overrides, run_fit
 from training import demo
 
-CONFIGS = demo.CONFIGS
-NUM_DRAFTS = demo.NUM_SPECULATIVE_TOKENS
 COST_TOLERANCE = 0.05  # per-step costs this close count as equal: equal epochs
 
 
@@ -89,34 +84,14 @@ PUBLISHED = {
 
 
 def parse_args(argv=None):
-    from serving.targets import DEFAULT_TARGET
-
     p = argparse.ArgumentParser(prog="python -m benchmarks.recipes", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--store", required=True, help="the demo's store (make demo: data/demo-<target>)")
-    p.add_argument("--token-map", required=True, help="the demo's token map (runs/token_map-4096.pt)")
-    p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--out", required=True, help="scratch folder of the fits, and recipes.json / recipes.md")
+    head_fits.add_arguments(p, "recipes")
     p.add_argument("--kinds", default=",".join(demo.KINDS))
-    p.add_argument("--epochs", type=int, default=None,
-                   help="our recipe's epochs for every kind (default: the demo's, " +
-                        ", ".join(f"{k} {n}" for k, n in demo.EPOCHS.items()) + ")")
     p.add_argument("--calibration-warmup", type=int, default=3, help="untimed steps before the timed ones")
     p.add_argument("--calibration-steps", type=int, default=12, help="timed optimizer steps per calibration turn")
     p.add_argument("--calibration-rounds", type=int, default=2, help="turns per recipe (the fastest counts)")
-    p.add_argument("--bench-prompts", type=int, default=8, help="MT-bench first turns, one per category in turn")
-    p.add_argument("--bench-new-tokens", type=int, default=64)
-    p.add_argument("--nice", type=int, default=19, help="niceness of this process and its fits")
-    p.add_argument("--precision", default=None, help="the fits' precision (default: the demo's, fit_precision)")
     return p.parse_args(argv)
-
-
-def our_overrides(kind: str, args) -> list[str]:
-    """configs/<kind>.yaml as the demo fits it: RECIPE, precision, KIND_RECIPE and the token map."""
-    from serving.spec_decode.config import TAKES_TOKEN_MAP
-
-    return (demo.RECIPE + ["--trainer.precision", args.precision] + demo.KIND_RECIPE.get(kind, [])
-            + (["--model.init_args.token_map", str(Path(args.token_map).resolve())] if kind in TAKES_TOKEN_MAP else []))
 
 
 def published_overrides(kind: str, args, num_steps: int) -> list[str]:
@@ -125,54 +100,6 @@ def published_overrides(kind: str, args, num_steps: int) -> list[str]:
     warmup = [] if recipe.warmup_ratio is None else [
         "--model.init_args.warmup_steps", str(max(1, round(recipe.warmup_ratio * num_steps)))]
     return our_overrides(kind, args) + recipe.overrides() + warmup
-
-
-def fit_args(kind: str, args, overrides: list[str]) -> list[str]:
-    """LightningCLI arguments (no subcommand) of a fit in the current folder, without W&B."""
-    return ["-c", str(CONFIGS / f"{kind}.yaml"), "--model.init_args.target", args.target,
-            "--data.store", str(Path(args.store).resolve()), "--trainer.logger", "false",
-            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", *overrides]
-
-
-class StepTimes(Callback):
-    """The wall time and this process's CPU time (all its threads) at the end of every training batch."""
-
-    def __init__(self):
-        self.ends: list[float] = []
-        self.cpu_ends: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.ends.append(time.perf_counter())
-        self.cpu_ends.append(time.process_time())
-
-
-def run_fit(kind: str, args, overrides: list[str], folder: Path) -> dict:
-    """Fits in `folder` (the configs write under runs/<kind>/ there); returns steps and seconds. A fit that ended
-    there with the same arguments before (fit.json) is not run again, so a killed run picks up at the next fit."""
-    from training.fit import build_cli
-
-    arguments = fit_args(kind, args, overrides)
-    stamp = folder / "fit.json"
-    if stamp.exists() and json.loads(stamp.read_text())["arguments"] == arguments:
-        print(f"reusing the fit in {folder} (same arguments)", flush=True)
-        return json.loads(stamp.read_text())["result"]
-    folder.mkdir(parents=True, exist_ok=True)
-    here = Path.cwd()
-    os.chdir(folder)
-    try:
-        cli = build_cli(arguments, run=False)
-        timer = StepTimes()
-        cli.trainer.callbacks.append(timer)
-        start = time.perf_counter()
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-        seconds = time.perf_counter() - start
-    finally:
-        os.chdir(here)
-    result = {"num_steps": cli.trainer.global_step, "seconds": seconds, "step_ends": timer.ends,
-              "cpu_step_ends": timer.cpu_ends,
-              "head": str(folder / "runs" / kind / "heads" / "best")}
-    stamp.write_text(json.dumps({"arguments": arguments, "result": result}))
-    return result
 
 
 def steps_per_epoch(args) -> int:
@@ -203,14 +130,6 @@ def calibrate(kind: str, args, out: Path) -> dict[str, float]:
             print(f"calibration {kind} {name} turn {turn + 1}: {per_step['cpu'] * 1000:.0f} ms/step CPU, "
                   f"{per_step['wall'] * 1000:.0f} ms wall", flush=True)
     return best
-
-
-def head_metrics(head: str) -> dict:
-    """The held-out metrics a fit wrote into its best head's config.json (the validation that chose it)."""
-    training = read_config(head)["metadata"]["training"]
-    metrics = training["metrics"]
-    keys = [f"val/acc_{i}" for i in range(1, NUM_DRAFTS + 1)] + ["val/tau", "val/tau_walk"]
-    return {**{key: metrics[key] for key in keys}, "best_step": training["global_step"]}
 
 
 def fit_kind(kind: str, args, out: Path, num_batches: int) -> list[dict]:
@@ -245,61 +164,23 @@ def fit_kind(kind: str, args, out: Path, num_batches: int) -> list[dict]:
     return rows
 
 
-def bench(rows: list[dict], args, out: Path) -> str:
-    """One `draftheads bench` over every head (plain decoding once): MT-bench tau per head, into the rows."""
-    from training.cli import main as draftheads
-
-    configs = [json.dumps({"method": row["kind"], "model": row["head"], "num_speculative_tokens": NUM_DRAFTS})
-               for row in rows]
-    path = out / "bench.json"
-    command = ["bench", "--target", args.target, "--prompts", "mt-bench", "--num-prompts", str(args.bench_prompts),
-               "--max-new-tokens", str(args.bench_new_tokens), "--json", str(path)]
-    for config in configs:
-        command += ["--speculative-config", config]
-    print(f"\n==> draftheads {' '.join(command)}", flush=True)
-    if draftheads(command) != 0:
-        raise RuntimeError("draftheads bench failed")
-    result = json.loads(path.read_text())
-    by_head = {r["config"]["model"]: r for r in result["rows"] if r["config"]}
-    for row in rows:
-        row["mt_bench_tau"] = by_head[row["head"]]["tau"]
-    return "draftheads " + " ".join(command[:-2 * len(configs)]) + " --speculative-config ... (one per head)"
-
-
-def to_markdown(report: dict) -> str:
-    lines = ["| kind | recipe | epochs | steps | CPU ms/step (calibration) | fit s | "
-             + " | ".join(f"val/acc_{i}" for i in range(1, NUM_DRAFTS + 1)) + " | val/tau_walk | MT-bench tau |",
-             "|---|---|---|---|---|---|" + "---|" * (NUM_DRAFTS + 2)]
-    for row in report["rows"]:
-        step_ms = f"{row['step_ms']:.0f}" if "step_ms" in row else "-"
-        lines.append(f"| {row['kind']} | {row['recipe']} | {row['epochs']:g} | {row['num_steps']} | {step_ms} | "
-                     f"{row['seconds']:.0f} | "
-                     + " | ".join(f"{row[f'val/acc_{i}']:.3f}" for i in range(1, NUM_DRAFTS + 1))
-                     + f" | {row['val/tau_walk']:.3f} | {row.get('mt_bench_tau', float('nan')):.2f} |")
-    return "\n".join(lines) + "\n"
+COLUMNS = [("kind", lambda row: row["kind"]), ("recipe", lambda row: row["recipe"]),
+           ("epochs", lambda row: f"{row['epochs']:g}"), ("steps", lambda row: str(row["num_steps"])),
+           ("CPU ms/step (calibration)", lambda row: f"{row['step_ms']:.0f}" if "step_ms" in row else "-"),
+           ("fit s", lambda row: f"{row['seconds']:.0f}")]
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    os.nice(max(0, args.nice - os.nice(0)))
-    os.environ.setdefault("WANDB_MODE", "disabled")
-    args.precision = args.precision or demo.fit_precision()
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    num_batches = steps_per_epoch(args)
-    rows = [row for kind in args.kinds.split(",") for row in fit_kind(kind, args, out, num_batches)]
-    command = bench(rows, args, out)
-    for row in rows:
-        row.pop("step_ends"), row.pop("cpu_step_ends", None)
-    report = {"store": str(Path(args.store).resolve()), "target": args.target, "precision": args.precision,
-              "steps_per_epoch": num_batches, "bench": command, "rows": rows,
-              "seconds": time.perf_counter() - start}
-    (out / "recipes.json").write_text(json.dumps(report, indent=2))
-    markdown = to_markdown(report)
-    (out / "recipes.md").write_text(markdown)
-    print("\n" + markdown + f"\nwrote {out / 'recipes.json'} and {out / 'recipes.md'} in {report['seconds']:.0f} s")
-    return report
+
+    def fit(out: Path) -> dict:
+        num_batches = steps_per_epoch(args)
+        rows = [row for kind in args.kinds.split(",") for row in fit_kind(kind, args, out, num_batches)]
+        for row in rows:
+            row.pop("step_ends"), row.pop("cpu_step_ends", None)
+        return {"steps_per_epoch": num_batches, "rows": rows}
+
+    return head_fits.run("recipes", args, fit, COLUMNS, ".2f")
 
 
 if __name__ == "__main__":

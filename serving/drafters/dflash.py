@@ -2,10 +2,10 @@
 
 The head's context is K/V of every drafter layer projected from the target's fused features, the context K/V at
 position p depending only on the target's states at p (no drafter recurrence). They live in a pool of the head's own
-addressed by the target's block tables, filled as EAGLE's is (drafters/eagle.py, whose bookkeeping this drafter
-reuses): each step notes the kept tokens' feature rows, and the head projects a request's pending rows into the
-pool, in one call with every other request drafted, only when the request drafts next; rows of blocks the prefix
-cache registers move to the blocks, and whoever shares them projects them first. Since nothing but the target's
+addressed by the target's block tables, filled as EAGLE's is (drafters/deferred.py): each step notes the kept
+tokens' feature rows, and the head projects a request's pending rows into the pool, in one call with every other
+request drafted, only when the request drafts next; rows of blocks the prefix cache registers move to the blocks,
+and whoever shares them projects them first. Since nothing but the target's
 features enters the context, the catch-up is the fusion and the layers' k/v projections alone.
 
 The block `[newest token, MASK x (B-1)]` sits at positions newest..newest+B-1 and attends to the context (positions
@@ -22,33 +22,31 @@ from dataclasses import dataclass
 import torch
 
 from serving.attention import KVCache, PagedAttention
-from serving.drafters.eagle import EagleDrafter, Pending
+from serving.drafters.deferred import DeferredDrafter, DeferredState
 from serving.drafters.head import Confidence, top_log_probs
 from serving.drafters.tree_search import grow_from_marginals
 
 
 @dataclass
-class ContextState:
+class ContextState(DeferredState):
     """One request's slot: the kept rows whose context K/V are not in the pool yet, and the position up to which
     they are."""
-    pending: Pending | None = None
     end: int = 0
 
 
-class DFlashDrafter(EagleDrafter):
-    """EAGLE's deferred bookkeeping (observe, registered, the registered blocks' unrun rows) over DFlash's pool."""
-
+class DFlashDrafter(DeferredDrafter):
+    State = ContextState
     needs_hidden = False
     is_calibrated = True
     num_lookahead = 0  # the context K/V at position p read the target's states at p alone
 
     def __init__(self, ctx, head, token_map, config):
         c = head.config
-        self.head, self.token_map, self.kind = head, token_map, c.kind
+        self.head, self.token_map = head, token_map
         self.confidence, self.topk = Confidence(head, config.confidence_threshold), config.topk
         self.aux_layers = tuple(dict.fromkeys(c.target_layers))
         runner = ctx.runner
-        self.block_size, self.device = runner.block_size, runner.device
+        super().__init__(runner.block_size, runner.device)
         self.num_slots = c.block_size  # scratch slots of one request's block
         self.scratch_start = runner.cache.num_blocks * runner.block_size
         self.max_requests = ctx.max_num_seqs
@@ -56,12 +54,8 @@ class DFlashDrafter(EagleDrafter):
         layer = c.layer_config()
         self.cache = KVCache(c.num_layers, runner.cache.num_blocks + num_scratch_blocks, runner.block_size,
                              layer.num_kv_heads, layer.head_dim, runner.dtype, runner.device)
-        self.unrun = {}
 
-    def state(self, request) -> ContextState:
-        return request.spec.slots.setdefault(self, ContextState())
-
-    def _features(self, step, rows: torch.Tensor) -> torch.Tensor:
+    def feature_rows(self, step, rows: torch.Tensor) -> torch.Tensor:
         return torch.cat([step.out.aux[layer][rows] for layer in self.head.config.target_layers], dim=-1)
 
     @torch.inference_mode()

@@ -1,14 +1,15 @@
 """P-EAGLE (heads/peagle.py) as a drafter: the whole block of drafts from one head forward per step.
 
 It is an EAGLE-3 drafter (drafters/eagle.py) for everything but drafting: the same pool sharing the target's block
-tables, the same lazy catch-up over the kept pairs (noted each step, run only when the request drafts, handed to the
-blocks the prefix cache registers). What differs is that the catch-up and the drafts are one forward: for every
-drafting request, its pending pairs (causal, their K/V kept in the pool) and then depth - 1 placeholder rows (the mask
-token and fc(mask_hidden) at positions anchor + 1 .. anchor + depth - 1, the anchor being its newest pair), each a
-tree row that sees the context and the placeholder rows before it, their K/V in scratch slots past the target's blocks
-and never kept. The pool takes every row's K/V before any row attends, so the placeholders read the catch-up written in
-the same call. The newest pair's output gives depth 1's distribution, placeholder d's depth d + 1's; `catch_up` does
-nothing of its own, so the adaptive policy prices drafting as that one call (its rows grow with the depth drafted).
+tables, the same lazy catch-up over the kept pairs (drafters/deferred.py: noted each step, run only when the request
+drafts, handed to the blocks the prefix cache registers). What differs is that the catch-up and the drafts are one
+forward: for every drafting request, its pending pairs (causal, their K/V kept in the pool) and then depth - 1
+placeholder rows (the mask token and fc(mask_hidden) at positions anchor + 1 .. anchor + depth - 1, the anchor being
+its newest pair), each a tree row that sees the context and the placeholder rows before it, their K/V in scratch slots
+past the target's blocks and never kept. The pool takes every row's K/V before any row attends, so the placeholders
+read the catch-up written in the same call. The newest pair's output gives depth 1's distribution, placeholder d's
+depth d + 1's; `catch_up` does nothing of its own, so the adaptive policy prices drafting as that one call (its rows
+grow with the depth drafted).
 
 The drafts are a chain, or (topk > 1) the tree of the per-depth marginals: best-first by the product of the
 calibrated probabilities along a path, cut at num_draft_tokens (tree_search.grow_from_marginals).

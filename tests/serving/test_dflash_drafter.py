@@ -24,7 +24,7 @@ from serving.request import SamplingParams
 
 from test_head_drafters import (assert_pool_idle, greedy, hf_hidden_states, load_as_drafted, make_engine, perturb,
                                 plain_outputs, random_prompts, target_parts)
-from test_trees import E2E_PROMPT, compare_candidates, record_trees, two_token_law, tv
+from test_trees import E2E_PROMPT, assert_two_token_law, compare_candidates, record_trees, two_token_law
 
 BLOCK = 4  # drafts up to 3 tokens
 
@@ -150,11 +150,7 @@ def test_sampled_trees_keep_the_target_law(v8_target, heads_root):
     assert_pool_idle(engine)
     stats = engine.speculator.stats
     assert stats.proposed[0] >= num and 0 < stats.accepted[0] < stats.reached[0] and 0 < stats.accepted[1]
-    counts = torch.zeros(8, 8)
-    for o in outputs:
-        counts[o.token_ids[1], o.token_ids[2]] += 1
-    distance = tv(counts.flatten(), law.flatten())
-    assert distance <= 0.07, f"TV {distance:.4f} between the engine's (x2, x3) and the target law"
+    assert_two_token_law(outputs, law)
 
 
 def test_a_draft_longer_than_the_block_is_a_clear_error(tiny_llama, heads_root):

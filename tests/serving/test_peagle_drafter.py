@@ -26,7 +26,7 @@ from serving.request import SamplingParams
 
 from test_head_drafters import (EAGLE3_AUX, assert_pool_idle, greedy, hf_hidden_states, load_as_drafted, make_engine,
                                 perturb, plain_outputs, random_prompts, target_parts)
-from test_trees import E2E_PROMPT, E2E_SAMPLES, compare_candidates, tv, two_token_law
+from test_trees import E2E_PROMPT, E2E_SAMPLES, assert_two_token_law, compare_candidates, two_token_law
 
 PREFIX = random_prompts((21,), seed=31)[0]
 PROMPTS = [PREFIX + tail for tail in random_prompts((1, 6, 3, 11, 2, 9), seed=32)] + random_prompts((13, 30), seed=33)
@@ -159,11 +159,7 @@ def test_a_sampled_tree_keeps_the_target_law(v8_target, heads_root):
     stats = engine.speculator.stats
     assert stats.proposed[1] == E2E_SAMPLES, "every request verifies a tree of depth 2 after x1 (and later ones)"
     assert 0 < stats.accepted[0] < stats.reached[0] and 0 < stats.accepted[1] < stats.reached[1]
-    counts = torch.zeros(8, 8)
-    for o in outputs:
-        counts[o.token_ids[1], o.token_ids[2]] += 1
-    distance = tv(counts.flatten(), law.flatten())
-    assert distance <= 0.07, f"TV {distance:.4f} between the engine's (x2, x3) and the target law"
+    assert_two_token_law(outputs, law)
 
 
 def test_more_drafts_than_depths_trained_is_a_clear_error(tiny_llama, heads_root):

@@ -39,7 +39,7 @@ from serving.structured_output import Grammars, StructuredOutputs, grammar_text
 from local_server import running
 from test_head_drafters import random_head_dir
 from test_spec import assert_pool_idle, make_engine, random_prompts
-from test_trees import RandomTreeStub, TruthStub, tv
+from test_trees import RandomTreeStub, TruthStub, assert_two_token_law
 
 SCHEMA = {
     "type": "object",
@@ -339,12 +339,7 @@ def test_sampled_speculation_under_a_grammar_keeps_the_masked_target_law(v8_targ
         assert stats.num_invalid_spec_tokens == 2 * E2E_SAMPLES
     assert 0 < stats.accepted[0] < stats.reached[0] and 0 < stats.accepted[1] < stats.reached[1]
     assert stats.num_invalid_spec_tokens >= 2 * E2E_SAMPLES
-    counts = torch.zeros(8, 8)
-    for o in outputs:
-        counts[o.token_ids[1], o.token_ids[2]] += 1
-    distance = tv(counts.flatten(), law.flatten())
-    assert distance <= 0.07, f"TV {distance:.4f} between the engine's (x2, x3) and the masked target law"
-    assert float(law.max()) < 0.9
+    assert_two_token_law(outputs, law, "the masked target law")
 
 
 # ---- 5. the server ---------------------------------------------------------------------------------------

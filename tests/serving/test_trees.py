@@ -187,6 +187,17 @@ def two_token_law(folder, prompt, params: SamplingParams) -> tuple[torch.Tensor,
     return (p1[:, None, None] * p2[:, :, None] * p3).sum(0), p2, p3
 
 
+def assert_two_token_law(outputs, law: torch.Tensor, name: str = "the target law", threshold: float = 0.07) -> None:
+    """The engine's outputs' (x2, x3), the two tokens after the prefill's x1, follow `law` [x2, x3] (two_token_law's)
+    within total variation `threshold`, and the law is not nearly one point (else any drafter would pass)."""
+    counts = torch.zeros(law.shape)
+    for o in outputs:
+        counts[o.token_ids[1], o.token_ids[2]] += 1
+    distance = tv(counts.flatten(), law.flatten())
+    assert distance <= threshold, f"TV {distance:.4f} between the engine's (x2, x3) and {name}"
+    assert float(law.max()) < 0.9
+
+
 class FixedShapeStub(Drafter):
     """Proposes the tree of test_sampled_tree_verification_keeps_the_target_law's shape (width 2 at depths 1 and
     2) after x1: deterministic likely tokens (the target's two most likely x2, then its most likely x3 after each,
@@ -237,12 +248,7 @@ def test_sampled_tree_speculation_in_the_engine_keeps_the_target_law(v8_target, 
     stats = engine.speculator.stats
     assert stats.proposed[:2] == [E2E_SAMPLES, E2E_SAMPLES], "every request verifies one full tree after x1"
     assert 0 < stats.accepted[0] < stats.reached[0] and 0 < stats.accepted[1] < stats.reached[1]
-    counts = torch.zeros(8, 8)
-    for o in outputs:
-        counts[o.token_ids[1], o.token_ids[2]] += 1
-    distance = tv(counts.flatten(), law.flatten())
-    assert distance <= 0.07, f"TV {distance:.4f} between the engine's (x2, x3) and the target law"
-    assert float(law.max()) < 0.9  # a law that is not nearly one point
+    assert_two_token_law(outputs, law)
 
 
 # ---- stub drafters that know plain greedy decoding's continuation ------------------------------------------

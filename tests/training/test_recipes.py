@@ -39,7 +39,7 @@ def test_recipes_fit_each_kind_both_ways_and_write_one_row_per_kind_and_recipe(d
     assert "val/tau_walk" in table[0] and "MT-bench tau" in table[0]
     assert [tuple(cell.strip() for cell in line.split("|")[1:3]) for line in table[2:]] == expected
     for row in report["rows"]:
-        assert row["mt_bench_tau"] >= 1.0 and 1.0 <= row["val/tau_walk"] <= 1 + recipes.NUM_DRAFTS
+        assert row["mt_bench_tau"] >= 1.0 and 1.0 <= row["val/tau_walk"] <= 1 + recipes.head_fits.NUM_DRAFTS
         assert 0.0 <= row["val/acc_1"] <= 1.0
     # The published recipes' settings reach the modules: a head's config keeps the hyperparameters it was fit with.
     for kind, recipe in recipes.PUBLISHED.items():
