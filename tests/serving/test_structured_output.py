@@ -373,3 +373,8 @@ def test_server_response_format_json_schema(tmp_path):
         again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=200, temperature=0,
                                                extra_body={"structured_outputs": {"json": SCHEMA}})
         assert again.choices[0].message.content == answer.choices[0].message.content
+        flexible = {k: v for k, v in SCHEMA.items() if k != "x-guidance"}
+        compact = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=200, temperature=0,
+            extra_body={"structured_outputs": {"json": flexible, "disable_any_whitespace": True}})
+        assert compact.choices[0].message.content == answer.choices[0].message.content
