@@ -3,7 +3,7 @@ at the row counts of decode (1), verify (2-17), concurrency 16 and prefill chunk
 decode and verify queries; and the same layers with weights stored as bfloat16 (drafters' `draft_weights`). Each
 case streams its weights from memory, as a forward through 30 layers does.
 
-    python benchmarks/kernels.py [--target smollm2-135m-instruct] [--repeats 20]
+    python benchmarks/kernel_speed.py [--target smollm2-135m-instruct] [--repeats 20]
 """
 from __future__ import annotations
 
