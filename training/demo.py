@@ -4,7 +4,8 @@
    DEMO_NEW_TOKENS tokens at most), its hidden states captured in the same pass, into data/demo-store;
 2. `draftheads token-map`: the store's 4,096 most frequent answer tokens, which Medusa, EAGLE-1 and MTP train and
    draft among (EAGLE-3 trains over the same ones as its draft vocabulary);
-3. `draftheads fit` of Medusa, EAGLE-1, EAGLE-3 and MTP heads from configs/ in offline mode on that store (in
+3. `draftheads fit` of Medusa, EAGLE-3, P-EAGLE and DFlash heads (with --full also EAGLE-1 and MTP) from configs/
+   in offline mode on that store (in
    bf16-mixed precision where bfloat16 products are native, `fit_precision`),
    each exported to runs/<kind>/heads/best (the folders configs/ name);
 4. `draftheads bench` on MT-bench first turns (one per category) and HumanEval (a fixed subset), concurrency 1,
@@ -33,7 +34,12 @@ import os
 import time
 from pathlib import Path
 
-KINDS = ("medusa", "eagle", "eagle3", "mtp")
+KINDS = ("medusa", "eagle", "eagle3", "mtp", "peagle", "dflash")
+# What `make demo` trains and benches within its 30 minutes: the feature-free baseline, the best chain head and the
+# two that draft a block per forward. EAGLE-1 and MTP draft as EAGLE-3 does (autoregressively, from the target's
+# features); in the six-kind demo EAGLE-1 measured within 0.08 tau of EAGLE-3 in every row and MTP below it
+# (benchmarks/RESULTS.md, "make demo with six kinds"). --full and --kinds train them too.
+DEMO_KINDS = ("medusa", "eagle3", "peagle", "dflash")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 NUM_SPECULATIVE_TOKENS = 4
 # The configs' settings, changed for a store of a few hundred examples: small batches and a short warmup give the
@@ -49,7 +55,7 @@ DRAFT_VOCAB_SIZE = 4096
 # after 2 / 4 / 6). MTP and EAGLE-3 get 3 to keep the demo within 30 minutes (an MTP epoch takes ~1.7x an EAGLE-1
 # one). EAGLE-3 unrolls 2 training-time-test steps instead of 7: on the demo's store, held-out val/tau_walk and fit
 # time were 1.34 / 250 s at 4 steps x 2 epochs, 1.38 / 358 s at 3 x 3, 1.375 / 235 s at 2 x 3, 1.39 / 308 s at 2 x 4.
-EPOCHS = {"medusa": 4, "eagle": 4, "eagle3": 3, "mtp": 3}
+EPOCHS = {"medusa": 4, "eagle": 4, "eagle3": 3, "mtp": 3, "peagle": 3, "dflash": 3}
 # Each head is benched three times: a chain always drafting k=4 (the goal's setting); EAGLE-2's dynamic tree over
 # the same 4 depths (TREE: the 8 most likely children of the 8 best nodes at each depth, the 15 best nodes kept,
 # the setting that raised tau most on MT-bench); and a chain after prompt lookup first, which drafts where the answer
@@ -58,10 +64,16 @@ EPOCHS = {"medusa": 4, "eagle": 4, "eagle3": 3, "mtp": 3}
 # without lookup (every head 1.09-1.18x on MT-bench's 80) are left to `draftheads bench`, to keep the demo within
 # 30 minutes.
 TREE = {"topk": 8, "num_draft_tokens": 16}
+# The kinds `make demo` benches as trees (--full: every kind). Medusa's tree adds what the others' show (+0.26-0.36 tau
+# in the six-kind demo) and its 16-row steps cost a minute of the 30.
+TREE_KINDS = ("eagle", "eagle3", "mtp", "peagle", "dflash")
 # The online run's arrivals: about one request per 1.3 s of a request's decoding alone, so that requests overlap.
 SERVE_RATE = 0.75
 CONFIDENCE_THRESHOLD = 0.1
-KIND_RECIPE = {"eagle3": ["--model.init_args.num_steps", "2", "--model.init_args.draft_vocab_size", str(DRAFT_VOCAB_SIZE)]}
+KIND_RECIPE = {"eagle3": ["--model.init_args.num_steps", "2", "--model.init_args.draft_vocab_size", str(DRAFT_VOCAB_SIZE)],
+               "peagle": ["--model.init_args.num_depths", str(NUM_SPECULATIVE_TOKENS),
+                          "--model.init_args.draft_vocab_size", str(DRAFT_VOCAB_SIZE)],
+               "dflash": ["--model.init_args.block_size", str(NUM_SPECULATIVE_TOKENS + 1)]}
 
 
 def parse_args(argv=None):
@@ -87,7 +99,9 @@ def parse_args(argv=None):
     p.add_argument("--serve-prompts", type=int, default=8,
                    help="MT-bench prompts of the online run (draftheads serve with the best head vs plain, measured by "
                         "bench-serve at a fixed request rate); 0 skips it")
-    p.add_argument("--kinds", default=",".join(KINDS), help="head kinds to train and bench")
+    p.add_argument("--kinds", default=None,
+                   help=f"head kinds to train and bench, comma-separated (default {','.join(DEMO_KINDS)}; with --full "
+                        f"{','.join(KINDS)})")
     p.add_argument("--data", default="data", help="where the store goes")
     p.add_argument("--results", default="results",
                    help="where the report goes (bench.json, bench.md, acceptance.png, summary.json, summary.md, "
@@ -107,6 +121,11 @@ def parse_args(argv=None):
         args.bench_mt_bench = 80 if args.full else 8
     if args.bench_humaneval is None:
         args.bench_humaneval = 164 if args.full else 4
+    if args.kinds is None:
+        args.kinds = ",".join(KINDS if args.full else DEMO_KINDS)
+    unknown = sorted(set(args.kinds.split(",")) - set(KINDS))
+    if unknown:
+        p.error(f"--kinds: unknown kind(s) {', '.join(unknown)}; choose among {', '.join(KINDS)}")
     return args
 
 
@@ -195,12 +214,12 @@ def make_token_map(store: Path) -> Path:
 
 
 def serve(args, heads: dict) -> dict:
-    """The online run: `draftheads serve` with the best head (EAGLE-1 after prompt lookup, chains cut at
+    """The online run: `draftheads serve` with the best head (EAGLE-3 after prompt lookup, chains cut at
     CONFIDENCE_THRESHOLD, the fastest offline setting) and plain, each measured by `draftheads bench-serve` on the
     same MT-bench prompts arriving at SERVE_RATE requests per second (Poisson), greedy."""
     from serving.bench.bench_serve import serve_and_bench, to_markdown
 
-    kind = "eagle" if "eagle" in heads else next(iter(heads))
+    kind = "eagle3" if "eagle3" in heads else next(iter(heads))
     config = {"method": kind, "model": str(heads[kind]), "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
               "prompt_lookup_first": True, "confidence_threshold": CONFIDENCE_THRESHOLD}
     out = Path(args.results) / ("full" if args.full else "") / "serve"
@@ -233,7 +252,7 @@ def bench(args, heads: dict) -> dict:
     configs = [SpeculativeConfig(method="ngram", num_speculative_tokens=k)]
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k) for kind, folder in heads.items()]
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k, **TREE)
-                for kind, folder in heads.items()]
+                for kind, folder in heads.items() if args.full or kind in TREE_KINDS]
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k,
                                   confidence_threshold=CONFIDENCE_THRESHOLD, prompt_lookup_first=True)
                 for kind, folder in heads.items()]

@@ -1,10 +1,11 @@
-"""The whole pipeline on the `debug` target with a tiny budget: generate, fit all four kinds, export, bench."""
+"""The whole pipeline on the `debug` target with a tiny budget: generate, fit the demo's kinds, export, bench."""
 import json
 
 import torch
 import yaml
 
 import heads
+from serving.spec_decode.config import TAKES_TOKEN_MAP
 from training import demo
 
 
@@ -18,9 +19,10 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
     assert [r["name"] for r in results] == ["mt-bench T=0 c=1", "humaneval T=0 c=1"]
     for result in results:
         methods = [row["method"] for row in result["rows"]]
-        trees = [f"{kind} top{demo.TREE['topk']} n{demo.TREE['num_draft_tokens']}" for kind in demo.KINDS]
-        lookup_first = [f"{kind}+lookup2 p>={demo.CONFIDENCE_THRESHOLD:g}" for kind in demo.KINDS]
-        assert methods == ["plain", "ngram", *demo.KINDS, *trees, *lookup_first]
+        trees = [f"{kind} top{demo.TREE['topk']} n{demo.TREE['num_draft_tokens']}" for kind in demo.DEMO_KINDS
+                 if kind in demo.TREE_KINDS]
+        lookup_first = [f"{kind}+lookup2 p>={demo.CONFIDENCE_THRESHOLD:g}" for kind in demo.DEMO_KINDS]
+        assert methods == ["plain", "ngram", *demo.DEMO_KINDS, *trees, *lookup_first]
         assert result["identical_to_hf"] is True  # greedy at concurrency 1: transformers' generate ran alongside
         assert result["speed_vs_hf"] == result["rows"][0]["tokens_per_s"] / result["hf_tokens_per_s"]
         for row in result["rows"]:
@@ -51,30 +53,33 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
     assert (tmp_path / "results" / "speedup_vs_concurrency.png").stat().st_size > 10_000
     assert len(list((tmp_path / "results" / "settings").glob("*.json"))) == 2
     online = json.loads((tmp_path / "results" / "serve" / "bench_serve.json").read_text())  # the best head served vs plain
-    assert [run["label"] for run in online["runs"]] == [f"eagle+lookup2 p>={demo.CONFIDENCE_THRESHOLD:g}", "plain"]
+    assert [run["label"] for run in online["runs"]] == [f"eagle3+lookup2 p>={demo.CONFIDENCE_THRESHOLD:g}", "plain"]
     assert all(run["num_completed"] == 2 for run in online["runs"]) and online["ratios"]["output_throughput"] > 0
-    for kind in demo.KINDS:
+    for kind in demo.DEMO_KINDS:
         assert (tmp_path / "runs" / kind / "heads" / "best" / "model.safetensors").exists()
         fit_config = yaml.safe_load((tmp_path / "runs" / kind / "config.yaml").read_text())
         assert fit_config["trainer"]["precision"] == demo.fit_precision()
     [token_map] = (tmp_path / "runs").glob("token_map-*.pt")
-    for kind in ("medusa", "eagle", "mtp"):  # the bench drafts among each head's own map, given none
+    for kind in set(demo.DEMO_KINDS) & set(TAKES_TOKEN_MAP):  # the bench drafts among each head's own map, given none
         assert torch.equal(heads.load(tmp_path / "runs" / kind / "heads" / "best").token_map, torch.load(token_map))
     # A second run with the same settings reuses the store and every head.
-    stamps = {kind: (tmp_path / "runs" / kind / "heads" / "best" / "model.safetensors").stat().st_mtime_ns for kind in demo.KINDS}
+    stamps = {kind: (tmp_path / "runs" / kind / "heads" / "best" / "model.safetensors").stat().st_mtime_ns for kind in demo.DEMO_KINDS}
     # (With no bench prompts the bench is skipped: the heads alone.)
     again = demo.main(["--target", "debug", "--num-prompts", "6", "--max-new-tokens", "12", "--epochs", "1",
                        "--bench-mt-bench", "0", "--bench-humaneval", "0", "--serve-prompts", "0", "--concurrency", "3",
-                       "--kinds", ",".join(demo.KINDS)])
+                       "--kinds", ",".join(demo.DEMO_KINDS)])
     assert again == {}
     assert stamps == {kind: (tmp_path / "runs" / kind / "heads" / "best" / "model.safetensors").stat().st_mtime_ns
-                      for kind in demo.KINDS}
+                      for kind in demo.DEMO_KINDS}
 
 
 def test_bench_sizes_default_to_the_demo_or_the_full_bench_and_explicit_sizes_win():
     assert (demo.parse_args([]).bench_mt_bench, demo.parse_args([]).bench_humaneval) == (8, 4)
+    assert demo.parse_args([]).kinds == "medusa,eagle3,peagle,dflash"
     full = demo.parse_args(["--full"])
     assert (full.bench_mt_bench, full.bench_humaneval) == (80, 164)
+    assert full.kinds == "medusa,eagle,eagle3,mtp,peagle,dflash"
+    assert demo.parse_args(["--full", "--kinds", "mtp"]).kinds == "mtp"
     reduced = demo.parse_args(["--full", "--bench-mt-bench", "16", "--bench-humaneval", "0"])
     assert (reduced.bench_mt_bench, reduced.bench_humaneval) == (16, 0)
     assert list(demo.bench_prompts(reduced)) == ["mt-bench"]  # a set of 0 prompts is left out
