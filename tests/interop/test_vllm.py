@@ -157,6 +157,19 @@ def test_vllm_serves_our_speculators_peagle_export_with_parallel_drafting(worksp
                 plain)
 
 
+def test_vllm_serves_our_speculators_dflash_export(workspace, prompt_ids, plain):
+    """vLLM reads a speculators DFlash export (the target's features as extra K/V in every drafter layer, a block
+    of the newest token and mask tokens drafted in one forward): the same outputs and accepted drafts per position."""
+    root, target, trained = workspace
+    head = heads.load(trained["dflash"])
+    head.bind_target(heads.load_target_parts(target))  # the export carries the target's embedding and LM head
+    exported = exporting.export(head, "speculators", root / "speculators-dflash", verifier=target,
+                                num_speculative_tokens=K)
+    with VllmServer(exported, None) as server:
+        compare(target, trained["dflash"], {"method": "dflash", "num_speculative_tokens": K}, server, prompt_ids,
+                plain)
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "eagle", "medusa"])
 def test_vllm_serves_our_export_with_our_outputs_and_acceptance(kind, workspace, prompt_ids, plain):
     root, target, trained = workspace

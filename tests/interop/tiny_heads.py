@@ -27,6 +27,8 @@ FIT = {
                "--model.init_args.draft_vocab_size=512", "--trainer.max_steps=40"],
     "peagle": ["--model.init_args.learning_rate=1e-2", f"--model.init_args.aux_layers=[{','.join(map(str, AUX_LAYERS))}]",
                "--model.init_args.draft_vocab_size=512", "--trainer.max_steps=40"],
+    # the store's aux layers as its target layers; blocks of 5 (4 drafts), no token map (speculators names none)
+    "dflash": ["--model.init_args.learning_rate=1e-2", "--model.init_args.block_size=5", "--trainer.max_steps=40"],
 }
 
 # EAGLE 3.1's norms, each trained into an EAGLE-3 head of its own (FIT["eagle3"] plus these).
