@@ -10,8 +10,8 @@
    each exported to runs/<kind>/heads/best (the folders configs/ name);
 4. `draftheads bench` on MT-bench first turns (one per category) and HumanEval (a fixed subset), concurrency 1,
    greedy, 4 depths: plain decoding, n-gram and each trained head, as a chain always drafting 4 tokens, as
-   EAGLE-2's dynamic tree (`TREE`), and as a chain with a confidence threshold after prompt lookup first
-   (`prompt_lookup_first`), and
+   EAGLE-2's dynamic tree (`TREE`; only `TREE_KINDS` without --full), and as a chain with a confidence threshold
+   after prompt lookup first (`prompt_lookup_first`), and
    transformers' `generate` on the same prompts (each row's "vs generate"); with --full also n-gram and each head
    after prompt lookup under the adaptive policy (`"adaptive": true`);
 5. results/bench.json, results/bench.md, results/acceptance.png and the summary over every setting and method
