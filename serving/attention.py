@@ -195,6 +195,14 @@ class PagedAttention:
                                  b.paths.data_ptr(), b.path_stride)
             self.new_args = (meta.slot_mapping.data_ptr(), len(meta.slot_mapping))
 
+    def kernel_step(self) -> tuple | None:
+        """When every sequence of the step attends in the C kernel (decode and verify steps): the arguments of
+        kernels.c's decoder_layers after its scratch (pools, floats per layer, new slots, batch), so that the
+        target's layers run in one call (serving.kernels.KernelStack); else None."""
+        if self.lib is None or self.meta.batched is None or self.meta.singles:
+            return None
+        return (*self.pools, self.layer_bytes // 4, *self.new_args, *self.batched_args)
+
     def __call__(self, layer_idx, q, k, v):
         meta, b = self.meta, self.meta.batched
         if self.lib is not None and b is not None:

@@ -414,3 +414,25 @@ void layer_post(const layer_weights *L, const float *h, long rows, const float *
     silu_mul(gu, rows, n, act);
     gemm(act, rows, n, L->down, L->bf16, n, L->hidden, 0, out, out, L->hidden);
 }
+
+/* Layers [0, num_layers) of layers, one after another, on `rows` rows whose every sequence attends through
+ * paged_attention (a decode or verify step): per layer layer_pre, the attention over that layer's pools (layer_floats
+ * apart from k_pool, v_pool), which also writes the step's keys and values into new_slots, and layer_post. One call
+ * where a layer loop in Python makes three per layer, each with its argument conversions; the same kernels in the
+ * same order, so the same results. h: [rows, hidden], the input, overwritten by the output; normed, qkv, attn, gu,
+ * act: the layers' scratch. */
+void decoder_layers(const layer_weights *layers, long num_layers, float *h, long rows, float *normed, float *qkv,
+                    float *attn, float *gu, float *act, const float *cos, const float *sin, float *k_pool,
+                    float *v_pool, long layer_floats, const long *new_slots, long num_new, const long *seqs,
+                    long num_seqs, const long *slots, long slot_stride, const long *paths, long path_stride,
+                    float scale) {
+    for (long l = 0; l < num_layers; l++) {
+        const layer_weights *L = layers + l;
+        long q_size = L->heads * L->dim, kv_size = L->kv_heads * L->dim, n = q_size + 2 * kv_size;
+        layer_pre(L, h, rows, normed, qkv, cos, sin);
+        paged_attention(qkv, n, attn, k_pool + l * layer_floats, v_pool + l * layer_floats, qkv + q_size, n,
+                        qkv + q_size + kv_size, n, new_slots, num_new, seqs, num_seqs, slots, slot_stride, paths,
+                        path_stride, L->heads, L->kv_heads, L->dim, scale);
+        layer_post(L, h, rows, attn, h, normed, gu, act);  /* in place: h is read only by layer_post's first sum */
+    }
+}

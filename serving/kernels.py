@@ -41,6 +41,8 @@ SIGNATURES = {
     "argmax_rows": [_ptr, _long, _long, _long, _ptr],
     "layer_pre": [_ptr, _ptr, _long, _ptr, _ptr, _ptr, _ptr],
     "layer_post": [_ptr, _ptr, _long, _ptr, _ptr, _ptr, _ptr, _ptr],
+    "decoder_layers": [_ptr, _long, _ptr, _long, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _long, _ptr,
+                       _long, _ptr, _long, _ptr, _long, _ptr, _long, _float],
 }
 
 
@@ -223,11 +225,12 @@ class Scratch:
     """The buffers a layer's kernels write between its calls, shared by every layer of a model (they run one after
     another), with their views for a step's row count made once."""
 
-    def __init__(self, config):
+    def __init__(self, config, num_layers: int):
         c = config
         self.config = c
+        self.layer_table = (_LayerWeights * num_layers)()  # every layer's weights, for decoder_layers
         self.sizes = {"normed": c.hidden_size, "qkv": (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
-                      "gate_up": 2 * c.intermediate_size, "act": c.intermediate_size}
+                      "gate_up": 2 * c.intermediate_size, "act": c.intermediate_size, "attn": c.num_heads * c.head_dim}
         self.buffers = {name: torch.empty(0, size, device="cpu") for name, size in self.sizes.items()}
         self.views: dict[int, tuple] = {}
 
@@ -245,6 +248,10 @@ class Scratch:
                                 qkv[:, q_size:q_size + kv_size].unflatten(-1, (c.num_kv_heads, c.head_dim)),
                                 qkv[:, q_size + kv_size:].unflatten(-1, (c.num_kv_heads, c.head_dim)), gate_up, act)
         return self.views[rows]
+
+    def attended(self, rows: int) -> torch.Tensor:
+        """[rows, heads * head_dim] for the attention's output inside decoder_layers; after take(rows)."""
+        return self.buffers["attn"][:rows]
 
 
 class KernelLayer(_KernelModule):
@@ -269,14 +276,14 @@ class KernelLayer(_KernelModule):
     def read_pointers(self):
         layer, c = self.reference, self.reference.config
         qk_norm = c.qk_norm
-        self.struct = _LayerWeights(
+        self.scratch.layer_table[self.layer_idx] = _LayerWeights(
             layer.input_norm.reference.weight.data_ptr(), layer.post_norm.reference.weight.data_ptr(),
             layer.q_norm.reference.weight.data_ptr() if qk_norm else None,
             layer.k_norm.reference.weight.data_ptr() if qk_norm else None,
             layer.qkv.panels.data_ptr(), layer.o.panels.data_ptr(), layer.gate_up.panels.data_ptr(),
             layer.down.panels.data_ptr(), _pointer(layer.qkv.bias), int(self.weight_dtype == torch.bfloat16),
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
-        self.struct_ptr = ctypes.addressof(self.struct)
+        self.struct_ptr = ctypes.addressof(self.scratch.layer_table[self.layer_idx])
         self.pre, self.post = self.lib.layer_pre, self.lib.layer_post
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention) -> torch.Tensor:
@@ -299,5 +306,33 @@ def kernel_layers(layers: nn.ModuleList, config) -> nn.ModuleList:
     one Scratch where the kernels run; as they are elsewhere."""
     if not len(layers) or layers[0].qkv.lib is None:
         return layers
-    scratch = Scratch(config)
+    scratch = Scratch(config, len(layers))
     return nn.ModuleList(KernelLayer(layer, scratch) for layer in layers)
+
+
+class KernelStack:
+    """A run of a model's KernelLayers in one call of kernels.c's decoder_layers, for steps whose every sequence
+    attends in the C kernel (PagedAttention.kernel_step): at decode's few rows the per-layer calls from Python
+    and their argument conversions cost milliseconds a step. The same kernels in the same order: the same results
+    as the layers one by one."""
+
+    def __init__(self, layers: nn.ModuleList):
+        self.layers, self.scratch = layers, layers[0].scratch
+        self.run = layers[0].lib.decoder_layers
+        c = self.scratch.config
+        self.scale = c.head_dim ** -0.5
+        self.size = ctypes.sizeof(_LayerWeights)
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: tuple, start: int,
+                 stop: int) -> torch.Tensor:
+        """Layers [start, stop) on hidden ([rows, hidden] float32, contiguous; not changed); step: the attention's
+        kernel_step()."""
+        rows = hidden.shape[0]
+        out = hidden.clone()
+        normed, qkv, _, _, _, gate_up, act = self.scratch.take(rows)
+        attended = self.scratch.attended(rows)
+        self.run(ctypes.addressof(self.scratch.layer_table) + start * self.size, stop - start, out.data_ptr(), rows,
+                 normed.data_ptr(), qkv.data_ptr(), attended.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
+                 cos.data_ptr(), sin.data_ptr(), step[0] + start * step[2] * 4, step[1] + start * step[2] * 4,
+                 *step[2:], self.scale)
+        return out

@@ -12,7 +12,8 @@ from torch import nn
 from heads.hf_folder import read_config, read_tensors
 from heads.layer import DecoderLayer, LayerConfig, RMSNorm
 from heads.rope import Rope, rope_settings
-from serving.kernels import FusedRMSNorm, PackedLinear, for_inference, kernel_layers
+from serving.attention import PagedAttention
+from serving.kernels import FusedRMSNorm, KernelLayer, KernelStack, PackedLinear, for_inference, kernel_layers
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -106,6 +107,7 @@ class Model(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.rope = Rope(c.layer.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
         self._packed_lm_heads: dict[torch.dtype, PackedLinear] = {}  # not submodules: made for drafters on demand
+        self.stack: KernelStack | None = None  # the layers in one C call, where they are KernelLayers
 
     @classmethod
     def from_folder(cls, folder, dtype=torch.float32, device="cpu", weights=torch.float32) -> "Model":
@@ -117,6 +119,8 @@ class Model(nn.Module):
         model.load_safetensors(folder)
         model.to(dtype=dtype).eval().requires_grad_(False)  # the rope tables stay float32
         model.layers = kernel_layers(for_inference(model.layers, weights), model.config.layer)
+        if isinstance(model.layers[0], KernelLayer):
+            model.stack = KernelStack(model.layers)
         model.norm = FusedRMSNorm(model.norm)
         model.logits_head = PackedLinear(model.lm_head, weights)  # a packed copy for forward; the embedding stays as it is
         return model
@@ -151,17 +155,26 @@ class Model(nn.Module):
                 own[name].copy_(tensor)
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, attention, logits_rows=None, return_hidden=False, aux_layers=(),
-                num_layers=None):
+    def forward(self, input_ids, positions, attention: PagedAttention, logits_rows=None, return_hidden=False,
+                aux_layers=(), num_layers=None):
         """input_ids, positions: [num_tokens]; logits_rows: rows that need logits (None: all);
         num_layers: run only the first layers, then the final norm and LM head (early-exit drafting)."""
         hidden = self.embed(input_ids)  # [num_tokens, hidden]
         cos, sin = self.rope.tables(positions, hidden.dtype)
         aux = {}
-        for layer in self.layers[:num_layers]:
-            if layer.layer_idx in aux_layers:
-                aux[layer.layer_idx] = hidden
-            hidden = layer(hidden, cos, sin, attention)
+        stop = len(self.layers) if num_layers is None else num_layers
+        step = attention.kernel_step() if self.stack is not None else None
+        if step is not None:  # every layer in C, one call per run of layers between the aux layers asked for
+            start = 0
+            for idx in sorted(i for i in aux_layers if i < stop):
+                hidden = self.stack(hidden, cos, sin, step, start, idx) if idx > start else hidden
+                aux[idx], start = hidden, idx
+            hidden = self.stack(hidden, cos, sin, step, start, stop) if stop > start else hidden
+        else:
+            for layer in self.layers[:stop]:
+                if layer.layer_idx in aux_layers:
+                    aux[layer.layer_idx] = hidden
+                hidden = layer(hidden, cos, sin, attention)
         if return_hidden:
             hidden = self.norm(hidden)
             selected = hidden if logits_rows is None else hidden[logits_rows]

@@ -369,7 +369,7 @@ def test_kernel_layer_computes_the_decoder_layer(family, weight_dtype):
     if config.qkv_bias:
         layer.qkv.bias.copy_(torch.randn_like(layer.qkv.bias))
     reference = kernels.for_inference(layer, weight_dtype)
-    fast = kernels.KernelLayer(reference, kernels.Scratch(config))
+    fast = kernels.KernelLayer(reference, kernels.Scratch(config, 1))
     rope = Rope(config.head_dim, 512)
     dense = lambda _, q, k, v: F.scaled_dot_product_attention(  # noqa: E731
         q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),

@@ -294,3 +294,58 @@ def test_unsupported_rope_scaling_is_a_clear_error(llama_copy):
     (llama_copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"rope_type 'yarn' is not supported"):
         Model.from_folder(llama_copy)
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fixture", TINY)
+def test_layers_in_one_call_equal_the_layer_loop(fixture, weights, request):
+    """KernelStack (every layer in one C call, decode and verify steps) against the same layers called one by one,
+    bit for bit: logits, final hidden states, aux taps and early exit, over decode rows, several-row queries and
+    draft-tree rows that branch off the context."""
+    model = Model.from_folder(request.getfixturevalue(fixture), torch.float32, weights=weights)
+    if model.stack is None:
+        pytest.skip("serving/kernels.c does not run here")
+    calls = []
+    stack = lambda *args: calls.append(args[-2:]) or model_stack(*args)  # noqa: E731
+    model_stack = model.stack
+    seqs = make_sequences((40, 33), seed=7)
+    runs = [PagedRun(model, seqs, 4, seed=7) for _ in range(2)]
+    num_layers = model.config.num_layers
+    for plan, tree in (([(0, 20), (1, 17)], False), ([(0, 1), (1, 1)], False), ([(0, 5), (1, 3)], False),
+                       ([(0, 1), (1, 2)], True)):
+        outs = []
+        for run, fused in zip(runs, (True, False)):
+            model.stack = stack if fused else None
+            kwargs = dict(return_hidden=True, aux_layers=(1, num_layers - 1))
+            if not tree:
+                outs.append(run.step(plan, **kwargs)[0])
+                continue
+            # two tree rows per sequence hang off its newest row: their keys follow the context in fresh slots
+            ids, positions, query_lens, context_lens, tables, paths = [], [], [], [], [], []
+            for s, n in plan:
+                start = run.computed[s]
+                ids += [seqs[s][start:start + n], seqs[s][start + n:start + n + 2]]
+                positions += [torch.arange(start, start + n), torch.full((2,), start + n)]
+                query_lens.append(n)
+                context_lens.append(start + n)
+                tables.append(run.tables[s])
+                spare = [run.tables[s][-1] * 4 + 3 - i for i in range(2)]  # the table's last slots, past the context
+                paths.append([[slot] for slot in spare])
+                run.computed[s] += n
+            meta = PagedMetadata.build(query_lens, context_lens, tables, 4, "cpu", tree_paths=paths)
+            outs.append(model(torch.cat(ids), torch.cat(positions), PagedAttention(run.cache, meta), **kwargs))
+        fused, looped = outs
+        assert torch.equal(fused.logits, looped.logits) and torch.equal(fused.hidden, looped.hidden)
+        assert sorted(fused.aux) == sorted(looped.aux)
+        for i in fused.aux:
+            assert torch.equal(fused.aux[i], looped.aux[i])
+    model.stack = stack
+    for run in runs:
+        run.computed = [0, 0]
+    early = [run.step([(0, 3), (1, 2)], num_layers=2)[0] for run in runs[:1]]
+    model.stack = None
+    early.append(runs[1].step([(0, 3), (1, 2)], num_layers=2)[0])
+    model.stack = model_stack
+    assert torch.equal(early[0].logits, early[1].logits)
+    # runs of layers between the aux taps in the three short steps (prefill chunks of 20 and 17 rows take the loop)
+    assert calls == [(0, 1), (1, num_layers - 1), (num_layers - 1, num_layers)] * 3 + [(0, 2)]
