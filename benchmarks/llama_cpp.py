@@ -1,0 +1,105 @@
+"""Plain decoding at concurrency 1 against llama.cpp at the same precision, side by side in one run: the target's
+weights as float32 and as bfloat16 in this engine (EngineConfig.weights), and llama.cpp's llama-bench on an F32 and
+a BF16 GGUF written from the same safetensors by llama.cpp's own converter, all on the same threads. Each round
+runs every engine once in a rotated order (this machine's memory bandwidth drifts); the table gives each engine's
+median tokens/s over the rounds and its time per token against its weights' bandwidth floor.
+
+Both generate --tokens tokens from an (almost) empty context: llama-bench's tg test, and here a one-token prompt,
+greedy, EOS ignored.
+
+    make llama-cpp   # builds llama-bench from the llama.cpp inside llama-cpp-python's sdist into .llama-cpp/
+    python benchmarks/llama_cpp.py [--llama-cpp .llama-cpp] [--tokens 64] [--rounds 5] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from serving.bench.offline import bandwidth_floor
+from serving.config import EngineConfig
+from serving.engine import Engine
+from serving.request import SamplingParams
+from serving.targets import DEFAULT_TARGET, resolve
+
+OUTTYPES = {"float32": "f32", "bfloat16": "bf16"}
+
+
+def llama_tree(root: Path) -> tuple[Path, Path, Path]:
+    """(llama-bench, convert_hf_to_gguf.py, sentencepiece's folder) of `make llama-cpp`'s tree, or a clear error."""
+    bench = root / "build" / "bin" / "llama-bench"
+    sources = sorted(root.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
+    if not bench.exists() or not sources:
+        raise SystemExit(f"no llama.cpp build under {root}: run `make llama-cpp` first (or pass --llama-cpp DIR)")
+    return bench, sources[-1], root / "site"
+
+
+def write_gguf(converter: Path, site: Path, folder: Path, outtype: str, out: Path) -> Path:
+    if not out.exists():
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(converter.parent / "gguf-py"), str(site)])}
+        subprocess.run([sys.executable, str(converter), str(folder), "--outtype", outtype, "--outfile", str(out)],
+                       check=True, env=env, capture_output=True, text=True)
+    return out
+
+
+def llama_bench(bench: Path, gguf: Path, tokens: int, threads: int) -> float:
+    """llama-bench's tokens/s generating `tokens` tokens (one repetition after its own warm-up)."""
+    env = {**os.environ, "LD_LIBRARY_PATH": str(bench.parent)}
+    run = subprocess.run([str(bench), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", "1",
+                          "-o", "json"], check=True, env=env, capture_output=True, text=True)
+    return json.loads(run.stdout)[0]["avg_ts"]
+
+
+def ours(engine: Engine, tokens: int) -> float:
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
+    out = engine.generate([engine.encode("Hello")[:1]], params)
+    return len(out[0].token_ids) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--llama-cpp", type=Path, default=Path(".llama-cpp"), help="the folder `make llama-cpp` built")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens generated per measurement")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    bench, converter, site = llama_tree(args.llama_cpp)
+    folder = Path(resolve(args.target))
+    runs, floors = {}, {}
+    for weights, outtype in OUTTYPES.items():
+        gguf = write_gguf(converter, site, folder, outtype, args.llama_cpp / f"{folder.name}-{outtype}.gguf")
+        runs[f"llama.cpp {outtype.upper()}"] = (weights, lambda g=gguf: llama_bench(bench, g, args.tokens, args.threads))
+        engine = Engine(EngineConfig(args.target, weights=weights, device="cpu", max_num_seqs=1))
+        ours(engine, 4)  # warm-up
+        runs[f"draftheads {weights}"] = (weights, lambda e=engine: ours(e, args.tokens))
+        floors[weights] = bandwidth_floor(engine, {"tokens_per_s": 0})["step_floor_ms"]
+    rates = {name: [] for name in runs}
+    names = list(runs)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            rates[name].append(runs[name][1]())
+    print(f"{args.target}: {args.tokens} tokens from an empty context, concurrency 1, {args.threads} threads, "
+          f"median of {args.rounds} rounds")
+    print("\n| engine | tok/s | ms per token | vs its weights' floor |\n|---|---|---|---|")
+    for name in names:
+        rate = statistics.median(rates[name])
+        floor = floors[runs[name][0]]
+        print(f"| {name} | {rate:.1f} | {1e3 / rate:.1f} | {1e3 / rate / floor:.2f}x of {floor:.1f} ms |")
+    for weights, outtype in OUTTYPES.items():
+        ratio = statistics.median(rates[f"draftheads {weights}"]) / statistics.median(rates[f"llama.cpp {outtype.upper()}"])
+        print(f"\ndraftheads {weights} / llama.cpp {outtype.upper()}: {ratio:.2f}x", end="")
+    print()
+
+
+if __name__ == "__main__":
+    main()
