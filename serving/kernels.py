@@ -46,6 +46,13 @@ SIGNATURES = {
 }
 
 
+def build_id() -> str:
+    """What computes the engine's steps on CPU: the compiled kernels' digest (of source, compiler and flags), or
+    "torch"; costs measured under one do not hold under another (serving.spec_decode.cost keys its cache by it)."""
+    lib = library()
+    return "torch" if lib is None else Path(lib._name).stem
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None when this machine cannot build or run them."""

@@ -12,7 +12,7 @@ a sequence brings). A verify step computes logits on every row, a prefill chunk 
 Each time is the fastest of a few interleaved repeats, and no more than any larger step's: another process on the
 same cores only ever slows a run.
 The context is fixed at measurement (`context`): on the CPU attention over a few hundred tokens is a small part of
-a step. Measuring takes a few seconds; the result is cached per machine, target, dtype, device and block size
+a step. Measuring takes a few seconds; the result is cached per machine, target, dtype, device, block size and kernels build
 (step_cost/ in the project's cache, `$DRAFTHEADS_CACHE`, default ~/.cache/draftheads), and a cache file that does not parse or was measured for
 something else is measured anew with a warning.
 
@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from serving import kernels
 from serving.attention import PagedAttention
 from serving.cache_dir import cache_dir
 from serving.spec_decode.tree import path_to
@@ -110,7 +111,7 @@ def cache_key(engine) -> dict:
     return {"version": VERSION, "machine": machine, "target": engine.fingerprint["id"], "folder": str(engine.folder),
             "dtype": str(engine.dtype).removeprefix("torch."), "weights": engine.config.weights, "device": str(device),
             "block_size": engine.block_size,
-            "torch": torch.__version__}
+            "torch": torch.__version__, "kernels": kernels.build_id() if device.type == "cpu" else None}
 
 
 def load_or_measure(engine, remeasure: bool = False) -> StepCost:
