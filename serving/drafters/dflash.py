@@ -102,12 +102,11 @@ class DFlashDrafter(DeferredDrafter):
         out = self.head(ids.flatten(), positions.flatten(), PagedAttention(self.cache, meta))
         num_depths = min(self.num_slots - 1, max(budgets[r.request_id].depth for r in requests))
         logits = self.head.logits(out.view(len(requests), self.num_slots, -1)[:, 1:1 + num_depths])  # [R, D, vocab]
-        log_probs, best = zip(*(top_log_probs(logits[:, d], self.topk, self.confidence.temperature(d + 1))
-                                for d in range(num_depths)))
-        tokens = torch.stack(best, dim=1)  # [R, D, topk]
+        temperatures = torch.tensor([self.confidence.temperature(d + 1) for d in range(num_depths)], device=self.device)
+        log_probs, tokens = top_log_probs(logits, self.topk, temperatures[:, None])  # [R, D, topk] each
         if self.token_map is not None:
             tokens = self.token_map[tokens]
-        found = grow_from_marginals(torch.stack(log_probs, dim=1), tokens, self.topk,
+        found = grow_from_marginals(log_probs, tokens, self.topk,
                                     [budgets[r.request_id].depth for r in requests],
                                     [self.confidence.log_threshold_for(budgets[r.request_id]) for r in requests])
         return {r.request_id: candidates.best(budgets[r.request_id].num_nodes) for r, candidates in zip(requests, found)}

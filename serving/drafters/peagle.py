@@ -77,16 +77,16 @@ class PeagleDrafter(EagleDrafter):
         out = self._forward(torch.tensor(ids, device=self.device), g, torch.tensor(positions, device=self.device), meta)
 
         max_depths = [budgets[request.request_id].depth for request, *_ in taken]
-        depth = max(max_depths)
-        log_probs = torch.full((len(taken), depth, self.topk), -torch.inf)
-        tokens = torch.zeros(len(taken), depth, self.topk, dtype=torch.long)
-        for d in range(depth):
-            drafting = [r for r, request_rows in enumerate(rows) if d < len(request_rows)]
-            at = torch.tensor([rows[r][d] for r in drafting], device=self.device)
-            logits = self.head.logits(out[at])
-            best_log_probs, best = top_log_probs(logits, self.topk, self.confidence.temperature(d + 1))
-            log_probs[drafting, d] = best_log_probs.cpu()
-            tokens[drafting, d] = self.head.to_target_ids(best).cpu()
+        # one LM head and one top-k over every request's rows at every depth, each at its depth's temperature
+        which = [(r, d) for r, request_rows in enumerate(rows) for d in range(len(request_rows))]
+        at = torch.tensor([rows[r][d] for r, d in which], device=self.device)
+        temperatures = torch.tensor([self.confidence.temperature(d + 1) for _, d in which], device=self.device)
+        best_log_probs, best = top_log_probs(self.head.logits(out[at]), self.topk, temperatures[:, None])
+        r_index, d_index = torch.tensor(which).unbind(1)
+        log_probs = torch.full((len(taken), max(max_depths), self.topk), -torch.inf)
+        tokens = torch.zeros(len(taken), max(max_depths), self.topk, dtype=torch.long)
+        log_probs[r_index, d_index] = best_log_probs.cpu()
+        tokens[r_index, d_index] = self.head.to_target_ids(best).cpu()
         found = grow_from_marginals(log_probs, tokens, self.topk, max_depths,
                                     [self.confidence.log_threshold_for(budgets[request.request_id])
                                      for request, *_ in taken])

@@ -571,6 +571,18 @@ def spy_on_grow(searches: list):
     return spy
 
 
+def test_top_log_probs_takes_a_temperature_per_row():
+    """The block drafters read every depth's drafts in one call, each row at its depth's calibrated temperature:
+    equal bit for bit to one call per temperature, and to a full log-softmax."""
+    logits = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(5)) * 3  # [requests, depths, vocab]
+    temperatures = torch.tensor([0.7, 1.0, 1.6])
+    log_probs, ids = top_log_probs(logits, 4, temperatures[:, None])
+    for d, t in enumerate(temperatures.tolist()):
+        alone = top_log_probs(logits[:, d], 4, t)
+        assert torch.equal(log_probs[:, d], alone[0]) and torch.equal(ids[:, d], alone[1])
+        torch.testing.assert_close(log_probs[:, d], (logits[:, d] / t).log_softmax(-1).gather(-1, ids[:, d]))
+
+
 def test_each_request_is_cut_at_its_own_threshold():
     """Two requests with the same head outputs, one cut at path probability 0.2 (the adaptive policy's price of a
     row for it) and one not: the cut request's nodes are exactly the other's that score at least 0.2."""
