@@ -155,15 +155,16 @@ class Model(nn.Module):
                 own[name].copy_(tensor)
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, attention: PagedAttention, logits_rows=None, return_hidden=False,
-                aux_layers=(), num_layers=None):
-        """input_ids, positions: [num_tokens]; logits_rows: rows that need logits (None: all);
+    def forward(self, input_ids, positions, attention, logits_rows=None, return_hidden=False, aux_layers=(),
+                num_layers=None):
+        """input_ids, positions: [num_tokens]; attention: the step's PagedAttention, or any callable
+        (layer_idx, q, k, v) -> output (training's dense attention); logits_rows: rows that need logits (None: all);
         num_layers: run only the first layers, then the final norm and LM head (early-exit drafting)."""
         hidden = self.embed(input_ids)  # [num_tokens, hidden]
         cos, sin = self.rope.tables(positions, hidden.dtype)
         aux = {}
         stop = len(self.layers) if num_layers is None else num_layers
-        step = attention.kernel_step() if self.stack is not None else None
+        step = attention.kernel_step() if self.stack is not None and isinstance(attention, PagedAttention) else None
         if step is not None:  # every layer in C, one call per run of layers between the aux layers asked for
             start = 0
             for idx in sorted(i for i in aux_layers if i < stop):
