@@ -9,9 +9,10 @@
    bf16-mixed precision where bfloat16 products are native, `fit_precision`),
    each exported to runs/<kind>/heads/best (the folders configs/ name);
 4. `draftheads bench` on MT-bench first turns (one per category) and HumanEval (a fixed subset), concurrency 1,
-   greedy, 4 depths: plain decoding, n-gram and each trained head, as a chain always drafting 4 tokens, as
-   EAGLE-2's dynamic tree (`TREE`; only `TREE_KINDS` without --full), and as a chain with a confidence threshold
-   after prompt lookup first (`prompt_lookup_first`), and
+   greedy, 4 depths: plain decoding, n-gram, suffix decoding and each trained head, as a chain always drafting 4
+   tokens, as EAGLE-2's dynamic tree (`TREE`; only `TREE_KINDS` without --full), as a chain with a confidence
+   threshold after prompt lookup first (`prompt_lookup_first`) and, for `SUFFIX_FIRST_KINDS`, after suffix decoding
+   first (`suffix_first`), and
    transformers' `generate` on the same prompts (each row's "vs generate"); with --full also n-gram and each head
    after prompt lookup under the adaptive policy (`"adaptive": true`);
 5. results/bench.json, results/bench.md, results/acceptance.png and the summary over every setting and method
@@ -67,6 +68,9 @@ TREE = {"topk": 8, "num_draft_tokens": 16}
 # The kinds `make demo` benches as trees (--full: every kind). Medusa's tree adds what the others' show (+0.26-0.36 tau
 # in the six-kind demo) and its 16-row steps cost a minute of the 30.
 TREE_KINDS = ("eagle", "eagle3", "mtp", "peagle", "dflash")
+# Suffix decoding (vLLM's defaults) beside n-gram, and the best head after suffix decoding first (suffix where its
+# tree's own frequencies expect at least a token accepted, the head elsewhere) beside it after prompt lookup first.
+SUFFIX_FIRST_KINDS = ("eagle3",)
 # The online run's arrivals: about one request per 1.3 s of a request's decoding alone, so that requests overlap.
 SERVE_RATE = 0.75
 CONFIDENCE_THRESHOLD = 0.1
@@ -249,13 +253,16 @@ def bench(args, heads: dict) -> dict:
     from serving.bench.sweep import Setting, run_settings
 
     k = NUM_SPECULATIVE_TOKENS
-    configs = [SpeculativeConfig(method="ngram", num_speculative_tokens=k)]
+    configs = [SpeculativeConfig(method="ngram", num_speculative_tokens=k), SpeculativeConfig(method="suffix")]
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k) for kind, folder in heads.items()]
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k, **TREE)
                 for kind, folder in heads.items() if args.full or kind in TREE_KINDS]
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k,
                                   confidence_threshold=CONFIDENCE_THRESHOLD, prompt_lookup_first=True)
                 for kind, folder in heads.items()]
+    configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k,
+                                  confidence_threshold=CONFIDENCE_THRESHOLD, suffix_first=True)
+                for kind, folder in heads.items() if kind in SUFFIX_FIRST_KINDS]
     if args.full:  # the adaptive policy beside the fixed settings, at every concurrency (README, adaptive)
         configs += [SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=True)]
         configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k, adaptive=True,

@@ -22,7 +22,9 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
         trees = [f"{kind} top{demo.TREE['topk']} n{demo.TREE['num_draft_tokens']}" for kind in demo.DEMO_KINDS
                  if kind in demo.TREE_KINDS]
         lookup_first = [f"{kind}+lookup2 p>={demo.CONFIDENCE_THRESHOLD:g}" for kind in demo.DEMO_KINDS]
-        assert methods == ["plain", "ngram", *demo.DEMO_KINDS, *trees, *lookup_first]
+        suffix_first = [f"{kind}+suffix1 p>={demo.CONFIDENCE_THRESHOLD:g}" for kind in demo.DEMO_KINDS
+                        if kind in demo.SUFFIX_FIRST_KINDS]
+        assert methods == ["plain", "ngram", "suffix k24 n25", *demo.DEMO_KINDS, *trees, *lookup_first, *suffix_first]
         assert result["identical_to_hf"] is True  # greedy at concurrency 1: transformers' generate ran alongside
         assert result["speed_vs_hf"] == result["rows"][0]["tokens_per_s"] / result["hf_tokens_per_s"]
         for row in result["rows"]:
@@ -36,10 +38,14 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
                 assert row["config"]["topk"] == demo.TREE["topk"] and row["rows_per_step"] > 1 + demo.NUM_SPECULATIVE_TOKENS
                 assert 1 <= len(row["per_position"]) <= demo.NUM_SPECULATIVE_TOKENS
                 continue
-            if row["method"] in lookup_first:  # chains end early
-                assert len(row["per_position"]) <= demo.NUM_SPECULATIVE_TOKENS
+            if row["method"] in lookup_first + suffix_first:  # chains end early (suffix trees reach further)
+                assert row["method"] in suffix_first or len(row["per_position"]) <= demo.NUM_SPECULATIVE_TOKENS
                 assert row["config"]["confidence_threshold"] == demo.CONFIDENCE_THRESHOLD
-                assert row["config"]["prompt_lookup_first"] is True
+                assert row["config"]["prompt_lookup_first"] is (row["method"] in lookup_first)
+                assert row["config"]["suffix_first"] is (row["method"] in suffix_first)
+                continue
+            if row["config"]["method"] == "suffix":  # a tree up to vLLM's depth 24
+                assert 1 <= len(row["per_position"]) <= row["config"]["num_speculative_tokens"]
                 continue
             assert len(row["per_position"]) == demo.NUM_SPECULATIVE_TOKENS
             assert {"position", "proposed", "reached", "accepted", "conditional", "survival"} <= row["per_position"][0].keys()
