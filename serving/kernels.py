@@ -319,12 +319,12 @@ def kernel_layers(layers: nn.ModuleList, config) -> nn.ModuleList:
 
 class KernelStack:
     """A run of a model's KernelLayers in one call of kernels.c's decoder_layers, for steps whose every sequence
-    attends in the C kernel (PagedAttention.kernel_step): at decode's few rows the per-layer calls from Python
-    and their argument conversions cost milliseconds a step. The same kernels in the same order: the same results
-    as the layers one by one."""
+    attends in the C kernel (PagedAttention.kernel_step): 90 calls from Python a step, with their argument
+    conversions, become one (about half a millisecond of a 12-20 ms step here). The same kernels in the same order:
+    the same results as the layers one by one."""
 
     def __init__(self, layers: nn.ModuleList):
-        self.layers, self.scratch = layers, layers[0].scratch
+        self.scratch = layers[0].scratch
         self.run = layers[0].lib.decoder_layers
         c = self.scratch.config
         self.scale = c.head_dim ** -0.5
@@ -340,6 +340,6 @@ class KernelStack:
         attended = self.scratch.attended(rows)
         self.run(ctypes.addressof(self.scratch.layer_table) + start * self.size, stop - start, out.data_ptr(), rows,
                  normed.data_ptr(), qkv.data_ptr(), attended.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
-                 cos.data_ptr(), sin.data_ptr(), step[0] + start * step[2] * 4, step[1] + start * step[2] * 4,
+                 cos.data_ptr(), sin.data_ptr(), step[0] + start * step[2] * 4, step[1] + start * step[2] * 4,  # float32
                  *step[2:], self.scale)
         return out
