@@ -195,13 +195,15 @@ class PagedAttention:
                                  b.paths.data_ptr(), b.path_stride)
             self.new_args = (meta.slot_mapping.data_ptr(), len(meta.slot_mapping))
 
-    def kernel_step(self) -> tuple | None:
+    def kernel_step(self, first_layer: int) -> tuple | None:
         """When every sequence of the step attends in the C kernel (decode and verify steps): the arguments of
-        kernels.c's decoder_layers after its scratch (pools, floats per layer, new slots, batch), so that the
-        target's layers run in one call (serving.kernels.KernelStack); else None."""
+        kernels.c's decoder_layers after its scratch for layers from first_layer on (their pools, floats per layer,
+        new slots, batch), so that the target's layers run in one call (serving.kernels.KernelStack); else None."""
         if self.lib is None or self.meta.batched is None or self.meta.singles:
             return None
-        return (*self.pools, self.layer_bytes // 4, *self.new_args, *self.batched_args)
+        offset = first_layer * self.layer_bytes
+        return (self.pools[0] + offset, self.pools[1] + offset, self.layer_bytes // 4, *self.new_args,
+                *self.batched_args)
 
     def __call__(self, layer_idx, q, k, v):
         meta, b = self.meta, self.meta.batched

@@ -330,16 +330,15 @@ class KernelStack:
         self.scale = c.head_dim ** -0.5
         self.size = ctypes.sizeof(_LayerWeights)
 
-    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: tuple, start: int,
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention, start: int,
                  stop: int) -> torch.Tensor:
-        """Layers [start, stop) on hidden ([rows, hidden] float32, contiguous; not changed); step: the attention's
-        kernel_step()."""
+        """Layers [start, stop) on hidden ([rows, hidden] float32, contiguous; not changed); attention: the step's
+        PagedAttention, whose kernel_step is not None."""
         rows = hidden.shape[0]
         out = hidden.clone()
         normed, qkv, _, _, _, gate_up, act = self.scratch.take(rows)
         attended = self.scratch.attended(rows)
         self.run(ctypes.addressof(self.scratch.layer_table) + start * self.size, stop - start, out.data_ptr(), rows,
                  normed.data_ptr(), qkv.data_ptr(), attended.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
-                 cos.data_ptr(), sin.data_ptr(), step[0] + start * step[2] * 4, step[1] + start * step[2] * 4,  # float32
-                 *step[2:], self.scale)
+                 cos.data_ptr(), sin.data_ptr(), *attention.kernel_step(start), self.scale)
         return out

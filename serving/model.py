@@ -164,13 +164,12 @@ class Model(nn.Module):
         cos, sin = self.rope.tables(positions, hidden.dtype)
         aux = {}
         stop = len(self.layers) if num_layers is None else num_layers
-        step = attention.kernel_step() if self.stack is not None and isinstance(attention, PagedAttention) else None
-        if step is not None:  # every layer in C, one call per run of layers between the aux layers asked for
-            start = 0
+        if self.stack is not None and isinstance(attention, PagedAttention) and attention.kernel_step(0) is not None:
+            start = 0  # every layer in C, one call per run of layers between the aux layers asked for
             for idx in sorted(i for i in aux_layers if i < stop):
-                hidden = self.stack(hidden, cos, sin, step, start, idx) if idx > start else hidden
+                hidden = self.stack(hidden, cos, sin, attention, start, idx) if idx > start else hidden
                 aux[idx], start = hidden, idx
-            hidden = self.stack(hidden, cos, sin, step, start, stop) if stop > start else hidden
+            hidden = self.stack(hidden, cos, sin, attention, start, stop) if stop > start else hidden
         else:
             for layer in self.layers[:stop]:
                 if layer.layer_idx in aux_layers:
