@@ -9,8 +9,8 @@ forward, the argmax of its logits rows, emitting tokens (sampling, stop checks) 
 packed GEMMs; with KernelLayers, their two calls per layer, which also norm, rotate and apply SiLU), the LM head,
 paged attention (writing the step's K/V and attending), the RMSNorms, and everything between them: embedding, rope,
 SiLU times up, residual adds, views and the layer loop itself. Each part is timed by
-a wrapper around its Python call (~0.3 us each, ~200 calls a step); the uninstrumented step is timed in the same
-rounds. The floor of a part is the bytes it must read (weights; K/V for attention) over the measured copy bandwidth.
+a wrapper around its Python call (~0.3 us each, ~200 calls a step), with the target's layers run one kernel call at
+a time; the uninstrumented step (all layers in one call of serving.kernels.KernelStack) is timed in the same rounds. The floor of a part is the bytes it must read (weights; K/V for attention) over the measured copy bandwidth.
 
     python benchmarks/step_breakdown.py [--target smollm2-135m-instruct] [--concurrency 1 16] [--weights float32 bfloat16]
         [--modules] [--context 256] [--steps 16] [--rounds 4]
@@ -68,12 +68,13 @@ class Clock:
 
 @contextmanager
 def patched(owner, name, value):
-    original = owner.__dict__.get(name)
+    missing = object()
+    original = owner.__dict__.get(name, missing)
     setattr(owner, name, value)
     try:
         yield
     finally:
-        if original is None:
+        if original is missing:
             delattr(owner, name)
         else:
             setattr(owner, name, original)
@@ -84,6 +85,7 @@ def instrumented(engine: Engine, clock: Clock):
     """Every part of `engine`'s step wrapped by `clock`, for the duration of the block."""
     model, runner = engine.model, engine.runner
     with ExitStack() as stack:
+        stack.enter_context(patched(model, "stack", None))  # the layers one call each, so that each part is seen
         for module in model.modules():
             if isinstance(module, PackedLinear):
                 label = "LM head" if module is model.logits_head else "linear layers"

@@ -8,7 +8,8 @@ estimated probability of token t after path s is count(s + t) / count(s), and a 
 last tokens) counts at s and at no child. Costs, with D = max_depth and N the tokens held:
 - appending a token: O(D) (each of the D suffixes still growing gains its next node);
 - removing a sequence of n tokens: O(n D);
-- matching a pattern of m tokens: O(m); a draft (`speculate`): O(D^2) for the matches of every length up to D - 1
+- matching a pattern of m tokens: O(m); a draft (`speculate`): the matches of every length up to D - 1, free for
+  the suffixes of the request's own tokens in the tree (the nodes its appends keep), O(m) each beyond them,
   plus O(b log b) per match for a best-first tree of b nodes, longest match first, skipping matches whose node cap
   cannot beat the best score so far;
 - memory: O(N D) nodes at most (suffixes that share a path share its nodes).
@@ -63,19 +64,20 @@ class SuffixTree:
     def extend(self, key, tokens) -> None:
         seq = self.seqs.setdefault(key, [])
         growing = self.growing.get(key, [])
-        counts, children, rankings = self.counts, self.children, self.rankings
+        counts, children, rankings, keep = self.counts, self.children, self.rankings, self.max_depth - 1
         for token in tokens:
             token = int(token)
             seq.append(token)
             nodes = []
             for node in (*growing, ROOT):  # the suffixes so far, then the one this token starts
-                child = children[node].get(token)
+                below = children[node]
+                child = below.get(token)
                 if child is None:
-                    child = children[node][token] = self.new_node()
+                    child = below[token] = self.new_node()
                 counts[child] += 1
                 rankings[node] = None
                 nodes.append(child)
-            growing = nodes[len(nodes) - self.max_depth + 1:] if len(nodes) >= self.max_depth else nodes  # < max_depth deep
+            growing = nodes[len(nodes) - keep:] if len(nodes) > keep else nodes  # the suffixes < max_depth deep
         self.growing[key] = growing
 
     def remove(self, key) -> None:
@@ -116,21 +118,29 @@ class SuffixTree:
                 return None
         return node
 
-    def speculate(self, context, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float) -> Draft:
-        matches = []  # the nodes of the context's last 1, 2, ... tokens, while found
-        for m in range(1, len(context)):
+    def suffix_nodes(self, key, context) -> list[int]:
+        """The nodes of the context's last 1, 2, ... tokens (at most len(context) - 1), while the tree has them. The
+        context ends with the tokens this tree holds under `key`, whose suffixes' nodes `growing` keeps: those come
+        free, and only longer suffixes are walked from the root."""
+        nodes = self.growing.get(key, [])[::-1][:len(context) - 1]
+        for m in range(len(nodes) + 1, len(context)):
             node = self.match(context[len(context) - m:])
             if node is None:
                 break
-            matches.append(node)
-        best = Draft()
+            nodes.append(node)
+        return nodes
+
+    def speculate(self, key, context, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float) -> Draft:
+        """The best draft after `context`, which ends with the tokens this tree holds under `key` (if any)."""
+        matches = self.suffix_nodes(key, context)
+        best, children, counts = Draft(), self.children, self.counts
         for m in range(len(matches), 0, -1):  # longest first: a shorter match must score higher to win
             node = matches[m - 1]
-            num = max(0, min(max_spec_tokens, int(m * max_spec_factor + 1e-6)))
-            if not num or not self.children[node]:
+            if not children[node]:
                 continue
+            num = min(max_spec_tokens, int(m * max_spec_factor + 1e-6))
             # no node of its draft is likelier than its likeliest child, so num of those bound its score
-            if num * self.counts[self.ranked(node)[0][1]] / self.counts[node] < best.score - 1e-9:
+            if num <= 0 or num < best.score - 1e-9 or num * counts[self.ranked(node)[0][1]] / counts[node] < best.score - 1e-9:
                 continue
             draft = self.grow(node, num, min_token_prob)
             if draft.score > best.score:
@@ -197,8 +207,8 @@ class SuffixCache:
     def speculate(self, key, context, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float) -> Draft:
         """The better draft of the request's tree and the global tree (the request's at equal scores)."""
         context = list(context[-self.max_depth:])
-        local = self.local_trees[key].speculate(context, max_spec_tokens, max_spec_factor, min_token_prob)
+        local = self.local_trees[key].speculate(key, context, max_spec_tokens, max_spec_factor, min_token_prob)
         if not self.cached:
             return local
-        found = self.global_tree.speculate(context, max_spec_tokens, max_spec_factor, min_token_prob)
+        found = self.global_tree.speculate(key, context, max_spec_tokens, max_spec_factor, min_token_prob)
         return local if local.score >= found.score else found

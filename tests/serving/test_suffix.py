@@ -116,7 +116,9 @@ def test_suffix_drafts_follow_their_rule_on_random_sequences(max_depth, factor, 
             tree.extend(key, seq)
         context = seqs[-1][-max_depth:]
         max_nodes = rng.randrange(1, 12)
-        draft = tree.speculate(context, max_nodes, factor, min_prob)
+        # the tree's own suffix nodes (the context ends its last sequence), or every match walked from the root
+        key = len(seqs) - 1 if rng.random() < 0.5 else None
+        draft = tree.speculate(key, context, max_nodes, factor, min_prob)
         tokens, parents, probs, score = reference_draft(seqs, context, max_depth, max_nodes, factor, min_prob)
         assert (draft.tokens, draft.parents) == (tokens, parents), (seqs, max_nodes)
         assert draft.probs == pytest.approx(probs) and draft.score == pytest.approx(score)
