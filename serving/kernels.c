@@ -203,6 +203,15 @@ static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
+/* The key slot of position c (0 .. context + path length - 1) of a row: the context's slots, then its path's
+ * (path: (length, slots...), null for a query row; positions past the end repeat the last, which nothing weighs). */
+static inline long key_slot(const long *sl, long context, const long *path, long c) {
+    if (c < context) return sl[c];
+    if (path == 0) return sl[context - 1];
+    long k = c - context;
+    return path[1 + (k < path[0] ? k : path[0] - 1)];
+}
+
 /* Attention of short queries (decode, verify) and draft-tree rows over keys read in place from the paged pool,
  * after writing this step's new keys and values (num_new rows of k_new / v_new, strides in floats, into slots
  * new_slots) to it. q: [tokens, heads, dim] with q_stride floats from token to token; out: [tokens, heads, dim];
@@ -210,10 +219,13 @@ static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
  * first tree row in paths); slots: [num_seqs][slot_stride] the context's key slots in position order; paths:
  * [tree rows][path_stride] = (path length, then the path's slots in position order).
  * Query row i of a sequence sees keys 0 .. context - rows + i. Tree row t, after the query rows, sees the whole
- * context and then its path (its ancestors' slots and its own), so its sum runs over the keys a decode step at its
- * position would read, in the same order and in the same blocks of 8: a node's output is the one that step gives.
- * One task per (sequence, kv head) holds its group's rows and streams the shared keys once, in blocks of 8, with
- * an online softmax. dim must be a multiple of 8. */
+ * context and then its path (its ancestors' slots and its own), so its sums run over the keys a decode step at its
+ * position would read, in the same order: a node's output is the one that step gives.
+ * One task per (sequence, kv head) holds its group's rows. Two passes rather than an online softmax: every row's
+ * scores first (the shared keys read once, in blocks of 8), then each row's softmax and its weighted sum of values
+ * with the sums in registers, the values fetched into L2 during the first pass. No softmax between key blocks
+ * holds up the next block's loads: 1.4-1.6x faster than an online softmax over K/V in memory (30 layers, 256 keys:
+ * 4 sequences 4.1 -> 2.6 ms, 16: 21.6 -> 14.2, 64: 63.9 -> 44.4), 1.2x in cache. dim must be a multiple of 8. */
 void paged_attention(const float *q, long q_stride, float *out, float *k_pool, float *v_pool, const float *k_new,
                      long k_stride, const float *v_new, long v_stride, const long *new_slots, long num_new,
                      const long *seqs, long num_seqs, const long *slots, long slot_stride, const long *paths,
@@ -233,38 +245,33 @@ void paged_attention(const float *q, long q_stride, float *out, float *k_pool, f
             long n = (rows + tree) * group, num_keys = context;
             for (long t = 0; t < tree; t++)
                 if (context + tree_paths[t * path_stride] > num_keys) num_keys = context + tree_paths[t * path_stride];
+            long width = (num_keys + 7) / 8 * 8;
             const long *sl = slots + b * slot_stride;
-            float *buf = malloc(sizeof(float) * (2 * n * dim + 2 * n));
-            float *qs = buf, *acc = buf + n * dim, *m = acc + n * dim, *l = m + n;
+            float *buf = malloc(sizeof(float) * n * (dim + width));
+            long *seen = malloc(sizeof(long) * n);
+            float *qs = buf, *scores = buf + n * dim;
             for (long r = 0; r < n; r++) {  /* r = i * group + g: row i, head h * group + g */
                 const float *src = q + (first + r / group) * q_stride + (h * group + r % group) * dim;
-                for (long d = 0; d < dim; d++) { qs[r * dim + d] = src[d] * scale; acc[r * dim + d] = 0.0f; }
-                m[r] = -INFINITY; l[r] = 0.0f;
+                for (long d = 0; d < dim; d++) qs[r * dim + d] = src[d] * scale;
+                long t = r / group - rows;  /* t >= 0: tree row t */
+                seen[r] = t < 0 ? context - rows + r / group + 1 : context + tree_paths[t * path_stride];
             }
             for (long c0 = 0; c0 < num_keys; c0 += 8) {
-                const float *kr[8], *vr[8];  /* the context's keys of this block, shared by every row */
-                for (int j = 0; j < 8; j++) {
-                    long c = c0 + j < context ? c0 + j : context - 1;
-                    long slot = c >= 0 ? sl[c] : 0;  /* a tree pass may have no context: then nothing reads these */
-                    kr[j] = k_pool + (slot * kv_heads + h) * dim;
-                    vr[j] = v_pool + (slot * kv_heads + h) * dim;
+                /* the values two blocks on into L2, for the second pass (into L1 they evicted the keys) */
+                for (long c = c0 + 16; c < c0 + 24 && c < context; c++) {
+                    const char *vr = (const char *)(v_pool + (sl[c] * kv_heads + h) * dim);
+                    for (long o = 0; o < dim * (long)sizeof(float); o += 64) _mm_prefetch(vr + o, _MM_HINT_T1);
                 }
+                const float *kr[8];  /* the context's keys of this block, shared by every row */
+                for (int j = 0; j < 8; j++) kr[j] = k_pool + (key_slot(sl, context, 0, c0 + j) * kv_heads + h) * dim;
                 for (long r = 0; r < n; r++) {
-                    long i = r / group, t = i - rows;  /* t >= 0: tree row t */
-                    const long *path = t >= 0 ? tree_paths + t * path_stride : 0;
-                    long visible = (t < 0 ? context - rows + i + 1 : context + path[0]) - c0;  /* keys of this block r sees */
-                    if (visible <= 0) continue;
-                    const float **krow = kr, **vrow = vr, *kp[8], *vp[8];
+                    if (seen[r] <= c0) continue;
+                    long t = r / group - rows;
+                    const float **krow = kr, *kp[8];
                     if (t >= 0 && c0 + 8 > context) {  /* the block reaches into this row's path */
-                        for (int j = 0; j < 8; j++) {
-                            long c = c0 + j, k = c - context;
-                            if (k < 0) { kp[j] = kr[j]; vp[j] = vr[j]; continue; }
-                            long slot = path[1 + (k < path[0] ? k : path[0] - 1)];
-                            kp[j] = k_pool + (slot * kv_heads + h) * dim;
-                            vp[j] = v_pool + (slot * kv_heads + h) * dim;
-                        }
+                        for (int j = 0; j < 8; j++)
+                            kp[j] = k_pool + (key_slot(sl, context, tree_paths + t * path_stride, c0 + j) * kv_heads + h) * dim;
                         krow = kp;
-                        vrow = vp;
                     }
                     __m256 a[8];
                     for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
@@ -272,33 +279,44 @@ void paged_attention(const float *q, long q_stride, float *out, float *k_pool, f
                         __m256 qv = _mm256_loadu_ps(qs + r * dim + 8 * v);
                         for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krow[j] + 8 * v), a[j]);
                     }
-                    float s[8], p[8];
-                    _mm256_storeu_ps(s, sum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
-                    float block_max = -INFINITY;
-                    for (int j = 0; j < 8; j++) {
-                        if (j >= visible) s[j] = -INFINITY;
-                        if (s[j] > block_max) block_max = s[j];
-                    }
-                    float new_max = block_max > m[r] ? block_max : m[r];
-                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s), _mm256_set1_ps(new_max)));
-                    _mm256_storeu_ps(p, e);
-                    float correction = m[r] == -INFINITY ? 0.0f : expf(m[r] - new_max), block_sum = 0.0f;
-                    for (int j = 0; j < 8; j++) block_sum += p[j];
-                    m[r] = new_max;
-                    l[r] = l[r] * correction + block_sum;
-                    float *ar = acc + r * dim;
-                    __m256 cv = _mm256_set1_ps(correction);
-                    for (long v = 0; v < vecs; v++) {
-                        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * v), cv);
-                        for (int j = 0; j < 8; j++) x = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(vrow[j] + 8 * v), x);
-                        _mm256_storeu_ps(ar + 8 * v, x);
-                    }
+                    _mm256_storeu_ps(scores + r * width + c0, sum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
                 }
             }
             for (long r = 0; r < n; r++) {
-                float *dst = out + ((first + r / group) * heads + h * group + r % group) * dim, inv = 1.0f / l[r];
-                for (long d = 0; d < dim; d++) dst[d] = acc[r * dim + d] * inv;
+                long t = r / group - rows, visible = seen[r], blocks = (visible + 7) / 8 * 8;
+                const long *path = t >= 0 ? tree_paths + t * path_stride : 0;
+                float *s = scores + r * width;
+                for (long c = visible; c < blocks; c++) s[c] = -INFINITY;
+                __m256 mv = _mm256_set1_ps(-INFINITY), lv = _mm256_setzero_ps();
+                for (long c = 0; c < blocks; c += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + c));
+                float lanes[8], mx = -INFINITY, l = 0.0f;
+                _mm256_storeu_ps(lanes, mv);
+                for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+                for (long c = 0; c < blocks; c += 8) {
+                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_set1_ps(mx)));
+                    _mm256_storeu_ps(s + c, e);
+                    lv = _mm256_add_ps(lv, e);
+                }
+                _mm256_storeu_ps(lanes, lv);
+                for (int j = 0; j < 8; j++) l += lanes[j];
+                float *dst = out + ((first + r / group) * heads + h * group + r % group) * dim;
+                __m256 inv = _mm256_set1_ps(1.0f / l);
+                for (long v0 = 0; v0 < vecs; v0 += 8) {  /* 8 vectors of the sums at a time, in registers */
+                    __m256 acc[8];
+                    long nv = vecs - v0 < 8 ? vecs - v0 : 8;
+                    for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
+                    for (long c = 0; c < visible; c++) {
+                        const float *vr = v_pool + (key_slot(sl, context, path, c) * kv_heads + h) * dim + 8 * v0;
+                        __m256 p = _mm256_set1_ps(s[c]);
+                        if (nv == 8)
+                            for (int v = 0; v < 8; v++) acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+                        else
+                            for (int v = 0; v < nv; v++) acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+                    }
+                    for (int v = 0; v < nv; v++) _mm256_storeu_ps(dst + 8 * (v0 + v), _mm256_mul_ps(acc[v], inv));
+                }
             }
+            free(seen);
             free(buf);
         }
     }
