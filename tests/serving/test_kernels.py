@@ -171,7 +171,7 @@ def test_a_failed_build_warns_and_falls_back(monkeypatch, tmp_path, caplog):
         kernels.library.cache_clear()
 
 
-@pytest.mark.parametrize("num_heads,num_kv,head_dim", [(4, 4, 8), (9, 3, 64), (8, 2, 16)])
+@pytest.mark.parametrize("num_heads,num_kv,head_dim", [(4, 4, 8), (9, 3, 64), (8, 2, 16), (4, 2, 128), (2, 1, 96)])
 def test_paged_attention_kernel_matches_torch(num_heads, num_kv, head_dim):
     """Decode and verify rows of sequences at different lengths, over shuffled blocks: the C kernel against
     the torch path on the same pool and metadata."""
