@@ -1,7 +1,9 @@
-"""Two step parts of this checkout against another commit's, side by side in one process: the linear layers' packed
+"""Three step parts of this checkout against another commit's, side by side in one process: the linear layers' packed
 product at one row (kernels.c of both built and loaded together; the default target's 120 linear layers, float32 and
-bfloat16 weights) and `PagedMetadata.build` (serving/attention.py of both) for decode and verify steps at 1 and 16
-sequences of ~300 tokens. The two take turns, so that drift hits both alike.
+bfloat16 weights), paged attention over the K/V of 30 layers in memory (decode and 5-row verify queries of 1 to 64
+sequences of 256 keys, their blocks shuffled over the pool; the two outputs' largest difference beside the times)
+and `PagedMetadata.build` (serving/attention.py of both) for decode and verify steps at 1 and 16 sequences of ~300
+tokens. The two take turns, so that drift hits both alike.
 
     python benchmarks/against_commit.py --commit 1b2846c [--repeats 30]
 """
@@ -33,7 +35,7 @@ def show(commit: str, path: str, out: Path) -> Path:
 def build(source: Path, out: Path) -> ctypes.CDLL:
     subprocess.run(["cc", *FLAGS, str(source), "-o", str(out), "-lm"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(out))
-    for name in ("gemm_panels", "gemm_panels_bf16"):
+    for name in ("gemm_panels", "gemm_panels_bf16", "paged_attention"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = SIGNATURES[name], None
     return lib
 
@@ -48,6 +50,31 @@ def alternate(fns: dict, repeats: int) -> dict[str, float]:
             fn()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def paged_attention(libs: dict, num_seqs: int, rows: int, c, num_layers: int, repeats: int, context: int = 256,
+                    block_size: int = 16) -> tuple[dict, float]:
+    """Both kernels' attention of `rows` queries per sequence over `context` keys each (the last `rows` of them the
+    queries' own), for every layer's pools in turn; the milliseconds per 30 layers and the outputs' largest difference."""
+    blocks = context // block_size
+    order = torch.randperm(num_seqs * blocks + 1)  # block 0 past every table: nothing reads it
+    slots = torch.stack([(order[b * blocks:(b + 1) * blocks, None] * block_size + torch.arange(block_size)).flatten()
+                         for b in range(num_seqs)])
+    pool_shape = ((num_seqs * blocks + 1) * block_size, c.num_kv_heads, c.head_dim)
+    pools = [(torch.randn(pool_shape), torch.randn(pool_shape)) for _ in range(num_layers)]
+    seqs = torch.tensor([[b * rows, rows, context, 0, 0] for b in range(num_seqs)])
+    q = torch.randn(num_seqs * rows, c.num_heads, c.head_dim)
+    outs = {which: torch.empty_like(q) for which in libs}
+    paths = torch.zeros(1, 2, dtype=torch.long)
+
+    def attend(which):
+        for k, v in pools:
+            libs[which].paged_attention(q.data_ptr(), c.num_heads * c.head_dim, outs[which].data_ptr(), k.data_ptr(),
+                                        v.data_ptr(), None, 0, None, 0, None, 0, seqs.data_ptr(), num_seqs,
+                                        slots.data_ptr(), slots.shape[1], paths.data_ptr(), 2, c.num_heads,
+                                        c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
+    ms = alternate({which: (lambda which=which: attend(which)) for which in libs}, repeats)
+    return ms, (outs["before"] - outs["after"]).abs().max().item()
 
 
 def main() -> None:
@@ -76,6 +103,12 @@ def main() -> None:
                 fn(xs[k].data_ptr(), 1, k, p.data_ptr(), k, n, None, outs[n].data_ptr(), n)
         ms = alternate({which: (lambda lib=lib: product(lib)) for which, lib in libs.items()}, args.repeats)
         print(f"| {dtype} weights | {ms['before']:.2f} | {ms['after']:.2f} | {ms['before'] / ms['after']:.2f}x |")
+
+    print("\n| paged attention, 30 layers, 256 keys | before ms | after ms | ratio | largest difference |\n|---|---|---|---|---|")
+    for num_seqs, rows in ((1, 1), (4, 1), (16, 1), (64, 1), (4, 5), (16, 5)):
+        ms, diff = paged_attention(libs, num_seqs, rows, c, num_layers, args.repeats)
+        print(f"| {num_seqs} sequences x {rows} rows | {ms['before']:.2f} | {ms['after']:.2f} | "
+              f"{ms['before'] / ms['after']:.2f}x | {diff:.1e} |")
 
     spec = importlib.util.spec_from_file_location("attention_before", show(args.commit, "serving/attention.py",
                                                                            tmp / "attention_before.py"))
