@@ -204,10 +204,11 @@ static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
 }
 
 /* The key slot of position c (0 .. context + path length - 1) of a row: the context's slots, then its path's
- * (path: (length, slots...), null for a query row; positions past the end repeat the last, which nothing weighs). */
+ * (path: (length, slots...), null for a query row; positions past the end repeat the last, which nothing weighs;
+ * slot 0 where a tree pass has no context, which nothing reads either). */
 static inline long key_slot(const long *sl, long context, const long *path, long c) {
     if (c < context) return sl[c];
-    if (path == 0) return sl[context - 1];
+    if (path == 0) return context > 0 ? sl[context - 1] : 0;
     long k = c - context;
     return path[1 + (k < path[0] ? k : path[0] - 1)];
 }
