@@ -31,6 +31,8 @@ class PeagleDrafter(EagleDrafter):
                              f"{head.config.num_depths} tokens, or train the head with --model.init_args.num_depths "
                              f"{config.num_speculative_tokens}")
         super().__init__(ctx, head, None, config)
+        with torch.inference_mode():
+            self.mask_row = head.mask_feature()[None]  # fc(mask_hidden): every placeholder's g, fixed once loaded
 
     def scratch_rows(self, config) -> int:
         """One slot per placeholder row."""
@@ -72,7 +74,7 @@ class PeagleDrafter(EagleDrafter):
             num_rows += len(tokens) + num_masks
             rows.append(list(range(num_rows - num_masks - 1, num_rows)))
         g = self.input_features(features)  # [catch-up rows, hidden]
-        g = torch.cat([g, self.head.mask_feature()[None]])[torch.tensor(sources, device=self.device)]
+        g = torch.cat([g, self.mask_row])[torch.tensor(sources, device=self.device)]
         meta = ctx.runner.metadata(query_lens, context_lens, tables, paths)
         out = self._forward(torch.tensor(ids, device=self.device), g, torch.tensor(positions, device=self.device), meta)
 
