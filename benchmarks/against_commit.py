@@ -57,10 +57,10 @@ def paged_attention(libs: dict, num_seqs: int, rows: int, c, num_layers: int, re
     """Both kernels' attention of `rows` queries per sequence over `context` keys each (the last `rows` of them the
     queries' own), for every layer's pools in turn; the milliseconds per 30 layers and the outputs' largest difference."""
     blocks = context // block_size
-    order = torch.randperm(num_seqs * blocks + 1)  # block 0 past every table: nothing reads it
+    order = torch.randperm(num_seqs * blocks)
     slots = torch.stack([(order[b * blocks:(b + 1) * blocks, None] * block_size + torch.arange(block_size)).flatten()
                          for b in range(num_seqs)])
-    pool_shape = ((num_seqs * blocks + 1) * block_size, c.num_kv_heads, c.head_dim)
+    pool_shape = (num_seqs * blocks * block_size, c.num_kv_heads, c.head_dim)
     pools = [(torch.randn(pool_shape), torch.randn(pool_shape)) for _ in range(num_layers)]
     seqs = torch.tensor([[b * rows, rows, context, 0, 0] for b in range(num_seqs)])
     q = torch.randn(num_seqs * rows, c.num_heads, c.head_dim)

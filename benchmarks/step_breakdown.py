@@ -10,7 +10,9 @@ packed GEMMs; with KernelLayers, their two calls per layer, which also norm, rot
 paged attention (writing the step's K/V and attending), the RMSNorms, and everything between them: embedding, rope,
 SiLU times up, residual adds, views and the layer loop itself. Each part is timed by
 a wrapper around its Python call (~0.3 us each, ~200 calls a step), with the target's layers run one kernel call at
-a time; the uninstrumented step (all layers in one call of serving.kernels.KernelStack) is timed in the same rounds. The floor of a part is the bytes it must read (weights; K/V for attention) over the measured copy bandwidth.
+a time; the uninstrumented step (all layers in one call of serving.kernels.KernelStack) is timed in the same
+rounds. The floor of a part is the bytes it must read (weights; K/V for attention) over the measured copy
+bandwidth.
 
     python benchmarks/step_breakdown.py [--target smollm2-135m-instruct] [--concurrency 1 16] [--weights float32 bfloat16]
         [--modules] [--context 256] [--steps 16] [--rounds 4]

@@ -64,20 +64,19 @@ class SuffixTree:
     def extend(self, key, tokens) -> None:
         seq = self.seqs.setdefault(key, [])
         growing = self.growing.get(key, [])
-        counts, children, rankings, keep = self.counts, self.children, self.rankings, self.max_depth - 1
+        counts, children, rankings = self.counts, self.children, self.rankings
         for token in tokens:
             token = int(token)
             seq.append(token)
             nodes = []
             for node in (*growing, ROOT):  # the suffixes so far, then the one this token starts
-                below = children[node]
-                child = below.get(token)
+                child = children[node].get(token)
                 if child is None:
-                    child = below[token] = self.new_node()
+                    child = children[node][token] = self.new_node()
                 counts[child] += 1
                 rankings[node] = None
                 nodes.append(child)
-            growing = nodes[len(nodes) - keep:] if len(nodes) > keep else nodes  # the suffixes < max_depth deep
+            growing = nodes[len(nodes) - self.max_depth + 1:] if len(nodes) >= self.max_depth else nodes  # < max_depth deep
         self.growing[key] = growing
 
     def remove(self, key) -> None:
@@ -139,8 +138,10 @@ class SuffixTree:
             if not children[node]:
                 continue
             num = min(max_spec_tokens, int(m * max_spec_factor + 1e-6))
+            if num <= 0 or num < best.score - 1e-9:  # num nodes score at most num
+                continue
             # no node of its draft is likelier than its likeliest child, so num of those bound its score
-            if num <= 0 or num < best.score - 1e-9 or num * counts[self.ranked(node)[0][1]] / counts[node] < best.score - 1e-9:
+            if num * counts[self.ranked(node)[0][1]] / counts[node] < best.score - 1e-9:
                 continue
             draft = self.grow(node, num, min_token_prob)
             if draft.score > best.score:
