@@ -1,9 +1,10 @@
-"""Three step parts of this checkout against another commit's, side by side in one process: the linear layers' packed
-product at one row (kernels.c of both built and loaded together; the default target's 120 linear layers, float32 and
-bfloat16 weights), paged attention over the K/V of 30 layers in memory (decode and 5-row verify queries of 1 to 64
-sequences of 256 keys, their blocks shuffled over the pool; the two outputs' largest difference beside the times)
-and `PagedMetadata.build` (serving/attention.py of both) for decode and verify steps at 1 and 16 sequences of ~300
-tokens. The two take turns, so that drift hits both alike.
+"""Three step parts of this checkout against another commit's, side by side in one process: the linear layers'
+packed products at one and five rows (kernels.c of both built with this machine's flags and loaded together, the
+weights packed by each one's `to_panels`; the default target's 120 linear layers, float32 and bfloat16 weights; the
+outputs' largest difference), paged attention over the K/V of 30 layers in memory (decode and 5-row verify queries
+of 1 to 64 sequences of 256 keys, their blocks shuffled over the pool; the two outputs' largest difference beside
+the times) and `PagedMetadata.build` (serving/attention.py of both) for decode and verify steps at 1 and 16
+sequences of ~300 tokens. The two take turns, so that drift hits both alike.
 
     python benchmarks/against_commit.py --commit 1b2846c [--repeats 30]
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from serving.attention import PagedMetadata
-from serving.kernels import FLAGS, SIGNATURES, SOURCE, to_panels
+from serving.kernels import SIGNATURES, SOURCE, compile_flags, to_panels
 from serving.model import ModelConfig
 from serving.targets import DEFAULT_TARGET, resolve
 
@@ -32,8 +33,17 @@ def show(commit: str, path: str, out: Path) -> Path:
     return out
 
 
+def load(commit: str, path: str, name: str, tmp: Path):
+    """The module at `path` as of `commit`, imported under `name`."""
+    spec = importlib.util.spec_from_file_location(name, show(commit, path, tmp / f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def build(source: Path, out: Path) -> ctypes.CDLL:
-    subprocess.run(["cc", *FLAGS, str(source), "-o", str(out), "-lm"], check=True, capture_output=True)
+    subprocess.run(["cc", *compile_flags(), str(source), "-o", str(out), "-lm"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(out))
     for name in ("gemm_panels", "gemm_panels_bf16", "paged_attention"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = SIGNATURES[name], None
@@ -91,18 +101,25 @@ def main() -> None:
     shapes = [(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim), (c.num_heads * c.head_dim, c.hidden_size),
               (c.hidden_size, 2 * c.intermediate_size), (c.intermediate_size, c.hidden_size)]
     weights = [(k, n, torch.randn(n, k)) for _ in range(num_layers) for k, n in shapes]
-    xs, outs = {k: torch.randn(1, k) for k, _ in shapes}, {n: torch.empty(1, n) for _, n in shapes}
     print(f"{args.commit} against this checkout, median of {args.repeats}, {torch.get_num_threads()} threads\n")
-    print("| one row through the target's linear layers | before ms | after ms | ratio |\n|---|---|---|---|")
+    packers = {"before": load(args.commit, "serving/kernels.py", "kernels_before", tmp).to_panels,
+               "after": to_panels}
+    print("| rows through the target's linear layers | before ms | after ms | ratio | largest difference |\n"
+          "|---|---|---|---|---|")
     for dtype, name in ((torch.float32, "gemm_panels"), (torch.bfloat16, "gemm_panels_bf16")):
-        packed = [(k, n, to_panels(w.to(dtype))) for k, n, w in weights]
+        packed = {which: [(k, n, pack(w.to(dtype))) for k, n, w in weights] for which, pack in packers.items()}
+        for rows in (1, 5):
+            xs = {k: torch.randn(rows, k) for k, _ in shapes}
+            outs = {which: {n: torch.empty(rows, n) for _, n in shapes} for which in libs}
 
-        def product(lib, packed=packed, name=name):
-            fn = getattr(lib, name)
-            for k, n, p in packed:
-                fn(xs[k].data_ptr(), 1, k, p.data_ptr(), k, n, None, outs[n].data_ptr(), n)
-        ms = alternate({which: (lambda lib=lib: product(lib)) for which, lib in libs.items()}, args.repeats)
-        print(f"| {dtype} weights | {ms['before']:.2f} | {ms['after']:.2f} | {ms['before'] / ms['after']:.2f}x |")
+            def product(which, name=name, rows=rows, xs=xs):
+                fn = getattr(libs[which], name)
+                for k, n, p in packed[which]:
+                    fn(xs[k].data_ptr(), rows, k, p.data_ptr(), k, n, None, outs[which][n].data_ptr(), n)
+            ms = alternate({which: (lambda which=which: product(which)) for which in libs}, args.repeats)
+            diff = max((outs["before"][n] - outs["after"][n]).abs().max().item() for _, n in shapes)
+            print(f"| {rows} row{'s' if rows > 1 else ''}, {dtype} weights | {ms['before']:.2f} | {ms['after']:.2f} | "
+                  f"{ms['before'] / ms['after']:.2f}x | {diff:.1e} |")
 
     print("\n| paged attention, 30 layers, 256 keys | before ms | after ms | ratio | largest difference |\n|---|---|---|---|---|")
     for num_seqs, rows in ((1, 1), (4, 1), (16, 1), (64, 1), (4, 5), (16, 5)):
@@ -110,11 +127,7 @@ def main() -> None:
         print(f"| {num_seqs} sequences x {rows} rows | {ms['before']:.2f} | {ms['after']:.2f} | "
               f"{ms['before'] / ms['after']:.2f}x | {diff:.1e} |")
 
-    spec = importlib.util.spec_from_file_location("attention_before", show(args.commit, "serving/attention.py",
-                                                                           tmp / "attention_before.py"))
-    before = importlib.util.module_from_spec(spec)
-    sys.modules["attention_before"] = before
-    spec.loader.exec_module(before)
+    before = load(args.commit, "serving/attention.py", "attention_before", tmp)
     print("\n| PagedMetadata.build | before ms | after ms | ratio |\n|---|---|---|---|")
     for num_seqs, nodes in ((1, 0), (16, 0), (1, 4), (16, 4)):
         tables = [list(range(i * 30, i * 30 + 30)) for i in range(num_seqs)]

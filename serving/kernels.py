@@ -53,6 +53,12 @@ def build_id() -> str:
     return "torch" if lib is None else Path(lib._name).stem
 
 
+def compile_flags() -> list[str]:
+    """The C compiler's flags for this CPU: AVX-512's 32 vector registers let a tile hold 12 rows (kernels.c, MR);
+    the arithmetic stays 8 lanes wide."""
+    return FLAGS + (["-mavx512f", "-mavx512vl"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else [])
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None when this machine cannot build or run them."""
@@ -61,9 +67,7 @@ def library() -> ctypes.CDLL | None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.warning("serving.kernels: this CPU has no AVX2; the engine uses torch's operators")
         return None
-    compiler = os.environ.get("CC", "cc")
-    # AVX-512's 32 vector registers let a tile hold 12 rows (kernels.c, MR); the arithmetic stays 8 lanes wide
-    flags = FLAGS + (["-mavx512f", "-mavx512vl"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else [])
+    compiler, flags = os.environ.get("CC", "cc"), compile_flags()
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"kernels-{digest}.so"
     if not path.exists():
@@ -127,12 +131,16 @@ class _KernelModule(nn.Module):
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> [ceil(out / PANEL), in, PANEL], the last panel padded with zero columns."""
+    """[out, in] -> [ceil(out / PANEL), in, PANEL], the last panel padded with zero columns. A bfloat16 panel's row
+    holds its columns in the order 0, 8, 1, 9, ..., 7, 15 (kernels.c's `load_w` widens them with one load)."""
     out_features, in_features = weight.shape
     num_panels = -(-out_features // PANEL)
     padded = weight.new_zeros(num_panels * PANEL, in_features)
     padded[:out_features] = weight
-    return padded.view(num_panels, PANEL, in_features).transpose(1, 2).contiguous()
+    panels = padded.view(num_panels, PANEL, in_features).transpose(1, 2)
+    if weight.dtype == torch.bfloat16:
+        panels = panels.unflatten(2, (2, PANEL // 2)).transpose(2, 3)
+    return panels.contiguous().view(num_panels, in_features, PANEL)
 
 
 class PackedLinear(_KernelModule):

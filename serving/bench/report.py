@@ -178,9 +178,11 @@ def to_markdown(result: dict) -> str:
                   f"{result['speed_vs_hf']:.2f}x; identical to transformers: {result['identical_to_hf']}"]
     lines += ["", "tau: tokens per verify step; MAL: vLLM's mean acceptance length, 1 + accepted / drafts (steps that "
               "drafted)"]
+    read = (f"; read alone at {result['read_bandwidth_gbs']:.1f} GB/s = {result['read_floor_ms']:.1f} ms"
+            if "read_floor_ms" in result else "")
     lines += ["", f"bandwidth floor: {result['weight_bytes'] / 1e6:.0f} MB of weights at {result['copy_bandwidth_gbs']:.1f} GB/s "
-              f"= {result['step_floor_ms']:.1f} ms per step; plain decoding takes {result['plain_step_ms']:.1f} ms per token "
-              f"per sequence; peak memory {result['peak_memory_gib']:.2f} GiB"]
+              f"(copy: read + written) = {result['step_floor_ms']:.1f} ms per step{read}; plain decoding takes "
+              f"{result['plain_step_ms']:.1f} ms per token per sequence; peak memory {result['peak_memory_gib']:.2f} GiB"]
     for row in result["rows"]:
         if "adaptive" in row:
             lines += ["", adaptive_markdown(row["method"], row["adaptive"])]

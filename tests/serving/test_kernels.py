@@ -38,7 +38,7 @@ def test_kernels_build_on_this_machine():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 33])
-@pytest.mark.parametrize("in_features,out_features", [(1, 1), (7, 23), (64, 24), (64, 25), (37, 100)])
+@pytest.mark.parametrize("in_features,out_features", [(1, 1), (7, 23), (64, 24), (64, 25), (64, 40), (37, 100)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(rows, in_features, out_features, bias):
     layer = linear(in_features, out_features, bias)
@@ -47,7 +47,8 @@ def test_packed_linear_matches_f_linear(rows, in_features, out_features, bias):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 12, 13, 25])
-@pytest.mark.parametrize("in_features,out_features", [(1, 1), (7, 23), (64, 25), (37, 100), (576, 100)])
+@pytest.mark.parametrize("in_features,out_features", [(1, 1), (7, 23), (64, 25), (64, 40), (37, 100), (576, 100),
+                                                        (96, 150)])
 @pytest.mark.parametrize("kernels_run", [True, False])
 def test_bfloat16_weights_compute_in_float32_over_the_rounded_weights(rows, in_features, out_features, kernels_run,
                                                                        monkeypatch):
