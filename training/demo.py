@@ -86,7 +86,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m training.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--num-prompts", type=int, default=int(os.environ.get("DEMO_PROMPTS", 576)),
+    p.add_argument("--num-prompts", type=int, default=int(os.environ.get("DEMO_PROMPTS", 768)),
                    help="ShareGPT train prompts the target answers for training data")
     p.add_argument("--max-model-len", type=int, default=640,
                    help="prompt + answer tokens at most while generating; longer prompts are skipped, so that most "
