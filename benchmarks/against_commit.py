@@ -1,5 +1,5 @@
 """Three step parts of this checkout against another commit's, side by side in one process: the linear layers'
-packed products at one and five rows (kernels.c of both built with this machine's flags and loaded together, the
+packed products at 1, 5 and 12 rows (kernels.c of both built with this machine's flags and loaded together, the
 weights packed by each one's `to_panels`; the default target's 120 linear layers, float32 and bfloat16 weights; the
 outputs' largest difference), paged attention over the K/V of 30 layers in memory (decode and 5-row verify queries
 of 1 to 64 sequences of 256 keys, their blocks shuffled over the pool; the two outputs' largest difference beside
@@ -108,7 +108,7 @@ def main() -> None:
           "|---|---|---|---|---|")
     for dtype, name in ((torch.float32, "gemm_panels"), (torch.bfloat16, "gemm_panels_bf16")):
         packed = {which: [(k, n, pack(w.to(dtype))) for k, n, w in weights] for which, pack in packers.items()}
-        for rows in (1, 5):
+        for rows in (1, 5, 12):
             xs = {k: torch.randn(rows, k) for k, _ in shapes}
             outs = {which: {n: torch.empty(rows, n) for _, n in shapes} for which in libs}
 

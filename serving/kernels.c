@@ -24,8 +24,11 @@
 #define NV (NR / 8)
 /* Tiles of more than one row ask for the weights this far ahead. Out-of-order execution alone keeps fewer loads in
  * flight at 5 rows (10 FMAs per 64 bytes) than at 1, and memory then streams ~30% slower; at 1 row it keeps
- * enough. 64 rows of a float32 panel ahead; past a panel's end the next panel, which the same thread reads next. */
+ * enough. 64 rows of a float32 panel ahead; past a panel's end the next panel, which the same thread reads next.
+ * Into L2 (PREFETCH_LOCALITY 2, prefetcht1), not L1 alone: a 12-row tile's rows of x fill L1 and evicted the
+ * weights before their use, so 12-row products ran at compute time plus memory time (1.3x slower). */
 #define PREFETCH_BYTES 4096
+#define PREFETCH_LOCALITY 2
 
 /* 8 weights from column 8 * j of row p of a panel: float32, or bfloat16 widened to float32 (the same bits, shifted).
  * A bfloat16 panel row holds its 16 columns as 8 pairs (c, c + 8), a 32-bit word each (to_panels): one load gives
@@ -51,7 +54,7 @@ static inline __attribute__((always_inline)) void tile(int mr, const float *x, l
     long row_bytes = NR * (bf16 ? 2 : 4);
     for (long p = 0; p < k; p++) {
         __m256 wv[NV];
-        if (mr > 1) __builtin_prefetch(ahead + p * row_bytes, 0, 0);
+        if (mr > 1) __builtin_prefetch(ahead + p * row_bytes, 0, PREFETCH_LOCALITY);
         _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) wv[j] = load_w(w, bf16, p, j);
         _Pragma("GCC unroll 12") for (int i = 0; i < mr; i++) {
             __m256 xi = _mm256_broadcast_ss(x + i * ldx + p);
