@@ -283,13 +283,16 @@ class SpeculativeConfig:
         return cls(**values)
 
     def label(self) -> str:
-        """The method, prompt lookup first with its shortest suffix, the tree (topk and size, or Medusa's choices), the confidence
+        """The method, prompt lookup first with its shortest suffix, suffix decoding's depth, nodes and (where not vLLM's
+        defaults) minimum token probability and spec factor, the tree (topk and size, or Medusa's choices), the confidence
         threshold and the batch size that turns drafting off when set, the adaptive policy, and float32 draft weights: a bench row's
         name."""
         label = self.method + (f"+lookup{self.prompt_lookup_min}" if self.prompt_lookup_first else "")
         label += f"+suffix{self.suffix_first_min_score:g}" if self.suffix_first else ""
         if self.method == "suffix":
             label += f" k{self.num_speculative_tokens} n{self.num_draft_tokens}"
+            label += f" p{self.suffix_decoding_min_token_prob:g}" if self.suffix_decoding_min_token_prob != 0.1 else ""
+            label += f" x{self.suffix_decoding_max_spec_factor:g}" if self.suffix_decoding_max_spec_factor != 1.0 else ""
         if self.method == "lookahead":
             label += f" W{self.window} N{self.ngram} G{self.max_candidates}"
         if self.medusa_choices is not None:

@@ -297,6 +297,12 @@ def test_suffix_options_default_as_vllms():
     assert SpeculativeConfig(method="suffix", num_speculative_tokens=4, num_draft_tokens=3).num_draft_tokens == 3
 
 
+def test_suffix_rows_name_the_options_that_differ_from_vllms():
+    labels = [SpeculativeConfig(method="suffix", **options).label()
+              for options in ({}, {"suffix_decoding_min_token_prob": 0.3}, {"suffix_decoding_max_spec_factor": 2.0})]
+    assert labels == ["suffix k24 n25", "suffix k24 n25 p0.3", "suffix k24 n25 x2"]
+
+
 # ---- 7. suffix first, then a head ------------------------------------------------------------------------------
 
 
