@@ -162,6 +162,7 @@ def bandwidth_floor(engine, plain_row) -> dict:
     read = [engine.model.layers, engine.model.norm, engine.model.logits_head]  # of the embedding, one row per token
     tensors = {id(t): t for module in read for t in [*module.parameters(), *module.buffers()]}
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    # written first: pages never touched would all read as the one zero page, far faster than memory
     source = torch.empty(64 * 2**20, dtype=torch.float32, device=engine.device).fill_(1.0)
     target = torch.empty_like(source)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else lambda: None

@@ -291,8 +291,11 @@ class SpeculativeConfig:
         label += f"+suffix{self.suffix_first_min_score:g}" if self.suffix_first else ""
         if self.method == "suffix":
             label += f" k{self.num_speculative_tokens} n{self.num_draft_tokens}"
-            label += f" p{self.suffix_decoding_min_token_prob:g}" if self.suffix_decoding_min_token_prob != 0.1 else ""
-            label += f" x{self.suffix_decoding_max_spec_factor:g}" if self.suffix_decoding_max_spec_factor != 1.0 else ""
+            defaults = type(self)
+            if self.suffix_decoding_min_token_prob != defaults.suffix_decoding_min_token_prob:
+                label += f" p{self.suffix_decoding_min_token_prob:g}"
+            if self.suffix_decoding_max_spec_factor != defaults.suffix_decoding_max_spec_factor:
+                label += f" x{self.suffix_decoding_max_spec_factor:g}"
         if self.method == "lookahead":
             label += f" W{self.window} N{self.ngram} G{self.max_candidates}"
         if self.medusa_choices is not None:
