@@ -108,7 +108,7 @@ def main() -> None:
           "|---|---|---|---|---|")
     for dtype, name in ((torch.float32, "gemm_panels"), (torch.bfloat16, "gemm_panels_bf16")):
         packed = {which: [(k, n, pack(w.to(dtype))) for k, n, w in weights] for which, pack in packers.items()}
-        for rows in (1, 5, 12):
+        for rows in (1, 2, 3, 5, 12):
             xs = {k: torch.randn(rows, k) for k, _ in shapes}
             outs = {which: {n: torch.empty(rows, n) for _, n in shapes} for which in libs}
 

@@ -22,6 +22,13 @@
 #define MR 6
 #endif
 #define NV (NR / 8)
+/* Steps of up to FEW_ROWS rows stream four panels at a time (row_group), as a decode step does: 3 rows hold 24 sums,
+ * which AVX-512's 32 vector registers keep and AVX2's 16 do not. */
+#ifdef __AVX512VL__
+#define FEW_ROWS 3
+#else
+#define FEW_ROWS 1
+#endif
 /* Tiles of more than one row ask for the weights this far ahead. Out-of-order execution alone keeps fewer loads in
  * flight at 5 rows (10 FMAs per 64 bytes) than at 1, and memory then streams ~30% slower; at 1 row it keeps
  * enough. 64 rows of a float32 panel ahead; past a panel's end the next panel, which the same thread reads next.
@@ -106,60 +113,83 @@ static void panel(const float *x, long m, long ldx, const void *w, int bf16, lon
     }
 }
 
-/* One row over panels q .. q + g - 1, g <= ROW_GROUP: 2g running sums where a one-row tile has two. A tile's sums
+/* mr rows over panels q .. q + g - 1, g <= ROW_GROUP: 2g running sums a row where a tile has two. A tile's sums
  * are chains of dependent multiply-adds, one every few cycles each; two of them streamed bfloat16 weights at ~60%
  * of memory's rate, eight keep up (float32 gains 6-14%). Each output is still the one in-order sum `tile` computes. */
 #define ROW_GROUP 4
-static inline __attribute__((always_inline)) void row_group(const float *x, const void *w, int bf16, int g, long k,
-                                                            long n, const float *bias, const float *add, float *y,
-                                                            long q) {
+static inline __attribute__((always_inline)) void row_group(int mr, const float *x, long ldx, const void *w, int bf16,
+                                                            int g, long k, long n, const float *bias, const float *add,
+                                                            float *y, long ldy, long q) {
     long panel_bytes = k * NR * (bf16 ? 2 : 4);
     const char *wq = (const char *)w + q * panel_bytes;
-    __m256 acc[ROW_GROUP * NV];
-    _Pragma("GCC unroll 8") for (int j = 0; j < g * NV; j++) acc[j] = _mm256_setzero_ps();
+    __m256 acc[FEW_ROWS][ROW_GROUP * NV];
+    _Pragma("GCC unroll 3") for (int r = 0; r < mr; r++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < g * NV; j++) acc[r][j] = _mm256_setzero_ps();
     for (long p = 0; p < k; p++) {
-        __m256 xi = _mm256_broadcast_ss(x + p);
+        __m256 xr[FEW_ROWS];
+        _Pragma("GCC unroll 3") for (int r = 0; r < mr; r++) xr[r] = _mm256_broadcast_ss(x + r * ldx + p);
         _Pragma("GCC unroll 4") for (int i = 0; i < g; i++)
-            _Pragma("GCC unroll 2") for (int j = 0; j < NV; j++)
-                acc[i * NV + j] = _mm256_fmadd_ps(xi, load_w(wq + i * panel_bytes, bf16, p, j), acc[i * NV + j]);
+            _Pragma("GCC unroll 2") for (int j = 0; j < NV; j++) {
+                __m256 wv = load_w(wq + i * panel_bytes, bf16, p, j);
+                _Pragma("GCC unroll 3") for (int r = 0; r < mr; r++)
+                    acc[r][i * NV + j] = _mm256_fmadd_ps(xr[r], wv, acc[r][i * NV + j]);
+            }
     }
-    float out[ROW_GROUP * NR];
-    _Pragma("GCC unroll 8") for (int j = 0; j < g * NV; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
     int cols = n - q * NR < g * NR ? (int)(n - q * NR) : g * NR;
-    for (int j = 0; j < cols; j++) {
-        long c = q * NR + j;
-        float v = bias ? out[j] + bias[c] : out[j];
-        y[c] = add ? add[c] + v : v;
+    _Pragma("GCC unroll 3") for (int r = 0; r < mr; r++) {
+        float out[ROW_GROUP * NR];
+        _Pragma("GCC unroll 8") for (int j = 0; j < g * NV; j++) _mm256_storeu_ps(out + 8 * j, acc[r][j]);
+        for (int j = 0; j < cols; j++) {
+            long c = q * NR + j;
+            float v = bias ? out[j] + bias[c] : out[j];
+            y[r * ldy + c] = add ? add[r * ldy + c] + v : v;
+        }
     }
 }
 
-/* One row (a decode step at concurrency 1): each thread takes an equal share of the panels, ROW_GROUP at a time. */
-static void row(const float *x, const void *w, int bf16, long k, long n, const float *bias, const float *add,
-                float *y) {
+/* Each (rows, group size) its own compiled loop, as the tiles are. */
+#define ROWS_GROUP(R, G)                                                                                             \
+    static __attribute__((noinline)) void rows_group_##R##_##G(const float *x, long ldx, const void *w, int bf16,  \
+                                                             long k, long n, const float *bias, const float *add,  \
+                                                             float *y, long ldy, long q) {                         \
+        if (bf16) row_group(R, x, ldx, w, 1, G, k, n, bias, add, y, ldy, q);                                      \
+        else row_group(R, x, ldx, w, 0, G, k, n, bias, add, y, ldy, q);                                           \
+    }
+typedef void (*group_fn)(const float *, long, const void *, int, long, long, const float *, const float *, float *, long,
+                         long);
+ROWS_GROUP(1, 1) ROWS_GROUP(1, 2) ROWS_GROUP(1, 3) ROWS_GROUP(1, 4)
+#if FEW_ROWS > 1
+ROWS_GROUP(2, 1) ROWS_GROUP(2, 2) ROWS_GROUP(2, 3) ROWS_GROUP(2, 4)
+ROWS_GROUP(3, 1) ROWS_GROUP(3, 2) ROWS_GROUP(3, 3) ROWS_GROUP(3, 4)
+#endif
+static const group_fn groups[FEW_ROWS + 1][ROW_GROUP + 1] = {
+    {0}, {0, rows_group_1_1, rows_group_1_2, rows_group_1_3, rows_group_1_4},
+#if FEW_ROWS > 1
+    {0, rows_group_2_1, rows_group_2_2, rows_group_2_3, rows_group_2_4},
+    {0, rows_group_3_1, rows_group_3_2, rows_group_3_3, rows_group_3_4},
+#endif
+};
+
+/* Up to FEW_ROWS rows (a decode step, or a verify step of a few rows): each thread takes an equal share of the
+ * panels, ROW_GROUP at a time. */
+static void few_rows(const float *x, long m, long ldx, const void *w, int bf16, long k, long n, const float *bias,
+                     const float *add, float *y, long ldy) {
     long panels = (n + NR - 1) / NR;
     #pragma omp parallel
     {
         long threads = omp_get_num_threads(), t = omp_get_thread_num();
         long end = panels * (t + 1) / threads;
-        for (long q = panels * t / threads; q < end; q += ROW_GROUP) {
-            /* bf16 and the group's size as constants: each case its own compiled loop */
-#define GROUP(g) (bf16 ? row_group(x, w, 1, g, k, n, bias, add, y, q) : row_group(x, w, 0, g, k, n, bias, add, y, q))
-            switch (end - q < ROW_GROUP ? end - q : ROW_GROUP) {
-                case 1: GROUP(1); break;
-                case 2: GROUP(2); break;
-                case 3: GROUP(3); break;
-                default: GROUP(4);
-            }
-#undef GROUP
-        }
+        for (long q = panels * t / threads; q < end; q += ROW_GROUP)
+            groups[m][end - q < ROW_GROUP ? end - q : ROW_GROUP](x, ldx, w, bf16, k, n, bias, add, y, ldy, q);
     }
 }
 
 /* y = add + x @ W (+ bias); add may be y itself (in place) or NULL, and has y's row stride. */
 static void gemm(const float *x, long m, long ldx, const void *w, int bf16, long k, long n, const float *bias,
                  const float *add, float *y, long ldy) {
-    if (m == 1) {
-        row(x, w, bf16, k, n, bias, add, y);
+    if (m == 0) return;
+    if (m <= FEW_ROWS) {
+        few_rows(x, m, ldx, w, bf16, k, n, bias, add, y, ldy);
         return;
     }
     long panels = (n + NR - 1) / NR;
