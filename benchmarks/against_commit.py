@@ -50,6 +50,12 @@ def build(source: Path, out: Path) -> ctypes.CDLL:
     return lib
 
 
+def linear_shapes(c) -> list[tuple[int, int]]:
+    """(in, out) of a decoder layer's four linear layers (qkv, o, gate_up, down), for a model's LayerConfig `c`."""
+    return [(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim), (c.num_heads * c.head_dim, c.hidden_size),
+            (c.hidden_size, 2 * c.intermediate_size), (c.intermediate_size, c.hidden_size)]
+
+
 def alternate(fns: dict, repeats: int) -> dict[str, float]:
     times = {name: [] for name in fns}
     for fn in fns.values():  # warm-up: the first call touches the weights' pages
@@ -98,8 +104,7 @@ def main() -> None:
             "after": build(SOURCE, tmp / "after.so")}
     model_config = ModelConfig.from_folder(resolve(args.target))
     c, num_layers = model_config.layer, model_config.num_layers
-    shapes = [(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim), (c.num_heads * c.head_dim, c.hidden_size),
-              (c.hidden_size, 2 * c.intermediate_size), (c.intermediate_size, c.hidden_size)]
+    shapes = linear_shapes(c)
     weights = [(k, n, torch.randn(n, k)) for _ in range(num_layers) for k, n in shapes]
     print(f"{args.commit} against this checkout, median of {args.repeats}, {torch.get_num_threads()} threads\n")
     packers = {"before": load(args.commit, "serving/kernels.py", "kernels_before", tmp).to_panels,

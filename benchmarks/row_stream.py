@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.against_commit import alternate
+from benchmarks.against_commit import alternate, linear_shapes
 from serving.kernels import compile_flags, library, to_panels
 from serving.model import ModelConfig
 from serving.targets import DEFAULT_TARGET, resolve
@@ -88,10 +88,7 @@ def main() -> None:
         raise SystemExit("serving/kernels.c does not run here (no C compiler or no AVX2): nothing to compare")
     read = reader()
     c = ModelConfig.from_folder(resolve(args.target))
-    layer = c.layer
-    shapes = [(layer.hidden_size, (layer.num_heads + 2 * layer.num_kv_heads) * layer.head_dim),
-              (layer.num_heads * layer.head_dim, layer.hidden_size), (layer.hidden_size, 2 * layer.intermediate_size),
-              (layer.intermediate_size, layer.hidden_size)]
+    shapes = linear_shapes(c.layer)
     print(f"one row, median of {args.repeats}, {torch.get_num_threads()} threads\n")
     print("| matrices | MB | product ms | GB/s | read ms | GB/s | product / read |\n|---|---|---|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):
