@@ -117,6 +117,10 @@ static void panel(const float *x, long m, long ldx, const void *w, int bf16, lon
  * are chains of dependent multiply-adds, one every few cycles each; two of them streamed bfloat16 weights at ~60%
  * of memory's rate, eight keep up (float32 gains 6-14%). Each output is still the one in-order sum `tile` computes. */
 #define ROW_GROUP 4
+/* row_group asks for each of its panels' weights this far ahead, one line at a time: out-of-order execution alone
+ * keeps ~2 KB of bfloat16 loads in flight (a 64-byte line is 2 loop iterations of ~20 instructions per panel), and
+ * one-row bfloat16 products over the target's matrices streamed 5-7% slower without it (float32: 0-2%). */
+#define GROUP_PREFETCH_BYTES 1024
 static inline __attribute__((always_inline)) void row_group(int mr, const float *x, long ldx, const void *w, int bf16,
                                                             int g, long k, long n, const float *bias, const float *add,
                                                             float *y, long ldy, long q) {
@@ -125,7 +129,11 @@ static inline __attribute__((always_inline)) void row_group(int mr, const float 
     __m256 acc[FEW_ROWS][ROW_GROUP * NV];
     _Pragma("GCC unroll 3") for (int r = 0; r < mr; r++)
         _Pragma("GCC unroll 8") for (int j = 0; j < g * NV; j++) acc[r][j] = _mm256_setzero_ps();
+    long row_bytes = NR * (bf16 ? 2 : 4), rows_per_line = 64 / row_bytes;
     for (long p = 0; p < k; p++) {
+        if (p % rows_per_line == 0)
+            _Pragma("GCC unroll 4") for (int i = 0; i < g; i++)
+                __builtin_prefetch(wq + i * panel_bytes + p * row_bytes + GROUP_PREFETCH_BYTES, 0, PREFETCH_LOCALITY);
         __m256 xr[FEW_ROWS];
         _Pragma("GCC unroll 3") for (int r = 0; r < mr; r++) xr[r] = _mm256_broadcast_ss(x + r * ldx + p);
         _Pragma("GCC unroll 4") for (int i = 0; i < g; i++)
