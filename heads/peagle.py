@@ -10,6 +10,13 @@ out of one forward over the context and K - 1 placeholder rows.
 
 `mask_hidden` is kept before `fc` (num_aux * hidden wide), as speculators trains it and vLLM loads it (its parallel
 drafting passes it through the same fc); `num_depths` is the K the head was trained for.
+
+With `markov_rank` r > 0, a low-rank Markov head (DSpark, arXiv 2607.05147) adds to the logits of depths 1..K-1 a bias
+from the token before: markov_out(markov_in[x]), x the draft (the label, in training) of the depth before. The
+placeholder rows cannot see the drafts before them; this brings back their one-token dependency at the cost of an r x
+draft-vocabulary product per depth, drafted left to right after the one forward. `markov_in` has a row per draft
+token and one more for every token outside the draft vocabulary; `markov_out` starts at zero (the head starts as
+plain P-EAGLE).
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ class PeagleConfig(Eagle3Config):
 
     mask_token_id: int | None = None  # the token whose embedding every placeholder row (depth >= 1) reads
     num_depths: int = 4  # K: depth 0 and K - 1 placeholder depths, trained together; drafts K tokens per forward
+    markov_rank: int = 0  # r of the Markov head's bias on depths >= 1 from the token before; 0: none (module docstring)
 
     def __post_init__(self):
         super().__post_init__()
@@ -39,6 +47,9 @@ class PeagleConfig(Eagle3Config):
         if isinstance(depths, bool) or not isinstance(depths, int) or depths < 2:
             raise ValueError(f"num_depths={depths!r} must be an integer >= 2 (depth 0 and at least one placeholder "
                              "depth): a P-EAGLE head drafts num_depths tokens per forward")
+        rank = self.markov_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"markov_rank={rank!r} must be an integer >= 0 (0: no Markov head)")
 
 
 class Peagle(Eagle3):
@@ -48,10 +59,32 @@ class Peagle(Eagle3):
         super().__init__(config)
         # [1, 1, num_aux * hidden]: speculators' shape (vLLM reads it flat)
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, len(config.aux_layers) * config.hidden_size))
+        if config.markov_rank:
+            self.markov_in = nn.Embedding(config.draft_vocab_size + 1, config.markov_rank)
+            self.markov_out = nn.Linear(config.markov_rank, config.draft_vocab_size, bias=False)
+            nn.init.zeros_(self.markov_out.weight)
 
     def mask_feature(self) -> torch.Tensor:
         """fc(mask_hidden): [hidden], the g of every placeholder row."""
         return self.fuse(self.mask_hidden[0])[0]
+
+    def markov_rows(self, previous: torch.Tensor) -> torch.Tensor:
+        """previous: [...] target ids -> their rows of markov_in: the draft id, or draft_vocab_size outside it."""
+        draft_ids = (self.t2d.cumsum(0) - 1)[previous]
+        return torch.where(self.t2d[previous], draft_ids, self.config.draft_vocab_size)
+
+    def markov_bias(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [...] markov_in rows of the tokens before (a draft's draft id is its row) -> [..., draft_vocab] the
+        Markov head's bias on the next depth's logits (markov_rank > 0)."""
+        return self.markov_out(self.markov_in(rows))
+
+    def depth_logits(self, out: torch.Tensor, depth: int, previous: torch.Tensor | None) -> torch.Tensor:
+        """The logits of depth `depth` (0-based) from its rows `out` [..., hidden]; previous: [...] the tokens of the
+        depth before (target ids), read by the Markov head at depths >= 1."""
+        logits = self.logits(out)
+        if not self.config.markov_rank or not depth:
+            return logits
+        return logits + self.markov_bias(self.markov_rows(previous)).to(logits.dtype)
 
 
 def block_mask(anchors: torch.Tensor, depths: torch.Tensor, is_real: torch.Tensor) -> torch.Tensor:

@@ -324,6 +324,10 @@ class PeagleLayout(Eagle3Layout):
                 "num_depths": config.get("num_depths", methods[0].get("speculative_tokens", 4))}
 
     def exported(self, head):
+        if head.config.markov_rank:
+            raise ValueError(f"this P-EAGLE head has a Markov head (markov_rank={head.config.markov_rank}), which "
+                             f"{self.source}'s P-EAGLE format and vLLM do not have: serve it in this engine, or export "
+                             "a head trained with markov_rank 0")
         ours = super().exported(head)
         aux = list(head.config.aux_layers)
         order = sorted(range(len(aux)), key=aux.__getitem__)

@@ -12,7 +12,9 @@ depth d + 1's; `catch_up` does nothing of its own, so the adaptive policy prices
 grow with the depth drafted).
 
 The drafts are a chain, or (topk > 1) the tree of the per-depth marginals: best-first by the product of the
-calibrated probabilities along a path, cut at num_draft_tokens (tree_search.grow_from_marginals).
+calibrated probabilities along a path, cut at num_draft_tokens (tree_search.grow_from_marginals). A head with a
+Markov head (markov_rank > 0) drafts depth by depth after the forward instead: a node's children come from its depth's
+logits plus the Markov head's bias from the node's own token (tree_search.grow, one batched call per depth).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 
 from serving.drafters.eagle import EagleDrafter
 from serving.drafters.head import top_log_probs
-from serving.drafters.tree_search import grow_from_marginals
+from serving.drafters.tree_search import grow, grow_from_marginals
 
 
 class PeagleDrafter(EagleDrafter):
@@ -79,18 +81,44 @@ class PeagleDrafter(EagleDrafter):
         out = self._forward(torch.tensor(ids, device=self.device), g, torch.tensor(positions, device=self.device), meta)
 
         max_depths = [budgets[request.request_id].depth for request, *_ in taken]
-        # one LM head and one top-k over every request's rows at every depth, each at its depth's temperature
+        thresholds = [self.confidence.log_threshold_for(budgets[request.request_id]) for request, *_ in taken]
         which = [(r, d) for r, request_rows in enumerate(rows) for d in range(len(request_rows))]
         at = torch.tensor([rows[r][d] for r, d in which], device=self.device)
-        temperatures = torch.tensor([self.confidence.temperature(d + 1) for _, d in which], device=self.device)
-        best_log_probs, best = top_log_probs(self.head.logits(out[at]), self.topk, temperatures[:, None])
         r_index, d_index = torch.tensor(which).unbind(1)
-        log_probs = torch.full((len(taken), max(max_depths), self.topk), -torch.inf)
-        tokens = torch.zeros(len(taken), max(max_depths), self.topk, dtype=torch.long)
-        log_probs[r_index, d_index] = best_log_probs.cpu()
-        tokens[r_index, d_index] = self.head.to_target_ids(best).cpu()
-        found = grow_from_marginals(log_probs, tokens, self.topk, max_depths,
-                                    [self.confidence.log_threshold_for(budgets[request.request_id])
-                                     for request, *_ in taken])
+        if self.head.config.markov_rank:
+            found = self._grow_markov(self.head.logits(out[at]), r_index, d_index, max_depths, thresholds)
+        else:
+            found = self._grow_marginals(self.head.logits(out[at]), which, r_index, d_index, max_depths, thresholds)
         return {request.request_id: candidates.best(budgets[request.request_id].num_nodes)
                 for (request, *_), candidates in zip(taken, found)}
+
+    def _grow_marginals(self, logits, which, r_index, d_index, max_depths, thresholds):
+        """The tree of the per-depth marginals: one top-k over every request's rows at every depth, each at its
+        depth's temperature. logits: [rows, draft_vocab], row i request r_index[i]'s depth d_index[i]."""
+        temperatures = torch.tensor([self.confidence.temperature(d + 1) for _, d in which], device=self.device)
+        best_log_probs, best = top_log_probs(logits, self.topk, temperatures[:, None])
+        log_probs = torch.full((len(max_depths), max(max_depths), self.topk), -torch.inf)
+        tokens = torch.zeros(len(max_depths), max(max_depths), self.topk, dtype=torch.long)
+        log_probs[r_index, d_index] = best_log_probs.cpu()
+        tokens[r_index, d_index] = self.head.to_target_ids(best).cpu()
+        return grow_from_marginals(log_probs, tokens, self.topk, max_depths, thresholds)
+
+    def _grow_markov(self, logits, r_index, d_index, max_depths, thresholds):
+        """Depth by depth: a node's children are the top-k of its depth's logits plus the Markov head's bias from
+        the node's token (a draft: its draft id is its row of the Markov head)."""
+        by_depth = logits.new_full((len(max_depths), max(max_depths), logits.shape[-1]), -torch.inf)
+        by_depth[r_index.to(self.device), d_index.to(self.device)] = logits
+        draft_ids = {}  # target id -> draft id of every token drafted so far
+
+        def top(depth, depth_logits):
+            log_probs, best = top_log_probs(depth_logits, self.topk, self.confidence.temperature(depth + 1))
+            tokens = self.head.to_target_ids(best).cpu()
+            draft_ids.update(zip(tokens.flatten().tolist(), best.flatten().tolist()))
+            return log_probs.cpu(), tokens
+
+        def expand(depth, nodes, found):
+            requests = torch.tensor([r for r, _ in nodes], device=self.device)
+            rows = torch.tensor([draft_ids[found[r].tokens[c]] for r, c in nodes], device=self.device)
+            return top(depth, by_depth[requests, depth] + self.head.markov_bias(rows).to(logits.dtype))
+
+        return grow(top(0, by_depth[:, 0]), expand, self.topk, max_depths, thresholds)

@@ -21,6 +21,25 @@ def test_config_errors_name_the_fix():
         PeagleConfig(**SIZES)
     with pytest.raises(ValueError, match="num_depths=1 must be an integer >= 2"):
         PeagleConfig(mask_token_id=3, num_depths=1, **SIZES)
+    with pytest.raises(ValueError, match=r"markov_rank=-1 must be an integer >= 0 \(0: no Markov head\)"):
+        PeagleConfig(mask_token_id=3, markov_rank=-1, **SIZES)
+
+
+def test_the_markov_bias_reads_the_token_before(llama_parts):
+    """depth_logits adds markov_out(markov_in[row]) at depths >= 1, row the draft id of the token before or the one
+    shared row past the draft vocabulary (markov_rows); a new Markov head adds nothing (markov_out starts at zero)."""
+    vocab = list(range(0, 256, 4))  # draft ids 0..63 for target ids 0, 4, ..., 252
+    head = Peagle.from_target(llama_parts, mask_token_id=7, draft_token_ids=vocab, markov_rank=3)
+    out = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    previous = torch.tensor([8, 9, 252, 0])  # draft ids 2, (outside), 63, 0
+    with torch.no_grad():
+        torch.testing.assert_close(head.depth_logits(out, 2, previous), head.logits(out))
+        head.markov_out.weight.normal_()
+        expected = head.logits(out) + head.markov_in.weight[[2, 64, 63, 0]] @ head.markov_out.weight.T
+        torch.testing.assert_close(head.depth_logits(out, 1, previous), expected)
+        torch.testing.assert_close(head.depth_logits(out, 0, None), head.logits(out))
+    assert head.markov_rows(previous).tolist() == [2, 64, 63, 0]
+    assert head.markov_in.weight.shape == (65, 3) and head.markov_out.weight.shape == (64, 3)
 
 
 def test_block_mask_equals_a_hand_built_one():
@@ -69,7 +88,8 @@ def test_a_placeholder_row_sees_its_context_and_rollout_only(llama_parts):
 
 
 def test_checkpoint_round_trip(llama_parts, tmp_path):
-    head = Peagle.from_target(llama_parts, mask_token_id=7, num_depths=5, draft_token_ids=range(0, 256, 4))
+    head = Peagle.from_target(llama_parts, mask_token_id=7, num_depths=5, draft_token_ids=range(0, 256, 4),
+                              markov_rank=2)
     heads.save(head, tmp_path / "p")
     loaded = heads.load(tmp_path / "p")
     assert isinstance(loaded, Peagle) and loaded.config == head.config

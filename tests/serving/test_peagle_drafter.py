@@ -11,6 +11,8 @@
 3. Sampled: the law of the two tokens after the prefill's, each step verifying a P-EAGLE tree, is the target's within
    total variation 0.07 (as tests/serving/test_trees.py's engine test, with the head in place of its stub).
 4. Serving more drafts than the head was trained for is a clear error.
+1-3 also with a Markov head (markov_rank > 0): the dense reference then drafts node by node, each node's children from
+its depth's logits plus the bias from its own token (heads.Peagle.depth_logits).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import heads
 from heads.attention import sdpa_gqa
 from heads.peagle import block_mask
 from serving.drafters.head import Confidence, top_log_probs
-from serving.drafters.tree_search import grow_from_marginals
+from serving.drafters.tree_search import grow, grow_from_marginals
 from serving.request import SamplingParams
 
 from test_head_drafters import (EAGLE3_AUX, assert_pool_idle, greedy, hf_hidden_states, load_as_drafted, make_engine,
@@ -33,18 +35,20 @@ PROMPTS = [PREFIX + tail for tail in random_prompts((1, 6, 3, 11, 2, 9), seed=32
 TEMPERATURES = [0.7, 1.4, 2.0, 1.1]
 
 
-def peagle_head_dir(folder, root, *, num_depths=4, full_vocab=False) -> str:
+def peagle_head_dir(folder, root, *, num_depths=4, full_vocab=False, markov_rank=0) -> str:
     """A random P-EAGLE head for the target in `folder` (perturbed weights, a random half of the vocabulary unless
-    `full_vocab`, calibrated temperatures per depth), saved under `root`."""
+    `full_vocab`, calibrated temperatures per depth, a Markov head of `markov_rank`), saved under `root`."""
     parts = target_parts(folder)
-    path = root / f"peagle-{folder.name}-{num_depths}-{full_vocab}"
+    path = root / f"peagle-{folder.name}-{num_depths}-{full_vocab}-{markov_rank}"
     if not path.exists():
         with torch.random.fork_rng():
             torch.manual_seed(11)
             vocab = range(parts.vocab_size) if full_vocab else torch.randperm(parts.vocab_size)[:parts.vocab_size // 2]
             head = heads.Peagle.from_target(parts, draft_token_ids=vocab, aux_layers=EAGLE3_AUX, mask_token_id=5,
-                                            num_depths=num_depths)
+                                            num_depths=num_depths, markov_rank=markov_rank)
         head = perturb(head, seed=12)
+        if markov_rank:  # a bias on the scale of the logits' differences, not far above them
+            head.markov_out.weight.data.mul_(0.25)
         head.config.confidence_temperatures = TEMPERATURES[:num_depths]
         heads.save(head, path)
     return str(path)
@@ -68,26 +72,41 @@ def dense_candidates(head, states, tokens, budget, topk):
     mask = block_mask(anchors, depths, torch.ones(len(ids), dtype=torch.bool))
     out = head(ids[None], g[None], (anchors + depths)[None], lambda i, q, k, v: sdpa_gqa(q, k, v, mask[None]))[0]
     confidence = Confidence(head, 0.0)
+    rows = [num - 1] + list(range(num, num + num_masks))  # depth d's row
+    threshold = [confidence.log_threshold_for(budget)]
+    if head.config.markov_rank:
+        def top(depth, previous):
+            log_probs, best = top_log_probs(head.depth_logits(out[rows[depth]], depth, previous), topk,
+                                            confidence.temperature(depth + 1))
+            return log_probs, head.to_target_ids(best)
+
+        def expand(depth, nodes, found):
+            children = [top(depth, torch.tensor(found[0].tokens[c])) for _, c in nodes]
+            return torch.stack([c[0] for c in children]), torch.stack([c[1] for c in children])
+
+        first = top(0, None)
+        return grow((first[0][None], first[1][None]), expand, topk, [budget.depth], threshold)[0]
     log_probs, best = zip(*(top_log_probs(head.logits(out[row][None]), topk, confidence.temperature(d + 1))
-                            for d, row in enumerate([num - 1] + list(range(num, num + num_masks)))))
+                            for d, row in enumerate(rows)))
     tokens = head.to_target_ids(torch.stack(best, 1))  # [1, depth, topk]
-    return grow_from_marginals(torch.stack(log_probs, 1), tokens, topk, [budget.depth],
-                               [confidence.log_threshold_for(budget)])[0]
+    return grow_from_marginals(torch.stack(log_probs, 1), tokens, topk, [budget.depth], threshold)[0]
 
 
+@pytest.mark.parametrize("markov_rank", [0, 8], ids=["marginals", "markov"])
 @pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
-def test_paged_block_drafts_equal_the_dense_forward(topk, tiny_llama, heads_root, monkeypatch):
+def test_paged_block_drafts_equal_the_dense_forward(topk, markov_rank, tiny_llama, heads_root, monkeypatch):
     import serving.drafters.peagle as peagle
 
-    head_dir = peagle_head_dir(tiny_llama, heads_root)
+    head_dir = peagle_head_dir(tiny_llama, heads_root, markov_rank=markov_rank)
     spec = {"method": "peagle", "model": head_dir, "num_speculative_tokens": 3, "topk": topk,
             "num_draft_tokens": 6 if topk > 1 else 4, "draft_weights": "float32"}
     engine = make_engine(tiny_llama, spec, max_num_seqs=4, max_num_batched_tokens=16)
     drafter = engine.speculator.drafter
     assert isinstance(drafter, peagle.PeagleDrafter)
     searches, records, forwards = [], [], []
-    grow = peagle.grow_from_marginals
-    monkeypatch.setattr(peagle, "grow_from_marginals", lambda *a, **k: searches.extend(found := grow(*a, **k)) or found)
+    search_name = "grow" if markov_rank else "grow_from_marginals"
+    search = getattr(peagle, search_name)
+    monkeypatch.setattr(peagle, search_name, lambda *a, **k: searches.extend(found := search(*a, **k)) or found)
     forward = drafter._forward
     drafter._forward = lambda *args: forwards.append(1) or forward(*args)
     propose = drafter.propose
@@ -126,11 +145,11 @@ def test_paged_block_drafts_equal_the_dense_forward(topk, tiny_llama, heads_root
     assert full and all(len(tree) == num_nodes and tree.depth >= 2 for tree in full)
 
 
-@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+@pytest.mark.parametrize(("topk", "markov_rank"), [(1, 0), (2, 0), (2, 8)], ids=["chain", "tree", "markov-tree"])
 @pytest.mark.parametrize("concurrency", [1, 4])
-def test_greedy_outputs_are_plain_decodings(concurrency, topk, tiny_llama, heads_root):
-    spec = {"method": "peagle", "model": peagle_head_dir(tiny_llama, heads_root), "num_speculative_tokens": 4,
-            "topk": topk}
+def test_greedy_outputs_are_plain_decodings(concurrency, topk, markov_rank, tiny_llama, heads_root):
+    spec = {"method": "peagle", "model": peagle_head_dir(tiny_llama, heads_root, markov_rank=markov_rank),
+            "num_speculative_tokens": 4, "topk": topk}
     # concurrency 4: 8 requests growing to 22-60 tokens in 28 blocks of 4 force preemption
     engine = make_engine(tiny_llama, spec, max_num_seqs=concurrency, max_num_batched_tokens=16,
                          **({"num_blocks": 28, "max_model_len": 96} if concurrency > 1 else {}))
@@ -144,13 +163,15 @@ def test_greedy_outputs_are_plain_decodings(concurrency, topk, tiny_llama, heads
         assert sum(o.metrics["num_preemptions"] for o in outputs) > 0
 
 
-def test_a_sampled_tree_keeps_the_target_law(v8_target, heads_root):
+@pytest.mark.parametrize("markov_rank", [0, 8], ids=["marginals", "markov"])
+def test_a_sampled_tree_keeps_the_target_law(markov_rank, v8_target, heads_root):
     """x1 comes from the prefill; the first verify step carries the head's tree (topk 2, 2 depths, 4 nodes), a later
     one a depth-1 tree where x3 is still to come: the law of (x2, x3) is the target's (two_token_law)."""
     params = [SamplingParams(temperature=0.8, top_k=5, seed=i, max_tokens=4, ignore_eos=True)
               for i in range(E2E_SAMPLES)]
     law, _, _ = two_token_law(v8_target, E2E_PROMPT, params[0])
-    spec = {"method": "peagle", "model": peagle_head_dir(v8_target, heads_root, num_depths=2, full_vocab=True),
+    spec = {"method": "peagle", "model": peagle_head_dir(v8_target, heads_root, num_depths=2, full_vocab=True,
+                                                             markov_rank=markov_rank),
             "num_speculative_tokens": 2, "topk": 2, "num_draft_tokens": 5}
     engine = make_engine(v8_target, spec, block_size=4, num_blocks=1024, max_model_len=64, max_num_seqs=256,
                          max_num_batched_tokens=4096)

@@ -146,6 +146,9 @@ def test_exports_neither_engine_loads_are_clear_errors(tiny_llama, tmp_path):
     biased = perturbed(heads.Eagle.from_target(parts), seed=7)
     with pytest.raises(ValueError, match="train with --model.init_args.fc_bias false"):
         exporting.export(biased, "vllm", tmp_path / "eagle")
+    markov = heads.Peagle.from_target(parts, mask_token_id=0, markov_rank=4)
+    with pytest.raises(ValueError, match=r"has a Markov head \(markov_rank=4\).* serve it in this engine"):
+        exporting.export(markov, "speculators", tmp_path / "peagle")
     assert not any(tmp_path.iterdir()), "a refused export writes nothing"
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("keep me")

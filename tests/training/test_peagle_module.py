@@ -65,3 +65,24 @@ def test_a_batch_becomes_the_block_with_the_papers_mask(monkeypatch):
             [1, 0, 0, 0, 0, 0, 0],
         ]], dtype=torch.bool)
     assert torch.equal(seen["mask"], expected)
+
+
+def test_a_markov_head_reads_the_label_of_the_depth_before():
+    """Each depth d >= 1 element's bias comes from the label of depth d - 1 at its anchor (x_{t+d+1}), the draft a
+    chain holds there whenever it reaches depth d; the loss is the depths' mean over those logits."""
+    module = PeagleModule(target="debug", draft_vocab_size=1024, mask_token_id=7, num_depths=3, markov_rank=4)
+    input_ids = torch.arange(10, 18)[None]  # x_t = 10 + t
+    batch = {"input_ids": input_ids, "padding_mask": torch.ones(1, 8, dtype=torch.bool)}
+    hidden = {"eagle3": torch.randn(1, 8, 3 * module.head.config.hidden_size)}
+    torch.nn.init.normal_(module.head.markov_out.weight)
+    calls = []
+    depth_logits = module.head.depth_logits
+    module.head.depth_logits = lambda out, depth, previous: calls.append((depth, previous.tolist())) or depth_logits(
+        out, depth, previous)
+    block = module.block(batch, hidden, [[torch.tensor([1, 2]), torch.tensor([1])]])
+    last = torch.randn(1, 8, module.head.config.hidden_size)
+    loss, terms = module._loss(input_ids, torch.ones(1, 8, dtype=torch.bool), last, *block)
+    # depth 1 at anchors 1, 2 predicts x_4, x_5 after x_3, x_4; depth 2 at anchor 1 predicts x_5 after x_4
+    assert calls[1:] == [(1, [13, 14]), (2, [14])]
+    assert calls[0][0] == 0
+    torch.testing.assert_close(loss, sum(terms[f"loss_{d}"] for d in (1, 2, 3)) / 3)

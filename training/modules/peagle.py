@@ -16,7 +16,8 @@ val/acc_1..k, val/tau and val/tau_walk judge every anchor as the other kinds do.
 
 The loss at depth d is the token loss (losses.py; by default the KL from the target's distribution of x_{t+d+2} over
 the draft vocabulary to the head's, as Eagle3Module's), averaged over the depth's valid elements; the loss is the mean over depths, each depth weighing
-the same whatever its number of elements (as speculators).
+the same whatever its number of elements (as speculators). With a Markov head (markov_rank > 0), depth d >= 1's logits
+add its bias from the label of depth d - 1, which is the draft a chain has there whenever depth d is reached.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ class PeagleModule(FusedAuxModule):
 
     def __init__(self, num_depths: int = 4, down_sample_ratio: float = 0.7, down_sample_ratio_min: float = 0.2,
                  mask_token_id: int = 0, draft_vocab_size: int = 32000, aux_layers: list[int] | None = None,
-                 intermediate_size: int | None = None, **kwargs):
+                 intermediate_size: int | None = None, markov_rank: int = 0, **kwargs):
         """A P-EAGLE head: the EAGLE-3 body drafting num_depths tokens per forward.
 
         Args:
@@ -66,6 +67,7 @@ class PeagleModule(FusedAuxModule):
             draft_vocab_size: Tokens the head drafts over: the store's most frequent answer tokens.
             aux_layers: The target layers whose inputs are fused (null: 2, L//2, L-3).
             intermediate_size: MLP width of the layer (null: the target's).
+            markov_rank: Rank of DSpark's Markov head on depths >= 1 (heads/peagle.py); 0: none.
         """
         super().__init__(**kwargs)
         if not 0 < down_sample_ratio <= 1 or not 0 <= down_sample_ratio_min <= 1:
@@ -73,7 +75,7 @@ class PeagleModule(FusedAuxModule):
                              f"{down_sample_ratio_min} in [0, 1]")
         self.head = Peagle.from_target(self.target_parts, draft_vocab_size=draft_vocab_size,
                                        aux_layers=tuple(aux_layers or ()), intermediate_size=intermediate_size,
-                                       mask_token_id=mask_token_id, num_depths=num_depths)
+                                       mask_token_id=mask_token_id, num_depths=num_depths, markov_rank=markov_rank)
 
     def _valid(self, labels: torch.Tensor, has_label: torch.Tensor, num_depths: int) -> torch.Tensor:
         """[B, S, num_depths] bool: the label x_{t+d+2} of depth d at anchor t is one to train on."""
@@ -122,7 +124,8 @@ class PeagleModule(FusedAuxModule):
             if d and not rows.any():
                 continue
             num = max(1, int(rows.sum()))
-            logits = self.head.logits(out[rows]).float()  # [n, draft_vocab]
+            previous = labels.gather(1, label_at - 1)[rows]  # depth d - 1's label
+            logits = self.head.depth_logits(out[rows], d, previous).float()  # [n, draft_vocab]
             target_logprobs = None
             if self.draft_loss.needs_target:
                 with torch.no_grad():
@@ -161,6 +164,10 @@ class PeagleModule(FusedAuxModule):
             example = torch.arange(batch_size, device=out.device)[:, None].expand_as(depths)[rows]
             at_depth[example, anchors[rows]] = out[rows]
             outs.append(at_depth)
-        correct, valid, logits = self.chain_outcomes(batch, outs, lambda s, rows: self.head.logits(rows),
-                                                     self.head.to_target_ids)
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+
+        def depth_logits(s, rows):  # rows: depth s's outputs where chain_outcomes judges it; the token before: x_{t+s+1}
+            return self.head.depth_logits(rows, s, shift_left(input_ids, s + 1)[shift_left(loss_mask, s + 2)])
+
+        correct, valid, logits = self.chain_outcomes(batch, outs, depth_logits, self.head.to_target_ids)
         return loss, correct, valid, logits
