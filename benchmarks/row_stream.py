@@ -4,10 +4,12 @@ loop that only reads those matrices' bytes (eight vector sums, each thread one c
 per matrix as the products have). The read is what streaming can reach at that minute on the same buffers and
 calls, whatever the floor's copy says; the products' GB/s over it is how close they come.
 
-Sets: the default target's 120 linear layers (float32 and bfloat16), and bfloat16 matrices of ~1.8 MB each at
-several depths k (the panels' length: a thread starts ROW_GROUP new streams every k * 32 bytes of bfloat16).
+Sets: the default target's 120 linear layers (float32 and bfloat16), bfloat16 matrices of ~1.8 MB each at
+several depths k (the panels' length: a thread starts ROW_GROUP new streams every k * 32 bytes of bfloat16), and
+bfloat16 matrices of several sizes at the target's k, ~240 MB of them in each set (every matrix is its own phase:
+its threads start new streams together, and a phase of a few hundred KB per thread ends before those run at speed).
 
-    python -m benchmarks.row_stream [--repeats 20] [--ks 288 576 1152 2304]
+    python -m benchmarks.row_stream [--repeats 20] [--ks 288 576 1152 2304] [--sizes 0.66 1.8 3.5 14 56]
 """
 from __future__ import annotations
 
@@ -83,6 +85,8 @@ def main() -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--ks", type=int, nargs="+", default=[288, 576, 1152, 2304])
+    parser.add_argument("--sizes", type=float, nargs="+", default=[0.66, 1.8, 3.5, 14, 56], metavar="MB",
+                        help="sizes of the bfloat16 matrices at the target's k, in MB")
     args = parser.parse_args()
     if library() is None:
         raise SystemExit("serving/kernels.c does not run here (no C compiler or no AVX2): nothing to compare")
@@ -99,6 +103,12 @@ def main() -> None:
         n = int(1.8e6 / 2 / k) // 16 * 16
         matrices = [(k, n, to_panels(torch.randn(n, k).to(torch.bfloat16))) for _ in range(120)]
         compare(f"120 x [{k}, {n}] bfloat16", matrices, read, args.repeats)
+    k = c.layer.hidden_size
+    for size in args.sizes:
+        n = int(size * 1e6 / 2 / k) // 16 * 16
+        count = max(1, int(240e6 // (2 * k * n)))
+        matrices = [(k, n, to_panels(torch.randn(n, k).to(torch.bfloat16))) for _ in range(count)]
+        compare(f"{count} x [{k}, {n}] bfloat16", matrices, read, args.repeats)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ SiLU times up, residual adds, views and the layer loop itself. Each part is time
 a wrapper around its Python call (~0.3 us each, ~200 calls a step), with the target's layers run one kernel call at
 a time; the uninstrumented step (all layers in one call of serving.kernels.KernelStack) is timed in the same
 rounds. The floor of a part is the bytes it must read (weights; K/V for attention) over the measured copy
-bandwidth.
+bandwidth. One more row times steps whose forward replays the last one's output: the engine's own work (everything
+but the forward) as fast as it runs with its data still in the caches, which a real forward's weights have streamed
+through (on this project's 2-core machines ~3x longer after one: Results, round 33).
 
     python benchmarks/step_breakdown.py [--target smollm2-135m-instruct] [--concurrency 1 16] [--weights float32 bfloat16]
         [--modules] [--context 256] [--steps 16] [--rounds 4]
@@ -130,6 +132,19 @@ def timed_steps(engine: Engine, steps: int, clock: Clock | None) -> list[float]:
     return times
 
 
+def outside_forward_warm(engine: Engine, steps: int) -> list[float]:
+    """Seconds of steps whose forward returns the last real forward's output at once: the engine's own work (the
+    scheduler, batch and metadata, argmax, emitting, bookkeeping) with the caches as that work leaves them, where after
+    a real forward they hold what streaming the weights left (the rows "step" less "forward" measure that)."""
+    model = engine.model
+    recorded = []
+    with patched(model, "forward", lambda *args, **kwargs: recorded.append(type(model).forward(model, *args, **kwargs))
+                 or recorded[-1]):
+        engine.step()
+    with patched(model, "forward", lambda *args, **kwargs: recorded[-1]):
+        return timed_steps(engine, steps, None)
+
+
 def kv_bytes_per_step(engine: Engine) -> int:
     c = engine.model.config
     per_token = 2 * c.num_layers * c.layer.num_kv_heads * c.layer.head_dim * engine.cache.k.element_size()
@@ -149,7 +164,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     for concurrency in args.concurrency:
-        max_tokens = 2 * args.rounds * args.steps + 8
+        max_tokens = 3 * args.rounds * args.steps + 8
         engines = {}
         for w in args.weights:
             for modules in (False, True) if args.modules else (False,):
@@ -166,11 +181,13 @@ def main() -> None:
         clocks = {w: Clock() for w in engines}
         plain = {w: [] for w in engines}
         kv = {w: [] for w in engines}
+        warm = {w: [] for w in engines}
         for _ in range(args.rounds):  # taking turns: the machine's speed drifts, and other work shares its cores
             for w, engine in engines.items():
                 kv[w].append(kv_bytes_per_step(engine))
                 plain[w] += timed_steps(engine, args.steps, None)
                 timed_steps(engine, args.steps, clocks[w])
+                warm[w] += outside_forward_warm(engine, args.steps)
         num_steps = args.rounds * args.steps
         print(f"\nconcurrency {concurrency}, context {args.context}+, {args.target}, {torch.get_num_threads()} threads, "
               f"{num_steps} steps per engine; medians over steps")
@@ -194,6 +211,8 @@ def main() -> None:
                 floor = floors[w].get(part)
                 cells.append(f"{ms:.2f} | {floor:.2f}" if floor is not None else f"{ms:.2f} | ")
             print(f"| {part} | " + " | ".join(cells) + " |")
+        print("| step less forward, caches warm (the forward's output replayed) | " + " | ".join(
+            f"{statistics.median(warm[w]) * 1e3:.2f} | " for w in engines) + " |")
         print("| step, uninstrumented (median) | " + " | ".join(
             f"{statistics.median(plain[w]) * 1e3:.2f} | {floors[w]['step']:.2f}" for w in engines) + " |")
         print("| tok/s, uninstrumented | " + " | ".join(
