@@ -120,6 +120,11 @@ class Eagle3(DraftHead):
         """[draft_vocab] the target id of each draft id, ascending."""
         return self.to_target_ids(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
 
+    @property
+    def draft_index(self) -> torch.Tensor:
+        """[vocab] the draft id of each target id (meaningful where t2d holds)."""
+        return self.t2d.cumsum(0) - 1
+
     def init_from_target(self) -> "Eagle3":
         with torch.no_grad():
             self.norm.weight.copy_(self.target.norm.weight)

@@ -70,8 +70,7 @@ class Peagle(Eagle3):
 
     def markov_rows(self, previous: torch.Tensor) -> torch.Tensor:
         """previous: [...] target ids -> their rows of markov_in: the draft id, or draft_vocab_size outside it."""
-        draft_ids = (self.t2d.cumsum(0) - 1)[previous]
-        return torch.where(self.t2d[previous], draft_ids, self.config.draft_vocab_size)
+        return torch.where(self.t2d[previous], self.draft_index[previous], self.config.draft_vocab_size)
 
     def markov_bias(self, rows: torch.Tensor) -> torch.Tensor:
         """rows: [...] markov_in rows of the tokens before (a draft's draft id is its row) -> [..., draft_vocab] the

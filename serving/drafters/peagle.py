@@ -85,10 +85,11 @@ class PeagleDrafter(EagleDrafter):
         which = [(r, d) for r, request_rows in enumerate(rows) for d in range(len(request_rows))]
         at = torch.tensor([rows[r][d] for r, d in which], device=self.device)
         r_index, d_index = torch.tensor(which).unbind(1)
+        logits = self.head.logits(out[at])  # one LM head over every request's rows at every depth
         if self.head.config.markov_rank:
-            found = self._grow_markov(self.head.logits(out[at]), r_index, d_index, max_depths, thresholds)
+            found = self._grow_markov(logits, r_index, d_index, max_depths, thresholds)
         else:
-            found = self._grow_marginals(self.head.logits(out[at]), which, r_index, d_index, max_depths, thresholds)
+            found = self._grow_marginals(logits, which, r_index, d_index, max_depths, thresholds)
         return {request.request_id: candidates.best(budgets[request.request_id].num_nodes)
                 for (request, *_), candidates in zip(taken, found)}
 

@@ -87,7 +87,7 @@ class Eagle3Module(FusedAuxModule):
     def _loss(self, labels: torch.Tensor, has_label: torch.Tensor, last: torch.Tensor,
               outs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
         draft_rows = self.draft_rows()
-        draft_index = self.head.t2d.cumsum(0) - 1  # target id -> draft id (where t2d holds)
+        draft_index = self.head.draft_index
         loss, terms = 0.0, {}
         for s, out in enumerate(outs):
             label = shift_left(labels, s + 2)  # [B, S]

@@ -112,11 +112,12 @@ class PeagleModule(FusedAuxModule):
         num_depths = self.head.config.num_depths
         num_positions = labels.shape[1]
         draft_rows = self.draft_rows()
-        draft_index = self.head.t2d.cumsum(0) - 1  # target id -> draft id (where t2d holds)
+        draft_index = self.head.draft_index
         label_at = anchors + depths + 2
         inside = is_real & (label_at < num_positions)
         label_at = label_at.clamp(max=num_positions - 1)
         label = labels.gather(1, label_at)
+        previous = labels.gather(1, label_at - 1)  # the label of the depth before (the Markov head's token)
         valid = inside & has_label.gather(1, label_at) & self.head.t2d[label]
         loss, terms = 0.0, {}
         for d in range(num_depths):
@@ -124,8 +125,7 @@ class PeagleModule(FusedAuxModule):
             if d and not rows.any():
                 continue
             num = max(1, int(rows.sum()))
-            previous = labels.gather(1, label_at - 1)[rows]  # depth d - 1's label
-            logits = self.head.depth_logits(out[rows], d, previous).float()  # [n, draft_vocab]
+            logits = self.head.depth_logits(out[rows], d, previous[rows]).float()  # [n, draft_vocab]
             target_logprobs = None
             if self.draft_loss.needs_target:
                 with torch.no_grad():
