@@ -106,7 +106,8 @@ class DFlashDrafter(DeferredDrafter):
         log_probs, tokens = top_log_probs(logits, self.topk, temperatures[:, None])  # [R, D, topk] each
         if self.token_map is not None:
             tokens = self.token_map[tokens]
-        found = grow_from_marginals(log_probs, tokens, self.topk,
-                                    [budgets[r.request_id].depth for r in requests],
+        depths = [budgets[r.request_id].depth for r in requests]
+        found = grow_from_marginals([lp[:d] for lp, d in zip(log_probs.tolist(), depths)],
+                                    [t[:d] for t, d in zip(tokens.tolist(), depths)], self.topk,
                                     [self.confidence.log_threshold_for(budgets[r.request_id]) for r in requests])
         return {r.request_id: candidates.best(budgets[r.request_id].num_nodes) for r, candidates in zip(requests, found)}

@@ -72,13 +72,16 @@ class EagleDrafter(DeferredDrafter):
             return self.head.forward_module(0, ids, features, positions, attention)
         return self.head(ids, features, positions, attention)
 
-    def _top(self, out: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probabilities, target ids) of the topk most likely drafts after each row of head outputs."""
+    def _top(self, out: torch.Tensor, depth: int) -> tuple[list, list]:
+        """(log-probabilities, target ids) of the topk most likely drafts after each row of head outputs, as lists
+        per row."""
         logits = self.head.logits(0, out) if self.kind == "mtp" else self.head.logits(out)
         log_probs, best = top_log_probs(logits, self.topk, self.confidence.temperature(depth))
         if self.fuses_aux:
-            return log_probs, self.head.to_target_ids(best)
-        return log_probs, best if self.token_map is None else self.token_map[best]
+            best = self.head.to_target_ids(best)
+        elif self.token_map is not None:
+            best = self.token_map[best]
+        return log_probs.tolist(), best.tolist()
 
     def input_features(self, features: list[torch.Tensor]) -> torch.Tensor:
         """The noted feature rows as the head's input g: EAGLE-3's aux rows fused by fc (one call over all of them)."""

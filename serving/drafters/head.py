@@ -90,16 +90,10 @@ def log_confidence(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def top_log_probs(logits: torch.Tensor, num: int, temperature: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The `num` most likely entries of each row of logits: (their log-probabilities under softmax(logits /
-    temperature), [..., num]; their indices, [..., num]). Without a softmax over the whole row. temperature: one for
-    every row, or a tensor of each row's that broadcasts as [..., 1]."""
-    values, indices = logits.topk(num, dim=-1)
-    logits = logits.float()
-    return (values.float() - logits.amax(-1, keepdim=True)) / temperature - _log_norm(logits, temperature), indices
-
-
-def _log_norm(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
-    shifted = logits - logits.amax(-1, keepdim=True)
-    return torch.logsumexp(shifted / temperature, dim=-1, keepdim=True)
+    temperature), [..., num]; their indices, [..., num]). temperature: one for every row, or a tensor of each row's
+    that broadcasts as [..., 1]. One fused log-softmax reads the rows once (logsumexp takes five passes: 2-3x the
+    time on a drafter's few rows after a forward has evicted the caches)."""
+    return (logits.float() / temperature).log_softmax(-1).topk(num, dim=-1)
 
 
 class Confidence:

@@ -27,9 +27,10 @@ class MedusaDrafter(Drafter):
         self.choices = config.medusa_choices
         self.num_ranks = 1 + max(r for path in self.choices for r in path) if self.choices is not None else self.topk
 
-    def _top(self, logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _top(self, logits: torch.Tensor, depth: int) -> tuple[list, list]:
+        """(log-probabilities, target ids) of each request's num_ranks most likely drafts, as lists per request."""
         log_probs, best = top_log_probs(logits, self.num_ranks, self.confidence.temperature(depth))
-        return log_probs, best if self.token_map is None else self.token_map[best]
+        return log_probs.tolist(), (best if self.token_map is None else self.token_map[best]).tolist()
 
     @torch.inference_mode()
     def propose(self, ctx, requests, budgets):
@@ -46,8 +47,8 @@ class MedusaDrafter(Drafter):
         if self.choices is not None:
             found = [self._static(ranked, n, budgets[r.request_id]) for n, r in enumerate(requests)]
         else:
-            found = grow(ranked[0], lambda depth, nodes, _: (ranked[depth][0][[r for r, _ in nodes]],
-                                                             ranked[depth][1][[r for r, _ in nodes]]),
+            found = grow(ranked[0], lambda depth, nodes, _: ([ranked[depth][0][r] for r, _ in nodes],
+                                                             [ranked[depth][1][r] for r, _ in nodes]),
                          self.topk, [budgets[r.request_id].depth for r in requests],
                          [self.confidence.log_threshold_for(budgets[r.request_id]) for r in requests])
         return {r.request_id: candidates.best(budgets[r.request_id].num_nodes) for r, candidates in zip(requests, found)}
@@ -61,7 +62,7 @@ class MedusaDrafter(Drafter):
             if len(path) > max_depth or (len(path) > 1 and path[:-1] not in index):
                 continue
             log_probs, tokens = ranked[len(path) - 1]
-            score = (found.scores[parent] if parent >= 0 else 0.0) + float(log_probs[n, path[-1]])
+            score = (found.scores[parent] if parent >= 0 else 0.0) + log_probs[n][path[-1]]
             if score >= log_threshold:
-                index[path] = found.add(int(tokens[n, path[-1]]), parent, len(path), score)
+                index[path] = found.add(tokens[n][path[-1]], parent, len(path), score)
         return found

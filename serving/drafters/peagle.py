@@ -18,6 +18,8 @@ logits plus the Markov head's bias from the node's own token (tree_search.grow, 
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from serving.drafters.eagle import EagleDrafter
@@ -35,6 +37,8 @@ class PeagleDrafter(EagleDrafter):
         super().__init__(ctx, head, None, config)
         with torch.inference_mode():
             self.mask_row = head.mask_feature()[None]  # fc(mask_hidden): every placeholder's g, fixed once loaded
+        self.temperatures = torch.tensor([self.confidence.temperature(d + 1) for d in range(head.config.num_depths)],
+                                         device=self.device)
 
     def scratch_rows(self, config) -> int:
         """One slot per placeholder row."""
@@ -57,15 +61,16 @@ class PeagleDrafter(EagleDrafter):
             return {}
         mask_id = self.head.config.mask_token_id
         ids, positions, query_lens, context_lens, tables, paths, features = [], [], [], [], [], [], []
-        rows = []  # per request: its rows of the flat batch at depth 1, 2, ... (the newest pair's, then placeholders')
         sources = []  # per row: its pair's feature row, or -1 (the last row of g below) for a placeholder
-        num_rows = num_pairs = 0
+        drafted = []  # the rows whose outputs draft, each request's depth 1, 2, ... (its newest pair's, then placeholders')
+        max_depths, num_rows, num_pairs = [], 0, 0
         for r, (request, tokens, start, noted) in enumerate(taken):
-            num_masks = budgets[request.request_id].depth - 1
+            max_depths.append(budgets[request.request_id].depth)
+            num_masks = max_depths[-1] - 1
             anchor = start + len(tokens) - 1
             scratch = [self.scratch_start + r * self.num_scratch + d for d in range(num_masks)]
             ids += tokens + [mask_id] * num_masks
-            positions += list(range(start, anchor + 1)) + list(range(anchor + 1, anchor + 1 + num_masks))
+            positions += list(range(start, anchor + 1 + num_masks))
             query_lens.append(len(tokens))
             context_lens.append(anchor + 1)
             tables.append(request.block_ids)
@@ -74,52 +79,45 @@ class PeagleDrafter(EagleDrafter):
             num_pairs += len(tokens)
             features += noted
             num_rows += len(tokens) + num_masks
-            rows.append(list(range(num_rows - num_masks - 1, num_rows)))
+            drafted += range(num_rows - num_masks - 1, num_rows)
         g = self.input_features(features)  # [catch-up rows, hidden]
         g = torch.cat([g, self.mask_row])[torch.tensor(sources, device=self.device)]
         meta = ctx.runner.metadata(query_lens, context_lens, tables, paths)
         out = self._forward(torch.tensor(ids, device=self.device), g, torch.tensor(positions, device=self.device), meta)
-
-        max_depths = [budgets[request.request_id].depth for request, *_ in taken]
+        logits = self.head.logits(out[torch.tensor(drafted, device=self.device)])  # every request's depths, one LM head
         thresholds = [self.confidence.log_threshold_for(budgets[request.request_id]) for request, *_ in taken]
-        which = [(r, d) for r, request_rows in enumerate(rows) for d in range(len(request_rows))]
-        at = torch.tensor([rows[r][d] for r, d in which], device=self.device)
-        r_index, d_index = torch.tensor(which).unbind(1)
-        logits = self.head.logits(out[at])  # one LM head over every request's rows at every depth
         if self.head.config.markov_rank:
-            found = self._grow_markov(logits, r_index, d_index, max_depths, thresholds)
+            found = self._grow_markov(logits, max_depths, thresholds)
         else:
-            found = self._grow_marginals(logits, which, r_index, d_index, max_depths, thresholds)
+            found = self._grow_marginals(logits, max_depths, thresholds)
         return {request.request_id: candidates.best(budgets[request.request_id].num_nodes)
                 for (request, *_), candidates in zip(taken, found)}
 
-    def _grow_marginals(self, logits, which, r_index, d_index, max_depths, thresholds):
+    def _grow_marginals(self, logits, max_depths, thresholds):
         """The tree of the per-depth marginals: one top-k over every request's rows at every depth, each at its
-        depth's temperature. logits: [rows, draft_vocab], row i request r_index[i]'s depth d_index[i]."""
-        temperatures = torch.tensor([self.confidence.temperature(d + 1) for _, d in which], device=self.device)
-        best_log_probs, best = top_log_probs(logits, self.topk, temperatures[:, None])
-        log_probs = torch.full((len(max_depths), max(max_depths), self.topk), -torch.inf)
-        tokens = torch.zeros(len(max_depths), max(max_depths), self.topk, dtype=torch.long)
-        log_probs[r_index, d_index] = best_log_probs.cpu()
-        tokens[r_index, d_index] = self.head.to_target_ids(best).cpu()
-        return grow_from_marginals(log_probs, tokens, self.topk, max_depths, thresholds)
+        depth's temperature. logits: [rows, draft_vocab], each request's depths in turn."""
+        temperatures = torch.cat([self.temperatures[:depth] for depth in max_depths])
+        log_probs, best = top_log_probs(logits, self.topk, temperatures[:, None])
+        log_probs, tokens = log_probs.tolist(), self.head.to_target_ids(best).tolist()
+        ends = list(itertools.accumulate(max_depths))
+        return grow_from_marginals([log_probs[end - depth:end] for depth, end in zip(max_depths, ends)],
+                                   [tokens[end - depth:end] for depth, end in zip(max_depths, ends)], self.topk, thresholds)
 
-    def _grow_markov(self, logits, r_index, d_index, max_depths, thresholds):
+    def _grow_markov(self, logits, max_depths, thresholds):
         """Depth by depth: a node's children are the top-k of its depth's logits plus the Markov head's bias from
         the node's token (a draft: its draft id is its row of the Markov head)."""
-        by_depth = logits.new_full((len(max_depths), max(max_depths), logits.shape[-1]), -torch.inf)
-        by_depth[r_index.to(self.device), d_index.to(self.device)] = logits
+        first = torch.tensor(list(itertools.accumulate([0] + max_depths[:-1])), device=self.device)  # depth 1's rows
         draft_ids = {}  # target id -> draft id of every token drafted so far
 
         def top(depth, depth_logits):
             log_probs, best = top_log_probs(depth_logits, self.topk, self.confidence.temperature(depth + 1))
-            tokens = self.head.to_target_ids(best).cpu()
-            draft_ids.update(zip(tokens.flatten().tolist(), best.flatten().tolist()))
-            return log_probs.cpu(), tokens
+            tokens = self.head.to_target_ids(best).tolist()
+            draft_ids.update(zip((t for row in tokens for t in row), (b for row in best.tolist() for b in row)))
+            return log_probs.tolist(), tokens
 
         def expand(depth, nodes, found):
-            requests = torch.tensor([r for r, _ in nodes], device=self.device)
-            rows = torch.tensor([draft_ids[found[r].tokens[c]] for r, c in nodes], device=self.device)
-            return top(depth, by_depth[requests, depth] + self.head.markov_bias(rows).to(logits.dtype))
+            rows = torch.tensor([r for r, _ in nodes], device=self.device)
+            previous = torch.tensor([draft_ids[found[r].tokens[c]] for r, c in nodes], device=self.device)
+            return top(depth, logits[first[rows] + depth] + self.head.markov_bias(previous).to(logits.dtype))
 
-        return grow(top(0, by_depth[:, 0]), expand, self.topk, max_depths, thresholds)
+        return grow(top(0, logits[first]), expand, self.topk, max_depths, thresholds)

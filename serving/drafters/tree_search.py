@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from serving.spec_decode.tree import DraftTree
 
 
@@ -42,22 +40,21 @@ class Candidates:
                          tuple(-1 if self.parents[i] < 0 else index[self.parents[i]] for i in order))
 
 
-def grow(first: tuple[torch.Tensor, torch.Tensor], expand, topk: int, max_depths: list[int],
+def grow(first: tuple[list, list], expand, topk: int, max_depths: list[int],
          log_thresholds: list[float]) -> list[Candidates]:
-    """first: (log-probabilities [R, topk], target token ids [R, topk]) of each request's topk most likely first
-    drafts; expand(depth, nodes, candidates) -> the same pair [len(nodes), topk] for the children of `nodes`, a list of (request
-    index, candidate index) at depth `depth`; max_depths: each request's deepest depth; log_thresholds: each request's
-    confidence cut (-inf: none). Returns each request's candidates."""
+    """first: (log-probabilities, target ids), each a list per request of its topk most likely first drafts' (nested
+    Python lists: the search reads them one by one); expand(depth, nodes, candidates) -> the same pair for the children of
+    `nodes`, a list of (request index, candidate index) at depth `depth`; max_depths: each request's deepest depth;
+    log_thresholds: each request's confidence cut (-inf: none). Returns each request's candidates."""
     found = [Candidates() for _ in max_depths]
     log_probs, tokens = first
-    frontier = _add(found, [(r, -1) for r in range(len(max_depths))], log_probs.tolist(), tokens.tolist(), 1, topk,
-                    log_thresholds)
+    frontier = _add(found, [(r, -1) for r in range(len(max_depths))], log_probs, tokens, 1, topk, log_thresholds)
     for depth in range(1, max(max_depths, default=0)):
         nodes = [(r, c) for r, c in frontier if max_depths[r] > depth]
         if not nodes:
             break
         log_probs, tokens = expand(depth, nodes, found)
-        frontier = _add(found, nodes, log_probs.tolist(), tokens.tolist(), depth + 1, topk, log_thresholds)
+        frontier = _add(found, nodes, log_probs, tokens, depth + 1, topk, log_thresholds)
     return found
 
 
@@ -78,15 +75,14 @@ def _add(found, parents, log_probs, tokens, depth, topk, log_thresholds) -> list
     return frontier
 
 
-def grow_from_marginals(log_probs: torch.Tensor, tokens: torch.Tensor, topk: int, max_depths: list[int],
-                        log_thresholds: list[float]) -> list[Candidates]:
+def grow_from_marginals(log_probs: list, tokens: list, topk: int, log_thresholds: list[float]) -> list[Candidates]:
     """The same search for drafters that draft a whole block in one forward (P-EAGLE, DFlash): the children of
     every node at depth d are depth d + 1's topk most likely tokens, whatever the path above, so a node's score is the
-    product of the per-depth marginals along its path. log_probs, tokens: [R, depth, topk] each request's topk
-    log-probabilities and target ids at each depth of its block. Needs no further forward."""
+    product of the per-depth marginals along its path. log_probs[r][d], tokens[r][d]: request r's topk
+    log-probabilities and target ids at depth d + 1 of its block, as many depths as it drafts. Needs no further
+    forward."""
     def expand(depth, nodes, found):
-        rows = torch.tensor([r for r, _ in nodes], device=log_probs.device)
-        return log_probs[rows, depth], tokens[rows, depth]
+        return [log_probs[r][depth] for r, _ in nodes], [tokens[r][depth] for r, _ in nodes]
 
-    max_depths = [min(d, log_probs.shape[1]) for d in max_depths]
-    return grow((log_probs[:, 0], tokens[:, 0]), expand, topk, max_depths, log_thresholds)
+    return grow(([lp[0] for lp in log_probs], [t[0] for t in tokens]), expand, topk, [len(lp) for lp in log_probs],
+                log_thresholds)

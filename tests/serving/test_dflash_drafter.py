@@ -64,7 +64,7 @@ def dense_candidates(head, logits, budget, topk):
     confidence = Confidence(head, 0.0)
     depths = range(min(len(logits), budget.depth))
     log_probs, tokens = zip(*(top_log_probs(logits[d], topk, confidence.temperature(d + 1)) for d in depths))
-    return grow_from_marginals(torch.stack(log_probs)[None], torch.stack(tokens)[None], topk, [budget.depth],
+    return grow_from_marginals([torch.stack(log_probs).tolist()], [torch.stack(tokens).tolist()], topk,
                                [confidence.log_threshold_for(budget)])[0]
 
 

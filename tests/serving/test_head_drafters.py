@@ -1095,8 +1095,8 @@ def test_confidence_is_the_heads_probability_of_its_draft_at_a_temperature():
     drafter = MedusaDrafter.__new__(MedusaDrafter)
     drafter.token_map, drafter.num_ranks, drafter.confidence = torch.tensor([7, 8, 9]), 2, Confidence(head, 0.0)
     log_probs, ids = drafter._top(logits, 2)
-    assert ids.tolist() == [[7, 8], [8, 9]]
-    torch.testing.assert_close(log_probs.exp(), (logits / 0.6).softmax(-1).topk(2).values)
+    assert ids == [[7, 8], [8, 9]]
+    torch.testing.assert_close(torch.tensor(log_probs).exp(), (logits / 0.6).softmax(-1).topk(2).values)
 
 
 def test_mtp_chain_with_a_confidence_threshold_cuts_the_chain_where_its_probability_falls_below_it(

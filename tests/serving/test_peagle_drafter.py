@@ -78,18 +78,18 @@ def dense_candidates(head, states, tokens, budget, topk):
         def top(depth, previous):
             log_probs, best = top_log_probs(head.depth_logits(out[rows[depth]], depth, previous), topk,
                                             confidence.temperature(depth + 1))
-            return log_probs, head.to_target_ids(best)
+            return log_probs.tolist(), head.to_target_ids(best).tolist()
 
         def expand(depth, nodes, found):
             children = [top(depth, torch.tensor(found[0].tokens[c])) for _, c in nodes]
-            return torch.stack([c[0] for c in children]), torch.stack([c[1] for c in children])
+            return [c[0] for c in children], [c[1] for c in children]
 
         first = top(0, None)
-        return grow((first[0][None], first[1][None]), expand, topk, [budget.depth], threshold)[0]
-    log_probs, best = zip(*(top_log_probs(head.logits(out[row][None]), topk, confidence.temperature(d + 1))
+        return grow(([first[0]], [first[1]]), expand, topk, [budget.depth], threshold)[0]
+    log_probs, best = zip(*(top_log_probs(head.logits(out[row]), topk, confidence.temperature(d + 1))
                             for d, row in enumerate(rows)))
-    tokens = head.to_target_ids(torch.stack(best, 1))  # [1, depth, topk]
-    return grow_from_marginals(torch.stack(log_probs, 1), tokens, topk, [budget.depth], threshold)[0]
+    tokens = head.to_target_ids(torch.stack(best))  # [depth, topk]
+    return grow_from_marginals([torch.stack(log_probs).tolist()], [tokens.tolist()], topk, threshold)[0]
 
 
 @pytest.mark.parametrize("markov_rank", [0, 8], ids=["marginals", "markov"])

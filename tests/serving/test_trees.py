@@ -482,8 +482,10 @@ def head_top(head, out, topk, temperature):
     logits = head.logits(0, out) if kind == "mtp" else head.logits(out)
     log_probs, best = top_log_probs(logits, topk, temperature)
     if kind == "eagle3":
-        return log_probs, head.to_target_ids(best)
-    return log_probs, best if head.token_map is None else head.token_map[best]
+        best = head.to_target_ids(best)
+    elif head.token_map is not None:
+        best = head.token_map[best]
+    return log_probs.tolist(), best.tolist()
 
 
 @torch.no_grad()
@@ -591,7 +593,7 @@ def test_each_request_is_cut_at_its_own_threshold():
 
     def ranked(rows):
         log_probs, ids = top_log_probs(logits[rows], 3, 1.0)
-        return log_probs, ids
+        return log_probs.tolist(), ids.tolist()
 
     first = ranked(torch.tensor([0, 0]))
     # a node's children depend on the node (its token and depth), not on where it sits in either request's list
@@ -685,11 +687,11 @@ def dense_medusa_candidates(head, hidden, budget, choices, topk):
     if choices is None:
         def top(depth):  # depth d's topk drafts and their log-probabilities, [1, topk]
             log_probs, best = top_log_probs(logits[depth - 1][None], topk, confidence.temperature(depth))
-            return log_probs, target_ids(best)
+            return log_probs.tolist(), target_ids(best).tolist()
 
         def expand(depth, nodes, found):
             log_probs, ids = top(depth + 1)
-            return log_probs.expand(len(nodes), -1), ids.expand(len(nodes), -1)
+            return log_probs * len(nodes), ids * len(nodes)
 
         return grow(top(1), expand, topk, [budget.depth], [confidence.log_threshold_for(budget)])[0]
     found, index = Candidates(), {}
@@ -953,7 +955,7 @@ def test_trees_from_block_marginals_keep_the_most_probable_paths(seed):
     depth, topk, num_nodes = 3, 5, 5
     probs = torch.rand(1, depth, topk, generator=generator).sort(-1, descending=True).values
     tokens = torch.randint(0, 100, (1, depth, topk), generator=generator)
-    tree = grow_from_marginals(probs.log(), tokens, topk, [depth], [-math.inf])[0].best(num_nodes)
+    tree = grow_from_marginals(probs.log().tolist(), tokens.tolist(), topk, [-math.inf])[0].best(num_nodes)
     paths = {}
     for length in range(1, depth + 1):
         for ranks in itertools.product(range(topk), repeat=length):
