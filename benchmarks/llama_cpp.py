@@ -3,7 +3,8 @@ weights as float32 and as bfloat16 in this engine (EngineConfig.weights), and ll
 a BF16 GGUF written from the same safetensors by llama.cpp's own converter, all on the same threads. Each round
 runs every engine once in a rotated order (this machine's memory bandwidth drifts); the table gives each engine's
 median tokens/s over the rounds and its time per token against its weights' bandwidth floors, measured just before
-each run (serving.bench.offline.bandwidth_floor: a copy's rate and reading alone).
+each run (serving.bench.offline.bandwidth_floor: a copy's rate and reading alone), and the ratio of the two engines
+at each precision round by round (the memory's rate moves by minutes: a round's runs share a minute).
 
 Both generate --tokens tokens from an (almost) empty context: llama-bench's tg test, and here a one-token prompt,
 greedy, EOS ignored.
@@ -102,8 +103,11 @@ def main() -> None:
         print(f"| {name} | {rate:.1f} | {1e3 / rate:.1f} | {statistics.median(floors[name]['copy']):.2f}x | "
               f"{statistics.median(floors[name]['read']):.2f}x |")
     for weights, outtype in OUTTYPES.items():
-        ratio = statistics.median(rates[f"draftheads {weights}"]) / statistics.median(rates[f"llama.cpp {outtype.upper()}"])
-        print(f"\ndraftheads {weights} / llama.cpp {outtype.upper()}: {ratio:.2f}x", end="")
+        ours_rates, theirs = rates[f"draftheads {weights}"], rates[f"llama.cpp {outtype.upper()}"]
+        ratio = statistics.median(ours_rates) / statistics.median(theirs)
+        by_round = sorted(a / b for a, b in zip(ours_rates, theirs))  # the same round: minutes apart at most
+        print(f"\ndraftheads {weights} / llama.cpp {outtype.upper()}: {ratio:.2f}x; round by round "
+              f"{' '.join(f'{r:.2f}' for r in by_round)} (median {statistics.median(by_round):.2f}x)", end="")
     print()
 
 
