@@ -8,6 +8,7 @@ run one at a time. Everything derived from the block tables is built once per st
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -47,35 +48,49 @@ class _Single:
     mask: torch.Tensor | None  # [1, query, context]
 
 
+def context_slots(table: list[int], context: int, block_size: int) -> list[int]:
+    """The pool slots of a sequence's first `context` positions, in position order."""
+    slots = []
+    for block in table[:-(-context // block_size)]:
+        slots.extend(range(block * block_size, (block + 1) * block_size))
+    del slots[context:]
+    return slots
+
+
 class _Batched:
     """The sequences with short queries or tree rows, attended as one padded batch of B sequences. A sequence's rows
     are its query rows (causal: query row i sees keys 0 .. context - query rows + i, in table order), then its tree
     rows: each sees the whole context, then the keys of its path (its ancestors' slots and its own, in position
     order), so it reads the keys a decode step at its position would, in the same order.
 
-    The C kernel reads `seqs`, `key_slots` and `paths`, built with the step; torch's path reads the padded row
-    indices, its own key list and mask, built the first time it asks (per-step metadata costs more than a draft
-    layer's arithmetic)."""
+    The C kernel reads `seqs`, the context slots and `paths` from one host tensor (kernel_arrays); torch's path reads
+    the padded row indices, its own key list and mask; each is built the first time it is asked for (per-step metadata
+    costs more than a draft layer's arithmetic, and each torch call ~20 us after a forward has evicted the caches)."""
 
-    def __init__(self, short, key_slots, device):
-        # short: (first row, query rows, context length, paths: a slot list per tree row); key_slots: [B, Cmax] on the
-        # host, each sequence's context's slots in position order first (then anything: nothing reads past them)
-        self.short, self.device = short, device
+    def __init__(self, short, slots: list[list[int]], device):
+        # short: (first row, query rows, context length, paths: a slot list per tree row); slots: each sequence's
+        # context's slots in position order
+        self.short, self.slots, self.device = short, slots, device
         self.max_q = max(q + len(paths) for _, q, _, paths in short)
-        self.max_c = key_slots.shape[1]
-        self.host_slots = key_slots
-        self.key_slots = key_slots.flatten().to(device)  # [B * Cmax], for index_select
-        all_paths = [path for *_, paths in short for path in paths]
-        self.path_stride = 1 + max(map(len, all_paths), default=0)
-        rows = [[len(path), *path] + [0] * (self.path_stride - 1 - len(path)) for path in all_paths]
-        # [tree rows, 1 + longest path]: each row's path length, then its slots
-        self.paths = torch.tensor(rows or [[0] * self.path_stride], dtype=torch.long, device="cpu").to(device)
-        first_paths = [0]
-        for *_, paths in short:
-            first_paths.append(first_paths[-1] + len(paths))
-        # [B, 5] (first row in the flat batch, query rows, context length, tree rows, first tree row in `paths`)
-        self.seqs = torch.tensor([(start, q, c, len(paths), first_paths[i])
-                                  for i, (start, q, c, paths) in enumerate(short)], device=device)
+        self.max_c = max(c for _, _, c, _ in short)
+
+    def kernel_arrays(self, slot_mapping: list[int]) -> tuple[torch.Tensor, tuple]:
+        """(host tensor, kernels.c's arguments from new_slots on: new_slots, num_new, seqs, num_seqs, slots,
+        slot_stride, paths, path_stride), all read from the tensor: seqs [B][5] = (first row in the flat batch, query
+        rows, context length, tree rows, first tree row in paths); slots [B][Cmax], each context's then zeros that
+        nothing reads; paths [tree rows][1 + longest path] = (path length, its slots)."""
+        all_paths = [path for *_, paths in self.short for path in paths]
+        stride = 1 + max(map(len, all_paths), default=0)
+        seqs, first_path = [], 0
+        for start, q, c, paths in self.short:
+            seqs += [start, q, c, len(paths), first_path]
+            first_path += len(paths)
+        slots = [slot for row in self.slots for slot in (*row, *[0] * (self.max_c - len(row)))]
+        paths = [n for path in all_paths for n in (len(path), *path, *[0] * (stride - 1 - len(path)))] or [0] * stride
+        host = torch.tensor(slot_mapping + seqs + slots + paths, dtype=torch.long, device="cpu")
+        base, size = host.data_ptr(), host.element_size()
+        at = [base + size * n for n in itertools.accumulate((len(slot_mapping), len(seqs), len(slots)), initial=0)]
+        return host, (at[0], len(slot_mapping), at[1], len(self.short), at[2], self.max_c, at[3], stride)
 
     @functools.cached_property
     def query_index(self) -> torch.Tensor:
@@ -104,8 +119,7 @@ class _Batched:
         keys = torch.zeros(len(self.short), num_keys, dtype=torch.long, device="cpu")
         mask = torch.zeros(len(self.short), self.max_q, num_keys, dtype=torch.bool, device="cpu")
         for i, ((_, q, c, paths), tail) in enumerate(zip(self.short, tails)):
-            keys[i, :c] = self.host_slots[i, :c]
-            keys[i, c:c + len(tail)] = torch.tensor(tail, dtype=torch.long, device="cpu")
+            keys[i, :c + len(tail)] = torch.tensor(self.slots[i] + tail, dtype=torch.long, device="cpu")
             mask[i, :q] = torch.arange(num_keys, device="cpu")[None] <= torch.arange(c - q, c, device="cpu")[:, None]
             where = {slot: c + n for n, slot in enumerate(tail)}
             for t, path in enumerate(paths):
@@ -129,11 +143,18 @@ class _Batched:
         return None
 
 
-@dataclass
 class PagedMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] where each scheduled token's K/V is written
-    singles: list[_Single]
-    batched: _Batched | None
+    """The attention metadata of one flat forward: where each scheduled token's K/V is written (`new_slots`, and as a
+    tensor on the device, `slot_mapping`), the long queries attended one at a time (`singles`) and the short ones as
+    one batch (`batched`)."""
+
+    def __init__(self, new_slots: list[int], singles: list[_Single], batched: _Batched | None, device):
+        self.new_slots, self.singles, self.batched, self.device = new_slots, singles, batched, device
+
+    @functools.cached_property
+    def slot_mapping(self) -> torch.Tensor:
+        """[num_tokens] where each scheduled token's K/V is written, on the device."""
+        return torch.tensor(self.new_slots, dtype=torch.long, device="cpu").to(self.device)
 
     @classmethod
     def build(cls, query_lens, context_lens, block_tables, block_size, device, tree_paths=None):
@@ -141,22 +162,14 @@ class PagedMetadata:
         after this step (its last query row is key context - 1). tree_paths[i], when given, has one list per
         further row of sequence i (a draft tree's nodes): the pool slots of the keys that row sees after the
         context, in position order, its own last (where its K/V is written)."""
-        num_blocks = [-(-context_len // block_size) for context_len in context_lens]
-        for table, needed, context_len in zip(block_tables, num_blocks, context_lens):
-            if len(table) < needed:
-                raise ValueError(f"a block table of {len(table)} blocks cannot hold {context_len} tokens of {block_size}")
-        # every sequence's slots in position order, from one table of them all (metadata is built on the host, then
-        # moved); per-sequence tensor operations cost more than a step's attention at a few rows
-        width = max(num_blocks)
-        tables = torch.tensor([list(table[:n]) + [0] * (width - n) for table, n in zip(block_tables, num_blocks)],
-                              dtype=torch.long, device="cpu")
-        slots = (tables[:, :, None] * block_size + torch.arange(block_size, device="cpu")).flatten(1)
-        slot_mapping, singles, short, short_seqs = [], [], [], []
+        slot_mapping, singles, short, short_slots = [], [], [], []
         start = 0
         for i, (query_len, context_len, table) in enumerate(zip(query_lens, context_lens, block_tables)):
+            if len(table) * block_size < context_len:
+                raise ValueError(f"a block table of {len(table)} blocks cannot hold {context_len} tokens of {block_size}")
             paths = tree_paths[i] if tree_paths else []
-            slot_mapping.extend(table[p // block_size] * block_size + p % block_size
-                                for p in range(context_len - query_len, context_len))
+            slots = context_slots(table, context_len, block_size)
+            slot_mapping.extend(slots[context_len - query_len:])
             slot_mapping.extend(path[-1] for path in paths)
             if query_len > MAX_BATCHED_QUERY_LEN and not paths:
                 if query_len == context_len:
@@ -164,16 +177,13 @@ class PagedMetadata:
                 else:
                     mask = torch.ones(query_len, context_len, dtype=torch.bool, device="cpu")
                     mask = mask.tril(context_len - query_len)[None]
-                    singles.append(_Single(start, start + query_len, slots[i, :context_len].to(device), mask.to(device)))
+                    singles.append(_Single(start, start + query_len, torch.tensor(slots, device="cpu").to(device),
+                                           mask.to(device)))
             else:
                 short.append((start, query_len, context_len, paths))
-                short_seqs.append(i)
+                short_slots.append(slots)
             start += query_len + len(paths)
-        batched = None
-        if short:
-            key_slots = slots if len(short) == len(query_lens) else slots[short_seqs]
-            batched = _Batched(short, key_slots[:, :max(c for _, _, c, _ in short)], device)
-        return cls(torch.tensor(slot_mapping, dtype=torch.long, device="cpu").to(device), singles, batched)
+        return cls(slot_mapping, singles, _Batched(short, short_slots, device) if short else None, device)
 
 
 class PagedAttention:
@@ -191,19 +201,16 @@ class PagedAttention:
             self.attend = self.lib.paged_attention
             self.layer_bytes = k[0].numel() * k.element_size()
             self.pools = (k.data_ptr(), cache.v.data_ptr())
-            self.batched_args = (b.seqs.data_ptr(), len(b.seqs), b.key_slots.data_ptr(), len(b.key_slots) // len(b.seqs),
-                                 b.paths.data_ptr(), b.path_stride)
-            self.new_args = (meta.slot_mapping.data_ptr(), len(meta.slot_mapping))
+            self.host, args = b.kernel_arrays(meta.new_slots)  # the host tensor lives as long as the step
+            self.new_args, self.batched_args = args[:2], args[2:]
 
-    def kernel_step(self, first_layer: int) -> tuple | None:
+    def kernel_step(self) -> tuple | None:
         """When every sequence of the step attends in the C kernel (decode and verify steps): the arguments of
-        kernels.c's decoder_layers after its scratch for layers from first_layer on (their pools, floats per layer,
-        new slots, batch), so that the target's layers run in one call (serving.kernels.KernelStack); else None."""
+        kernels.c's decoder_layers after its scratch (the pools, floats per layer, new slots, batch), so that the
+        target's forward runs in one call (serving.kernels.KernelForward); else None."""
         if self.lib is None or self.meta.batched is None or self.meta.singles:
             return None
-        offset = first_layer * self.layer_bytes
-        return (self.pools[0] + offset, self.pools[1] + offset, self.layer_bytes // 4, *self.new_args,
-                *self.batched_args)
+        return (*self.pools, self.layer_bytes // 4, *self.new_args, *self.batched_args)
 
     def __call__(self, layer_idx, q, k, v):
         meta, b = self.meta, self.meta.batched

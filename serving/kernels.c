@@ -382,40 +382,64 @@ void paged_attention(const float *q, long q_stride, float *out, float *k_pool, f
     }
 }
 
-/* The index of each row's largest value, the first one on ties and the first NaN if any, as torch.argmax:
- * rows of n floats, ldx apart. Each lane keeps its own first best; the lanes then resolve by value and index. */
+/* The index of the largest value among xr[lo .. hi), the first one on ties and the first NaN if any, as
+ * torch.argmax. Each lane keeps its own first best; the lanes then resolve by value and index. */
+static long argmax_range(const float *xr, long lo, long hi) {
+    long best = lo, i = lo + 1;
+    if (hi - lo >= 8) {
+        __m256 bv = _mm256_loadu_ps(xr + lo);
+        __m256i bi = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), idx = bi, step = _mm256_set1_epi32(8);
+        for (i = lo + 8; i + 8 <= hi; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            idx = _mm256_add_epi32(idx, step);
+            /* v wins if larger, or if it is the lane's first NaN */
+            __m256 win = _mm256_or_ps(_mm256_cmp_ps(v, bv, _CMP_GT_OQ),
+                                      _mm256_and_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), _mm256_cmp_ps(bv, bv, _CMP_ORD_Q)));
+            bv = _mm256_blendv_ps(bv, v, win);
+            bi = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bi), _mm256_castsi256_ps(idx), win));
+        }
+        float lv[8];
+        int li[8];
+        _mm256_storeu_ps(lv, bv);
+        _mm256_storeu_si256((__m256i *)li, bi);
+        best = lo + li[0];
+        for (int j = 1; j < 8; j++) {
+            long c = lo + li[j];
+            float a = lv[j], b = xr[best];
+            int better = isnan(a) ? (!isnan(b) || c < best) : (!isnan(b) && (a > b || (a == b && c < best)));
+            if (better) best = c;
+        }
+    }
+    for (; i < hi; i++)  /* the tail past the last 8, or the whole range when it is shorter */
+        if (!isnan(xr[best]) && (isnan(xr[i]) || xr[i] > xr[best])) best = i;
+    return best;
+}
+
+/* The index of each row's largest value (argmax_range over the whole row): rows of n floats, ldx apart. Each thread
+ * takes the columns of the panels few_rows gives it, still in its caches after a product has written them, and the
+ * threads' bests are resolved in column order: the index one pass over the row finds. */
 void argmax_rows(const float *x, long rows, long ldx, long n, long *out) {
-    #pragma omp parallel for schedule(static) if (rows >= 4)
+    long panels = (n + NR - 1) / NR, threads = omp_get_max_threads();
+    long *found = malloc(sizeof(long) * rows * threads);
+    for (long i = 0; i < rows * threads; i++) found[i] = -1;
+    #pragma omp parallel
+    {
+        long count = omp_get_num_threads(), t = omp_get_thread_num();
+        long lo = panels * t / count * NR, hi = panels * (t + 1) / count * NR;
+        hi = hi < n ? hi : n;
+        if (lo < hi)
+            for (long r = 0; r < rows; r++) found[r * threads + t] = argmax_range(x + r * ldx, lo, hi);
+    }
     for (long r = 0; r < rows; r++) {
         const float *xr = x + r * ldx;
-        long best = 0, i = 1;
-        if (n >= 8) {
-            __m256 bv = _mm256_loadu_ps(xr);
-            __m256i bi = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), idx = bi, step = _mm256_set1_epi32(8);
-            for (i = 8; i + 8 <= n; i += 8) {
-                __m256 v = _mm256_loadu_ps(xr + i);
-                idx = _mm256_add_epi32(idx, step);
-                /* v wins if larger, or if it is the lane's first NaN */
-                __m256 win = _mm256_or_ps(_mm256_cmp_ps(v, bv, _CMP_GT_OQ),
-                                          _mm256_and_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), _mm256_cmp_ps(bv, bv, _CMP_ORD_Q)));
-                bv = _mm256_blendv_ps(bv, v, win);
-                bi = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bi), _mm256_castsi256_ps(idx), win));
-            }
-            float lv[8];
-            int li[8];
-            _mm256_storeu_ps(lv, bv);
-            _mm256_storeu_si256((__m256i *)li, bi);
-            best = li[0];
-            for (int j = 1; j < 8; j++) {
-                float a = lv[j], b = xr[best];
-                int better = isnan(a) ? (!isnan(b) || li[j] < best) : (!isnan(b) && (a > b || (a == b && li[j] < best)));
-                if (better) best = li[j];
-            }
+        long best = -1;
+        for (long t = 0; t < threads; t++) {
+            long c = found[r * threads + t];
+            if (c >= 0 && (best < 0 || (!isnan(xr[best]) && (isnan(xr[c]) || xr[c] > xr[best])))) best = c;
         }
-        for (; i < n; i++)  /* the tail past the last 8, or the whole row when it is shorter */
-            if (!isnan(xr[best]) && (isnan(xr[i]) || xr[i] > xr[best])) best = i;
         out[r] = best;
     }
+    free(found);
 }
 
 /* A decoder layer of heads/layer.py around its attention, in two calls (the attention runs between them, from
@@ -495,11 +519,10 @@ void layer_post(const layer_weights *L, const float *h, long rows, const float *
 
 /* Layers [0, num_layers) of layers, one after another, on `rows` rows whose every sequence attends through
  * paged_attention (a decode or verify step): per layer layer_pre, the attention over that layer's pools (layer_floats
- * apart from k_pool, v_pool), which also writes the step's keys and values into new_slots, and layer_post. One call
- * where a layer loop in Python makes three per layer, each with its argument conversions; the same kernels in the
- * same order, so the same results. h: [rows, hidden], the input, overwritten by the output; normed, qkv, attn, gu,
+ * apart from k_pool, v_pool), which also writes the step's keys and values into new_slots, and layer_post: the
+ * kernels a layer loop in Python calls, in the same order, so the same results. h: [rows, hidden], the input, overwritten by the output; normed, qkv, attn, gu,
  * act: the layers' scratch. */
-void decoder_layers(const layer_weights *layers, long num_layers, float *h, long rows, float *normed, float *qkv,
+static void decoder_layers(const layer_weights *layers, long num_layers, float *h, long rows, float *normed, float *qkv,
                     float *attn, float *gu, float *act, const float *cos, const float *sin, float *k_pool,
                     float *v_pool, long layer_floats, const long *new_slots, long num_new, const long *seqs,
                     long num_seqs, const long *slots, long slot_stride, const long *paths, long path_stride,
@@ -513,4 +536,51 @@ void decoder_layers(const layer_weights *layers, long num_layers, float *h, long
                         path_stride, L->heads, L->kv_heads, L->dim, scale);
         layer_post(L, h, rows, attn, h, normed, gu, act);  /* in place: h is read only by layer_post's first sum */
     }
+}
+
+/* The target's whole forward on `rows` rows whose every sequence attends through paged_attention (a decode or
+ * verify step), as serving/model.py's Model.forward computes it operator by operator: each row's embedding
+ * (embed: [vocab, hidden]) and rope rows (cos_table, sin_table: [max_positions, dim]) by its id and position, layers
+ * [0, num_layers) by decoder_layers, a copy of the states before each of the sorted aux_layers into aux
+ * ([num_aux][rows][hidden]), the final norm of every row into hidden_out (when not NULL) and of the logits rows
+ * (logits_rows, or rows 0 .. num_logits - 1 when NULL) into `selected`, the LM head's product into logits
+ * ([num_logits, vocab]) and each logits row's argmax into best. h .. selected: scratch.
+ * The Python between these steps read every cache line of its state anew after the layers' weights had streamed
+ * through the caches. Returns 0, or -1 (computing nothing) when an id, a position or a logits row is out of range. */
+long model_forward(const layer_weights *layers, long num_layers, const float *embed, long vocab,
+                   const float *cos_table, const float *sin_table, long max_positions, const float *norm, float eps,
+                   const void *lm_head, long lm_bf16, const long *ids, const long *positions, long rows, float *h,
+                   float *normed, float *qkv, float *attn, float *gu, float *act, float *cos, float *sin,
+                   float *selected, const long *aux_layers, long num_aux, float *aux, float *hidden_out,
+                   const long *logits_rows, long num_logits, float *logits, long *best, float *k_pool, float *v_pool,
+                   long layer_floats, const long *new_slots, long num_new, const long *seqs, long num_seqs,
+                   const long *slots, long slot_stride, const long *paths, long path_stride, float scale) {
+    long hidden = layers->hidden, dim = layers->dim;
+    for (long r = 0; r < rows; r++)
+        if (ids[r] < 0 || ids[r] >= vocab || positions[r] < 0 || positions[r] >= max_positions) return -1;
+    for (long i = 0; logits_rows && i < num_logits; i++)
+        if (logits_rows[i] < 0 || logits_rows[i] >= rows) return -1;
+    for (long r = 0; r < rows; r++) {
+        memcpy(h + r * hidden, embed + ids[r] * hidden, hidden * sizeof(float));
+        memcpy(cos + r * dim, cos_table + positions[r] * dim, dim * sizeof(float));
+        memcpy(sin + r * dim, sin_table + positions[r] * dim, dim * sizeof(float));
+    }
+    long start = 0;
+    for (long a = 0; a <= num_aux; a++) {
+        long stop = a < num_aux ? aux_layers[a] : num_layers;
+        decoder_layers(layers + start, stop - start, h, rows, normed, qkv, attn, gu, act, cos, sin,
+                       k_pool + start * layer_floats, v_pool + start * layer_floats, layer_floats, new_slots, num_new,
+                       seqs, num_seqs, slots, slot_stride, paths, path_stride, scale);
+        if (a < num_aux) memcpy(aux + a * rows * hidden, h, rows * hidden * sizeof(float));
+        start = stop;
+    }
+    if (hidden_out) rms_norm(h, rows, hidden, norm, eps, hidden_out, hidden, hidden);
+    for (long i = 0; i < num_logits; i++)
+        rms_norm(h + (logits_rows ? logits_rows[i] : i) * hidden, 1, hidden, norm, eps, selected + i * hidden, hidden,
+                 hidden);
+    if (num_logits) {
+        gemm(selected, num_logits, hidden, lm_head, (int)lm_bf16, hidden, vocab, 0, 0, logits, vocab);
+        argmax_rows(logits, num_logits, vocab, vocab, best);
+    }
+    return 0;
 }

@@ -41,9 +41,12 @@ SIGNATURES = {
     "argmax_rows": [_ptr, _long, _long, _long, _ptr],
     "layer_pre": [_ptr, _ptr, _long, _ptr, _ptr, _ptr, _ptr],
     "layer_post": [_ptr, _ptr, _long, _ptr, _ptr, _ptr, _ptr, _ptr],
-    "decoder_layers": [_ptr, _long, _ptr, _long, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _long, _ptr,
-                       _long, _ptr, _long, _ptr, _long, _ptr, _long, _float],
+    "model_forward": [_ptr, _long, _ptr, _long, _ptr, _ptr, _long, _ptr, _float, _ptr, _long,  # weights
+                      _ptr, _ptr, _long, *[_ptr] * 9,  # ids, positions, rows, scratch
+                      _ptr, _long, _ptr, _ptr, _ptr, _long, _ptr, _ptr,  # aux taps, outputs
+                      _ptr, _ptr, _long, _ptr, _long, _ptr, _long, _ptr, _long, _ptr, _long, _float],  # attention
 }
+RESULT_TYPES = {"model_forward": _long}
 
 
 def build_id() -> str:
@@ -85,7 +88,7 @@ def library() -> ctypes.CDLL | None:
             built.replace(path)  # atomic: a concurrent process never loads a half-written file
     lib = ctypes.CDLL(str(path))
     for name, argtypes in SIGNATURES.items():
-        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
+        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, RESULT_TYPES.get(name)
     return lib
 
 
@@ -245,9 +248,11 @@ class Scratch:
         self.config = c
         self.layer_table = (_LayerWeights * num_layers)()  # every layer's weights, for decoder_layers
         self.sizes = {"normed": c.hidden_size, "qkv": (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
-                      "gate_up": 2 * c.intermediate_size, "act": c.intermediate_size, "attn": c.num_heads * c.head_dim}
+                      "gate_up": 2 * c.intermediate_size, "act": c.intermediate_size, "attn": c.num_heads * c.head_dim,
+                      "h": c.hidden_size, "selected": c.hidden_size, "cos": c.head_dim, "sin": c.head_dim}
         self.buffers = {name: torch.empty(0, size, device="cpu") for name, size in self.sizes.items()}
         self.views: dict[int, tuple] = {}
+        self.addresses: dict[int, tuple] = {}
 
     def take(self, rows: int) -> tuple:
         """(normed, qkv, q, k, v, gate_up, act) for `rows` rows; q, k, v: [rows, heads, head_dim] views of qkv."""
@@ -256,6 +261,7 @@ class Scratch:
                 self.buffers = {name: torch.empty(max(rows, 2 * len(b)), self.sizes[name], device="cpu")
                                 for name, b in self.buffers.items()}
                 self.views.clear()
+                self.addresses.clear()
             c = self.config
             normed, qkv, gate_up, act = (self.buffers[name][:rows] for name in ("normed", "qkv", "gate_up", "act"))
             q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -264,9 +270,14 @@ class Scratch:
                                 qkv[:, q_size + kv_size:].unflatten(-1, (c.num_kv_heads, c.head_dim)), gate_up, act)
         return self.views[rows]
 
-    def attended(self, rows: int) -> torch.Tensor:
-        """[rows, heads * head_dim] for the attention's output inside decoder_layers; after take(rows)."""
-        return self.buffers["attn"][:rows]
+    def pointers(self, rows: int) -> tuple[int, ...]:
+        """The addresses of model_forward's scratch for `rows` rows: h, normed, qkv, attn, gate_up, act, cos, sin,
+        and of its selected rows' norms."""
+        self.take(rows)  # grows the buffers where needed, which drops the addresses read before
+        if rows not in self.addresses:
+            self.addresses[rows] = tuple(self.buffers[name].data_ptr() for name in (
+                "h", "normed", "qkv", "attn", "gate_up", "act", "cos", "sin", "selected"))
+        return self.addresses[rows]
 
 
 class KernelLayer(_KernelModule):
@@ -325,28 +336,46 @@ def kernel_layers(layers: nn.ModuleList, config) -> nn.ModuleList:
     return nn.ModuleList(KernelLayer(layer, scratch) for layer in layers)
 
 
-class KernelStack:
-    """A run of a model's KernelLayers in one call of kernels.c's decoder_layers, for steps whose every sequence
-    attends in the C kernel (PagedAttention.kernel_step): 90 calls from Python a step, with their argument
-    conversions, become one (about half a millisecond of a 12-20 ms step here). The same kernels in the same order:
-    the same results as the layers one by one."""
+class KernelForward:
+    """The target's whole forward in one call of kernels.c's model_forward, for steps whose every sequence attends in
+    the C kernel (PagedAttention.kernel_step): embedding, rope rows, every layer, the aux taps, the final norm, the LM
+    head and each logits row's argmax. Around the layers' one call the forward made some ten torch and kernel calls
+    more, and after the weights have streamed through the caches the first Python and torch calls of a step cost
+    20-80 us each (benchmarks/RESULTS.md, round 35). The same kernels in the same order: the same results as the
+    model's layer loop (tests/serving/test_model.py), and each row's argmax as kernels.argmax gives it."""
 
-    def __init__(self, layers: nn.ModuleList):
+    def __init__(self, layers: nn.ModuleList, embed: nn.Embedding, rope, norm: FusedRMSNorm, logits_head: PackedLinear):
         self.scratch = layers[0].scratch
-        self.run = layers[0].lib.decoder_layers
+        self.run = layers[0].lib.model_forward
+        self.embed, self.rope, self.norm, self.logits_head = embed, rope, norm, logits_head
         c = self.scratch.config
-        self.scale = c.head_dim ** -0.5
-        self.size = ctypes.sizeof(_LayerWeights)
+        self.hidden_size, self.scale = c.hidden_size, c.head_dim ** -0.5
+        self.layers_ptr = ctypes.addressof(self.scratch.layer_table)
 
-    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention, start: int,
-                 stop: int) -> torch.Tensor:
-        """Layers [start, stop) on hidden ([rows, hidden] float32, contiguous; not changed); attention: the step's
-        PagedAttention, whose kernel_step is not None."""
-        rows = hidden.shape[0]
-        out = hidden.clone()
-        normed, qkv, _, _, _, gate_up, act = self.scratch.take(rows)
-        attended = self.scratch.attended(rows)
-        self.run(ctypes.addressof(self.scratch.layer_table) + start * self.size, stop - start, out.data_ptr(), rows,
-                 normed.data_ptr(), qkv.data_ptr(), attended.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
-                 cos.data_ptr(), sin.data_ptr(), *attention.kernel_step(start), self.scale)
-        return out
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kernel_step: tuple,
+                 logits_rows: torch.Tensor | None, return_hidden: bool, aux_layers, num_layers: int):
+        """input_ids, positions: [rows] int64; kernel_step: the step's PagedAttention.kernel_step();
+        logits_rows: [num_logits] int64 rows that need logits (None: all). Returns (logits or None, each logits row's
+        argmax, hidden states after the final norm or None, {layer: states before it})."""
+        rows, size = input_ids.shape[0], self.hidden_size
+        if any(t is not None and (t.dtype != torch.long or not t.is_contiguous())
+               for t in (input_ids, positions, logits_rows)):
+            raise ValueError("KernelForward takes contiguous int64 ids, positions and logits rows")
+        taps = sorted({i for i in aux_layers if i < num_layers})
+        aux = torch.empty(len(taps), rows, size, device="cpu") if taps else None
+        hidden = torch.empty(rows, size, device="cpu") if return_hidden else None
+        num_logits = rows if logits_rows is None else len(logits_rows)
+        logits = torch.empty(num_logits, self.logits_head.out_features, device="cpu") if num_logits else None
+        best = torch.empty(num_logits, dtype=torch.long, device="cpu")
+        embed, head = self.embed.weight, self.logits_head
+        status = self.run(self.layers_ptr, num_layers, embed.data_ptr(), embed.shape[0], self.rope.cos.data_ptr(),
+                          self.rope.sin.data_ptr(), self.rope.cos.shape[0], self.norm.weight_ptr, self.norm.eps,
+                          head.panels_ptr, int(head.weight_dtype == torch.bfloat16), input_ids.data_ptr(),
+                          positions.data_ptr(), rows, *self.scratch.pointers(rows),
+                          (ctypes.c_long * len(taps))(*taps) if taps else None, len(taps), _pointer(aux),
+                          _pointer(hidden), _pointer(logits_rows), num_logits, _pointer(logits), best.data_ptr(),
+                          *kernel_step, self.scale)
+        if status:
+            raise ValueError(f"a forward got token ids outside [0, {embed.shape[0]}), positions outside "
+                             f"[0, {self.rope.cos.shape[0]}) or logits rows outside [0, {rows})")
+        return logits, best.tolist(), hidden, {layer: aux[i] for i, layer in enumerate(taps)}

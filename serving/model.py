@@ -13,7 +13,7 @@ from heads.hf_folder import read_config, read_tensors
 from heads.layer import DecoderLayer, LayerConfig, RMSNorm
 from heads.rope import Rope, rope_settings
 from serving.attention import PagedAttention
-from serving.kernels import FusedRMSNorm, KernelLayer, KernelStack, PackedLinear, for_inference, kernel_layers
+from serving.kernels import FusedRMSNorm, KernelForward, KernelLayer, PackedLinear, for_inference, kernel_layers
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -92,6 +92,7 @@ class ModelOutput:
     logits: torch.Tensor | None  # [num_logits_rows, vocab]
     hidden: torch.Tensor | None  # [num_tokens, hidden] after the final norm, when asked
     aux: dict[int, torch.Tensor]  # layer id -> [num_tokens, hidden], the input of that layer
+    best: list[int] | None = None  # each logits row's argmax, where the forward computed it
 
 
 class Model(nn.Module):
@@ -107,7 +108,7 @@ class Model(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.rope = Rope(c.layer.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
         self._packed_lm_heads: dict[torch.dtype, PackedLinear] = {}  # not submodules: made for drafters on demand
-        self.stack: KernelStack | None = None  # the layers in one C call, where they are KernelLayers
+        self.fused: KernelForward | None = None  # the forward in one C call, where the layers are KernelLayers
 
     @classmethod
     def from_folder(cls, folder, dtype=torch.float32, device="cpu", weights=torch.float32) -> "Model":
@@ -119,10 +120,10 @@ class Model(nn.Module):
         model.load_safetensors(folder)
         model.to(dtype=dtype).eval().requires_grad_(False)  # the rope tables stay float32
         model.layers = kernel_layers(for_inference(model.layers, weights), model.config.layer)
-        if isinstance(model.layers[0], KernelLayer):
-            model.stack = KernelStack(model.layers)
         model.norm = FusedRMSNorm(model.norm)
         model.logits_head = PackedLinear(model.lm_head, weights)  # a packed copy for forward; the embedding stays as it is
+        if isinstance(model.layers[0], KernelLayer):
+            model.fused = KernelForward(model.layers, model.embed, model.rope, model.norm, model.logits_head)
         return model
 
     def packed_lm_head(self, weight_dtype: torch.dtype) -> PackedLinear:
@@ -160,21 +161,19 @@ class Model(nn.Module):
         """input_ids, positions: [num_tokens]; attention: the step's PagedAttention, or any callable
         (layer_idx, q, k, v) -> output (training's dense attention); logits_rows: rows that need logits (None: all);
         num_layers: run only the first layers, then the final norm and LM head (early-exit drafting)."""
+        stop = len(self.layers) if num_layers is None else num_layers
+        step = attention.kernel_step() if self.fused is not None and isinstance(attention, PagedAttention) else None
+        if step is not None:
+            logits, best, hidden, aux = self.fused(input_ids, positions, step, logits_rows, return_hidden, aux_layers,
+                                                   stop)
+            return ModelOutput(logits, hidden, aux, best)
         hidden = self.embed(input_ids)  # [num_tokens, hidden]
         cos, sin = self.rope.tables(positions, hidden.dtype)
         aux = {}
-        stop = len(self.layers) if num_layers is None else num_layers
-        if self.stack is not None and isinstance(attention, PagedAttention) and attention.kernel_step(0) is not None:
-            start = 0  # every layer in C, one call per run of layers between the aux layers asked for
-            for idx in sorted(i for i in aux_layers if i < stop):
-                hidden = self.stack(hidden, cos, sin, attention, start, idx) if idx > start else hidden
-                aux[idx], start = hidden, idx
-            hidden = self.stack(hidden, cos, sin, attention, start, stop) if stop > start else hidden
-        else:
-            for layer in self.layers[:stop]:
-                if layer.layer_idx in aux_layers:
-                    aux[layer.layer_idx] = hidden
-                hidden = layer(hidden, cos, sin, attention)
+        for layer in self.layers[:stop]:
+            if layer.layer_idx in aux_layers:
+                aux[layer.layer_idx] = hidden
+            hidden = layer(hidden, cos, sin, attention)
         if return_hidden:
             hidden = self.norm(hidden)
             selected = hidden if logits_rows is None else hidden[logits_rows]

@@ -127,4 +127,5 @@ class ModelRunner:
         batch = self.build_batch(scheduled)
         out = self.model(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.meta), batch.logits_rows,
                          return_hidden=return_hidden, aux_layers=aux_layers)
-        return RunOutput(batch, out, argmax(out.logits) if out.logits is not None else [])
+        best = out.best if out.best is not None else argmax(out.logits) if out.logits is not None else []
+        return RunOutput(batch, out, best)

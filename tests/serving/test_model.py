@@ -298,27 +298,29 @@ def test_unsupported_rope_scaling_is_a_clear_error(llama_copy):
 
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fixture", TINY)
-def test_layers_in_one_call_equal_the_layer_loop(fixture, weights, request):
-    """KernelStack (every layer in one C call, decode and verify steps) against the same layers called one by one,
-    bit for bit: logits, final hidden states, aux taps and early exit, over decode rows, several-row queries and
-    draft-tree rows that branch off the context."""
+def test_forward_in_one_call_equals_the_layer_loop(fixture, weights, request):
+    """KernelForward (embedding, rope, every layer, aux taps, final norm, LM head and argmax in one C call, for decode
+    and verify steps) against the model's layer loop, bit for bit: logits, final hidden states, aux taps, early exit
+    and each logits row's argmax, over decode rows, several-row queries and draft-tree rows that branch off the
+    context, with every row's logits and with a subset."""
     model = Model.from_folder(request.getfixturevalue(fixture), torch.float32, weights=weights)
-    if model.stack is None:
+    if model.fused is None:
         pytest.skip("serving/kernels.c does not run here")
-    calls = []
-    stack = lambda *args: calls.append(args[-2:]) or model_stack(*args)  # noqa: E731
-    model_stack = model.stack
+    fused_forward, calls = model.fused, []
+    counted = lambda *args: calls.append(args[-1]) or fused_forward(*args)  # noqa: E731
     seqs = make_sequences((40, 33), seed=7)
     runs = [PagedRun(model, seqs, 4, seed=7) for _ in range(2)]
     num_layers = model.config.num_layers
-    for plan, tree in (([(0, 20), (1, 17)], False), ([(0, 1), (1, 1)], False), ([(0, 5), (1, 3)], False),
-                       ([(0, 1), (1, 2)], True)):
-        outs = []
+    steps = (([(0, 20), (1, 17)], False, None), ([(0, 1), (1, 1)], False, None), ([(0, 5), (1, 3)], False, [4, 7]),
+             ([(0, 1), (1, 2)], True, None), ([(0, 1), (1, 1)], True, [1, 3, 5]))
+    for plan, tree, rows in steps:
+        outs, num_calls = [], len(calls)
         for run, fused in zip(runs, (True, False)):
-            model.stack = stack if fused else None
-            kwargs = dict(return_hidden=True, aux_layers=(1, num_layers - 1))
+            model.fused = counted if fused else None
+            kwargs = dict(return_hidden=bool(rows is None), aux_layers=(1, num_layers - 1, 0))
+            logits_rows = None if rows is None else torch.tensor(rows)
             if not tree:
-                outs.append(run.step(plan, **kwargs)[0])
+                outs.append(run.step(plan, logits_rows, **kwargs)[0])
                 continue
             # two tree rows per sequence hang off its newest row: their keys follow the context in fresh slots
             ids, positions, query_lens, context_lens, tables, paths = [], [], [], [], [], []
@@ -333,19 +335,25 @@ def test_layers_in_one_call_equal_the_layer_loop(fixture, weights, request):
                 paths.append([[slot] for slot in spare])
                 run.computed[s] += n
             meta = PagedMetadata.build(query_lens, context_lens, tables, 4, "cpu", tree_paths=paths)
-            outs.append(model(torch.cat(ids), torch.cat(positions), PagedAttention(run.cache, meta), **kwargs))
+            outs.append(model(torch.cat(ids), torch.cat(positions), PagedAttention(run.cache, meta), logits_rows,
+                              **kwargs))
         fused, looped = outs
-        assert torch.equal(fused.logits, looped.logits) and torch.equal(fused.hidden, looped.hidden)
-        assert sorted(fused.aux) == sorted(looped.aux)
+        assert torch.equal(fused.logits, looped.logits)
+        one_call = len(calls) > num_calls  # prefill chunks of 20 and 17 rows take the loop
+        assert fused.best == (fused.logits.argmax(-1).tolist() if one_call else None) and looped.best is None
+        assert (fused.hidden is None) == (looped.hidden is None)
+        assert fused.hidden is None or torch.equal(fused.hidden, looped.hidden)
+        assert sorted(fused.aux) == sorted(looped.aux) == [0, 1, num_layers - 1]
         for i in fused.aux:
             assert torch.equal(fused.aux[i], looped.aux[i])
-    model.stack = stack
     for run in runs:
         run.computed = [0, 0]
-    early = [run.step([(0, 3), (1, 2)], num_layers=2)[0] for run in runs[:1]]
-    model.stack = None
-    early.append(runs[1].step([(0, 3), (1, 2)], num_layers=2)[0])
-    model.stack = model_stack
-    assert torch.equal(early[0].logits, early[1].logits)
-    # runs of layers between the aux taps in the three short steps (prefill chunks of 20 and 17 rows take the loop)
-    assert calls == [(0, 1), (1, num_layers - 1), (num_layers - 1, num_layers)] * 3 + [(0, 2)]
+    early = []
+    for run, forward in zip(runs, (counted, None)):
+        model.fused = forward
+        run.step([(0, 3), (1, 2)])
+        early.append(run.step([(0, 1), (1, 1)], num_layers=2)[0])
+    model.fused = fused_forward
+    assert torch.equal(early[0].logits, early[1].logits) and early[0].best == early[1].logits.argmax(-1).tolist()
+    # the prefill chunks of 20 and 17 rows take the loop; the short steps each take one call, over their layers
+    assert calls == [num_layers] * 5 + [2]
