@@ -10,7 +10,7 @@ packed GEMMs; with KernelLayers, their two calls per layer, which also norm, rot
 paged attention (writing the step's K/V and attending), the RMSNorms, and everything between them: embedding, rope,
 SiLU times up, residual adds, views and the layer loop itself. Each part is timed by
 a wrapper around its Python call (~0.3 us each, ~200 calls a step), with the target's layers run one kernel call at
-a time; the uninstrumented step (all layers in one call of serving.kernels.KernelStack) is timed in the same
+a time; the uninstrumented step (the whole forward in one call of serving.kernels.KernelForward) is timed in the same
 rounds. The floor of a part is the bytes it must read (weights; K/V for attention) over the measured copy
 bandwidth. One more row times steps whose forward replays the last one's output: the engine's own work (everything
 but the forward) as fast as it runs with its data still in the caches, which a real forward's weights have streamed
@@ -89,7 +89,7 @@ def instrumented(engine: Engine, clock: Clock):
     """Every part of `engine`'s step wrapped by `clock`, for the duration of the block."""
     model, runner = engine.model, engine.runner
     with ExitStack() as stack:
-        stack.enter_context(patched(model, "stack", None))  # the layers one call each, so that each part is seen
+        stack.enter_context(patched(model, "fused", None))  # the layers one call each, so that each part is seen
         for module in model.modules():
             if isinstance(module, PackedLinear):
                 label = "LM head" if module is model.logits_head else "linear layers"
