@@ -272,6 +272,110 @@ static inline long key_slot(const long *sl, long context, const long *path, long
     return path[1 + (k < path[0] ? k : path[0] - 1)];
 }
 
+/* Keys per attention task. A sequence of more keys splits them into chunks of this many, each a task over every
+ * head (contiguous rows of the pool: per head, the keys' rows are read through strides, which ran 1.3x slower), whose
+ * partial softmaxes are then merged in chunk order; a sequence of up to this many keys is one chunk, a task per
+ * key-value head, its result used as it is. Fixed, not derived from the threads or the batch, so that a row's sums
+ * depend on its keys alone, whichever task computes them. */
+#define KEY_CHUNK 128
+
+/* One task of paged_attention: every row of one sequence and the query heads of key-value heads [h0, h1) over its
+ * keys [c0, c1), into parts ([rows][heads][dim + 2]): per (row, head) the chunk's largest score, its sum of
+ * exponentials and the unnormalised weighted sum of values. Two passes rather than an online softmax: every row's
+ * scores first (the shared keys read once, in blocks of 8), then each row's softmax and its weighted sum of values
+ * with the sums in registers, the values fetched into L2 during the first pass. No softmax between key blocks holds
+ * up the next block's loads: 1.4-1.6x faster than an online softmax over K/V in memory. */
+static void attend_chunk(const float *q, long q_stride, const float *k_pool, const float *v_pool, const long *seq,
+                         const long *sl, const long *tree_paths, long path_stride, long c0, long c1, long h0, long h1,
+                         long heads, long kv_heads, long dim, float scale, float *parts) {
+    long first = seq[0], rows = seq[1], context = seq[2], group = heads / kv_heads, hs = (h1 - h0) * group;
+    long n = (rows + seq[3]) * hs, vecs = dim / 8, width = (c1 - c0 + 7) / 8 * 8;
+    float *buf = malloc(sizeof(float) * n * (dim + width));
+    long *seen = malloc(sizeof(long) * n);
+    float *qs = buf, *scores = buf + n * dim;  /* row-head r = i * hs + (head - h0 * group): row i */
+    for (long r = 0; r < n; r++) {
+        const float *src = q + (first + r / hs) * q_stride + (h0 * group + r % hs) * dim;
+        for (long d = 0; d < dim; d++) qs[r * dim + d] = src[d] * scale;
+        long t = r / hs - rows;  /* t >= 0: tree row t */
+        seen[r] = t < 0 ? context - rows + r / hs + 1 : context + tree_paths[t * path_stride];
+    }
+    long row_bytes = (h1 - h0) * dim * (long)sizeof(float);
+    for (long b0 = c0; b0 < c1; b0 += 8) {
+        /* the values two blocks on into L2, for the second pass (into L1 they evicted the keys) */
+        for (long c = b0 + 16; c < b0 + 24 && c < c1 && c < context; c++) {
+            const char *vr = (const char *)(v_pool + (sl[c] * kv_heads + h0) * dim);
+            for (long o = 0; o < row_bytes; o += 64) _mm_prefetch(vr + o, _MM_HINT_T1);
+        }
+        for (long h = h0; h < h1; h++) {
+            const float *kr[8];  /* the context's keys of this block, shared by every row */
+            for (int j = 0; j < 8; j++) kr[j] = k_pool + (key_slot(sl, context, 0, b0 + j) * kv_heads + h) * dim;
+            for (long i = 0; i < rows + seq[3]; i++) {
+                long t = i - rows, r0 = i * hs + (h - h0) * group;
+                if (seen[r0] <= b0) continue;
+                const float **krow = kr, *kp[8];
+                if (t >= 0 && b0 + 8 > context) {  /* the block reaches into this row's path */
+                    for (int j = 0; j < 8; j++)
+                        kp[j] = k_pool + (key_slot(sl, context, tree_paths + t * path_stride, b0 + j) * kv_heads + h) * dim;
+                    krow = kp;
+                }
+                for (long r = r0; r < r0 + group; r++) {
+                    __m256 a[8];
+                    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+                    for (long v = 0; v < vecs; v++) {
+                        __m256 qv = _mm256_loadu_ps(qs + r * dim + 8 * v);
+                        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krow[j] + 8 * v), a[j]);
+                    }
+                    _mm256_storeu_ps(scores + r * width + (b0 - c0), sum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
+                }
+            }
+        }
+    }
+    for (long r = 0; r < n; r++) {
+        long i = r / hs, hq = h0 * group + r % hs, h = hq / group, t = i - rows;
+        const long *path = t >= 0 ? tree_paths + t * path_stride : 0;
+        float *part = parts + (i * heads + hq) * (dim + 2);
+        long visible = (seen[r] < c1 ? seen[r] : c1) - c0;  /* this chunk's keys the row sees */
+        if (visible <= 0) {
+            part[0] = -INFINITY;
+            for (long d = 1; d < dim + 2; d++) part[d] = 0.0f;
+            continue;
+        }
+        long blocks = (visible + 7) / 8 * 8;
+        float *s = scores + r * width;
+        for (long c = visible; c < blocks; c++) s[c] = -INFINITY;
+        __m256 mv = _mm256_set1_ps(-INFINITY), lv = _mm256_setzero_ps();
+        for (long c = 0; c < blocks; c += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + c));
+        float lanes[8], mx = -INFINITY, l = 0.0f;
+        _mm256_storeu_ps(lanes, mv);
+        for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+        for (long c = 0; c < blocks; c += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_set1_ps(mx)));
+            _mm256_storeu_ps(s + c, e);
+            lv = _mm256_add_ps(lv, e);
+        }
+        _mm256_storeu_ps(lanes, lv);
+        for (int j = 0; j < 8; j++) l += lanes[j];
+        part[0] = mx;
+        part[1] = l;
+        for (long v0 = 0; v0 < vecs; v0 += 8) {  /* 8 vectors of the sums at a time, in registers */
+            __m256 acc[8];
+            long nv = vecs - v0 < 8 ? vecs - v0 : 8;
+            for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
+            for (long c = 0; c < visible; c++) {
+                const float *vr = v_pool + (key_slot(sl, context, path, c0 + c) * kv_heads + h) * dim + 8 * v0;
+                __m256 p = _mm256_set1_ps(s[c]);
+                if (nv == 8)
+                    for (int v = 0; v < 8; v++) acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+                else
+                    for (int v = 0; v < nv; v++) acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+            }
+            for (int v = 0; v < nv; v++) _mm256_storeu_ps(part + 2 + 8 * (v0 + v), acc[v]);
+        }
+    }
+    free(seen);
+    free(buf);
+}
+
 /* Attention of short queries (decode, verify) and draft-tree rows over keys read in place from the paged pool,
  * after writing this step's new keys and values (num_new rows of k_new / v_new, strides in floats, into slots
  * new_slots) to it. q: [tokens, heads, dim] with q_stride floats from token to token; out: [tokens, heads, dim];
@@ -280,12 +384,10 @@ static inline long key_slot(const long *sl, long context, const long *path, long
  * [tree rows][path_stride] = (path length, then the path's slots in position order).
  * Query row i of a sequence sees keys 0 .. context - rows + i. Tree row t, after the query rows, sees the whole
  * context and then its path (its ancestors' slots and its own), so its sums run over the keys a decode step at its
- * position would read, in the same order: a node's output is the one that step gives.
- * One task per (sequence, kv head) holds its group's rows. Two passes rather than an online softmax: every row's
- * scores first (the shared keys read once, in blocks of 8), then each row's softmax and its weighted sum of values
- * with the sums in registers, the values fetched into L2 during the first pass. No softmax between key blocks
- * holds up the next block's loads: 1.4-1.6x faster than an online softmax over K/V in memory (30 layers, 256 keys:
- * 4 sequences 4.1 -> 2.6 ms, 16: 21.6 -> 14.2, 64: 63.9 -> 44.4), 1.2x in cache. dim must be a multiple of 8. */
+ * position would read, in the same chunks and order: a node's output is the one that step gives.
+ * Tasks per sequence (attend_chunk): one per key-value head where its keys are one chunk, else one per chunk over
+ * every head; then each row's chunks are merged in order (a lone chunk's result as it is). dim must be a multiple
+ * of 8. */
 void paged_attention(const float *q, long q_stride, float *out, float *k_pool, float *v_pool, const float *k_new,
                      long k_stride, const float *v_new, long v_stride, const long *new_slots, long num_new,
                      const long *seqs, long num_seqs, const long *slots, long slot_stride, const long *paths,
@@ -295,91 +397,65 @@ void paged_attention(const float *q, long q_stride, float *out, float *k_pool, f
         memcpy(k_pool + new_slots[t] * row, k_new + t * k_stride, row * sizeof(float));
         memcpy(v_pool + new_slots[t] * row, v_new + t * v_stride, row * sizeof(float));
     }
-    long group = heads / kv_heads, vecs = dim / 8;
-    #pragma omp parallel for collapse(2) schedule(dynamic)
+    /* per sequence: its keys (its longest row's), its first task and its first part (a part: one chunk's result for
+     * one row's heads) */
+    long *num_keys = malloc(sizeof(long) * (3 * num_seqs + 2)), *first_task = num_keys + num_seqs,
+         *first_part = first_task + num_seqs + 1;
+    first_task[0] = first_part[0] = 0;
     for (long b = 0; b < num_seqs; b++) {
-        for (long h = 0; h < kv_heads; h++) {
-            const long *seq = seqs + 5 * b;
-            long first = seq[0], rows = seq[1], context = seq[2], tree = seq[3];
-            const long *tree_paths = paths + seq[4] * path_stride;
-            long n = (rows + tree) * group, num_keys = context;
-            for (long t = 0; t < tree; t++)
-                if (context + tree_paths[t * path_stride] > num_keys) num_keys = context + tree_paths[t * path_stride];
-            long width = (num_keys + 7) / 8 * 8;
-            const long *sl = slots + b * slot_stride;
-            float *buf = malloc(sizeof(float) * n * (dim + width));
-            long *seen = malloc(sizeof(long) * n);
-            float *qs = buf, *scores = buf + n * dim;
-            for (long r = 0; r < n; r++) {  /* r = i * group + g: row i, head h * group + g */
-                const float *src = q + (first + r / group) * q_stride + (h * group + r % group) * dim;
-                for (long d = 0; d < dim; d++) qs[r * dim + d] = src[d] * scale;
-                long t = r / group - rows;  /* t >= 0: tree row t */
-                seen[r] = t < 0 ? context - rows + r / group + 1 : context + tree_paths[t * path_stride];
+        const long *seq = seqs + 5 * b, *tree_paths = paths + seq[4] * path_stride;
+        num_keys[b] = seq[2];
+        for (long t = 0; t < seq[3]; t++)
+            if (seq[2] + tree_paths[t * path_stride] > num_keys[b]) num_keys[b] = seq[2] + tree_paths[t * path_stride];
+        long chunks = (num_keys[b] + KEY_CHUNK - 1) / KEY_CHUNK;
+        first_task[b + 1] = first_task[b] + (chunks == 1 ? kv_heads : chunks);
+        first_part[b + 1] = first_part[b] + chunks * (seq[1] + seq[3]);
+    }
+    long part_floats = heads * (dim + 2);
+    float *parts = malloc(sizeof(float) * first_part[num_seqs] * part_floats);
+    #pragma omp parallel for schedule(dynamic)
+    for (long task = 0; task < first_task[num_seqs]; task++) {
+        long b = 0;
+        while (first_task[b + 1] <= task) b++;
+        const long *seq = seqs + 5 * b;
+        long k = task - first_task[b], one_chunk = num_keys[b] <= KEY_CHUNK;
+        long j = one_chunk ? 0 : k, h0 = one_chunk ? k : 0, h1 = one_chunk ? k + 1 : kv_heads, c0 = j * KEY_CHUNK;
+        long c1 = c0 + KEY_CHUNK < num_keys[b] ? c0 + KEY_CHUNK : num_keys[b];
+        attend_chunk(q, q_stride, k_pool, v_pool, seq, slots + b * slot_stride, paths + seq[4] * path_stride,
+                     path_stride, c0, c1, h0, h1, heads, kv_heads, dim, scale,
+                     parts + (first_part[b] + j * (seq[1] + seq[3])) * part_floats);
+    }
+    #pragma omp parallel for schedule(static) if (num_seqs >= 4)
+    for (long b = 0; b < num_seqs; b++) {
+        const long *seq = seqs + 5 * b;
+        long n = seq[1] + seq[3], chunks = (num_keys[b] + KEY_CHUNK - 1) / KEY_CHUNK;
+        for (long r = 0; r < n * heads; r++) {  /* r = i * heads + hq */
+            float *dst = out + ((seq[0] + r / heads) * heads + r % heads) * dim;
+            const float *part = parts + first_part[b] * part_floats + r * (dim + 2);
+            if (chunks == 1) {
+                float inv = 1.0f / part[1];
+                for (long d = 0; d < dim; d++) dst[d] = part[2 + d] * inv;
+                continue;
             }
-            for (long c0 = 0; c0 < num_keys; c0 += 8) {
-                /* the values two blocks on into L2, for the second pass (into L1 they evicted the keys) */
-                for (long c = c0 + 16; c < c0 + 24 && c < context; c++) {
-                    const char *vr = (const char *)(v_pool + (sl[c] * kv_heads + h) * dim);
-                    for (long o = 0; o < dim * (long)sizeof(float); o += 64) _mm_prefetch(vr + o, _MM_HINT_T1);
-                }
-                const float *kr[8];  /* the context's keys of this block, shared by every row */
-                for (int j = 0; j < 8; j++) kr[j] = k_pool + (key_slot(sl, context, 0, c0 + j) * kv_heads + h) * dim;
-                for (long r = 0; r < n; r++) {
-                    if (seen[r] <= c0) continue;
-                    long t = r / group - rows;
-                    const float **krow = kr, *kp[8];
-                    if (t >= 0 && c0 + 8 > context) {  /* the block reaches into this row's path */
-                        for (int j = 0; j < 8; j++)
-                            kp[j] = k_pool + (key_slot(sl, context, tree_paths + t * path_stride, c0 + j) * kv_heads + h) * dim;
-                        krow = kp;
-                    }
-                    __m256 a[8];
-                    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-                    for (long v = 0; v < vecs; v++) {
-                        __m256 qv = _mm256_loadu_ps(qs + r * dim + 8 * v);
-                        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krow[j] + 8 * v), a[j]);
-                    }
-                    _mm256_storeu_ps(scores + r * width + c0, sum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
-                }
+            float mx = -INFINITY, l = 0.0f;
+            for (long j = 0; j < chunks; j++) {
+                float m = part[j * n * part_floats];
+                mx = m > mx ? m : mx;
             }
-            for (long r = 0; r < n; r++) {
-                long t = r / group - rows, visible = seen[r], blocks = (visible + 7) / 8 * 8;
-                const long *path = t >= 0 ? tree_paths + t * path_stride : 0;
-                float *s = scores + r * width;
-                for (long c = visible; c < blocks; c++) s[c] = -INFINITY;
-                __m256 mv = _mm256_set1_ps(-INFINITY), lv = _mm256_setzero_ps();
-                for (long c = 0; c < blocks; c += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + c));
-                float lanes[8], mx = -INFINITY, l = 0.0f;
-                _mm256_storeu_ps(lanes, mv);
-                for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
-                for (long c = 0; c < blocks; c += 8) {
-                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_set1_ps(mx)));
-                    _mm256_storeu_ps(s + c, e);
-                    lv = _mm256_add_ps(lv, e);
-                }
-                _mm256_storeu_ps(lanes, lv);
-                for (int j = 0; j < 8; j++) l += lanes[j];
-                float *dst = out + ((first + r / group) * heads + h * group + r % group) * dim;
-                __m256 inv = _mm256_set1_ps(1.0f / l);
-                for (long v0 = 0; v0 < vecs; v0 += 8) {  /* 8 vectors of the sums at a time, in registers */
-                    __m256 acc[8];
-                    long nv = vecs - v0 < 8 ? vecs - v0 : 8;
-                    for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
-                    for (long c = 0; c < visible; c++) {
-                        const float *vr = v_pool + (key_slot(sl, context, path, c) * kv_heads + h) * dim + 8 * v0;
-                        __m256 p = _mm256_set1_ps(s[c]);
-                        if (nv == 8)
-                            for (int v = 0; v < 8; v++) acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
-                        else
-                            for (int v = 0; v < nv; v++) acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
-                    }
-                    for (int v = 0; v < nv; v++) _mm256_storeu_ps(dst + 8 * (v0 + v), _mm256_mul_ps(acc[v], inv));
-                }
+            for (long d = 0; d < dim; d++) dst[d] = 0.0f;
+            for (long j = 0; j < chunks; j++) {
+                const float *pj = part + j * n * part_floats;
+                if (pj[0] == -INFINITY) continue;
+                float w = expf(pj[0] - mx);
+                l += pj[1] * w;
+                for (long d = 0; d < dim; d++) dst[d] += pj[2 + d] * w;
             }
-            free(seen);
-            free(buf);
+            float inv = 1.0f / l;
+            for (long d = 0; d < dim; d++) dst[d] *= inv;
         }
     }
+    free(parts);
+    free(num_keys);
 }
 
 /* The index of the largest value among xr[lo .. hi), the first one on ties and the first NaN if any, as

@@ -179,11 +179,11 @@ def test_paged_attention_kernel_matches_torch(num_heads, num_kv, head_dim):
     from serving.attention import KVCache, PagedAttention, PagedMetadata
 
     torch.manual_seed(num_heads * head_dim)
-    block_size, query_lens, context_lens = 4, [1, 5, 16, 3, 1], [1, 37, 16, 200, 9]
-    cache = KVCache(2, 80, block_size, num_kv, head_dim, torch.float32, "cpu")
+    block_size, query_lens, context_lens = 4, [1, 5, 16, 3, 1, 4], [1, 37, 16, 200, 9, 600]
+    cache = KVCache(2, 240, block_size, num_kv, head_dim, torch.float32, "cpu")
     cache.k.normal_()
     cache.v.normal_()
-    order = torch.randperm(80).tolist()
+    order = torch.randperm(240).tolist()
     tables, used = [], 0
     for context in context_lens:
         count = -(-context // block_size)
@@ -244,9 +244,11 @@ def random_tree(num_nodes: int, depth: int, generator: torch.Generator):
             return tree
 
 
-def test_tree_rows_attend_as_decode_steps_at_their_position():
+@pytest.mark.parametrize("contexts", [(43, 20), (254, 520)])
+def test_tree_rows_attend_as_decode_steps_at_their_position(contexts):
     """Two sequences verify a random tree each (7 nodes 3 deep after 3 query rows and 43 keys; 5 nodes 2 deep after
-    1 query row and 20 keys), over shuffled blocks of 16. Each tree row's kernel output equals, bit for bit, a decode
+    1 query row and 20 keys; and again after 254 and 520 keys, whose rows span the kernel's chunks of 256 keys:
+    the first tree's paths cross a chunk's end), over shuffled blocks of 16. Each tree row's kernel output equals, bit for bit, a decode
     step at its node's position whose context holds the same keys (the context, then its path's K/V, written into
     the slots of those positions of another table in a copy of the pool); the query rows are those of the same step
     without trees; the torch path agrees with the kernel; and both agree with dense attention under the explicit
@@ -255,8 +257,10 @@ def test_tree_rows_attend_as_decode_steps_at_their_position():
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    block_size, num_blocks, num_heads, num_kv, head_dim, layer = 16, 24, 9, 3, 64, 1
-    seqs = [(3, 43, random_tree(7, 3, g)), (1, 20, random_tree(5, 2, g))]  # (query rows, context, tree)
+    block_size, num_heads, num_kv, head_dim, layer = 16, 9, 3, 64, 1
+    seqs = [(3, contexts[0], random_tree(7, 3, g)), (1, contexts[1], random_tree(5, 2, g))]  # (query rows, context, tree)
+    longest = max(-(-(context + tree.depth) // block_size) for _, context, tree in seqs)
+    num_blocks = sum(-(-(context + len(tree)) // block_size) for _, context, tree in seqs) + longest
     cache = KVCache(2, num_blocks, block_size, num_kv, head_dim, torch.float32, "cpu")
     cache.k.normal_()
     cache.v.normal_()
@@ -264,8 +268,8 @@ def test_tree_rows_attend_as_decode_steps_at_their_position():
     for _, context, tree in seqs:
         tables.append(order[:-(-(context + len(tree)) // block_size)])
         order = order[len(tables[-1]):]
-    other_table = order[:4]  # where the decode steps put the same keys: other blocks
-    assert len(other_table) == 4 and all(len(table) >= 2 for table in tables)
+    other_table = order[:longest]  # where the decode steps put the same keys: other blocks
+    assert len(other_table) == longest and all(len(table) >= 2 for table in tables)
 
     def slot(table, position):
         return table[position // block_size] * block_size + position % block_size

@@ -357,3 +357,17 @@ def test_forward_in_one_call_equals_the_layer_loop(fixture, weights, request):
     assert torch.equal(early[0].logits, early[1].logits) and early[0].best == early[1].logits.argmax(-1).tolist()
     # the prefill chunks of 20 and 17 rows take the loop; the short steps each take one call, over their layers
     assert calls == [num_layers] * 5 + [2]
+
+
+def test_the_forward_in_one_call_refuses_ids_outside_the_vocabulary_before_writing_anything(pair):
+    model = pair[0]
+    if model.fused is None:
+        pytest.skip("serving/kernels.c does not run here")
+    seqs = make_sequences((6,), seed=1)
+    run = PagedRun(model, seqs, 4)
+    run.step([(0, 4)])
+    k, v = run.cache.k.clone(), run.cache.v.clone()
+    seqs[0][4] = model.config.vocab_size
+    with pytest.raises(ValueError, match=r"token ids outside \[0, \d+\)"):
+        run.step([(0, 1)])
+    assert torch.equal(run.cache.k, k) and torch.equal(run.cache.v, v)
