@@ -1,9 +1,10 @@
 """Three step parts of this checkout against another commit's, side by side in one process: the linear layers'
 packed products at 1, 5 and 12 rows (kernels.c of both built with this machine's flags and loaded together, the
 weights packed by each one's `to_panels`; the default target's 120 linear layers, float32 and bfloat16 weights; the
-outputs' largest difference), paged attention over the K/V of 30 layers in memory (decode and 5-row verify queries
-of 1 to 64 sequences of 256 keys, their blocks shuffled over the pool; the two outputs' largest difference beside
-the times) and `PagedMetadata.build` (serving/attention.py of both) for decode and verify steps at 1 and 16
+outputs' largest difference), paged attention over the K/V of 30 layers in memory (decode queries of one sequence of
+64 to 1,024 keys; decode and 5-row verify queries of 4 to 64 sequences of 256 keys; their blocks shuffled over the
+pool; the two outputs' largest difference beside the times) and `PagedMetadata.build` (serving/attention.py of both,
+with the arrays the C kernel reads where this checkout makes them apart) for decode and verify steps at 1 and 16
 sequences of ~300 tokens. The two take turns, so that drift hits both alike.
 
     python benchmarks/against_commit.py --commit 1b2846c [--repeats 30]
@@ -93,6 +94,12 @@ def paged_attention(libs: dict, num_seqs: int, rows: int, c, num_layers: int, re
     return ms, (outs["before"] - outs["after"]).abs().max().item()
 
 
+def kernel_metadata(*step):
+    """This checkout's metadata of a step and the host arrays its C kernel reads."""
+    meta = PagedMetadata.build(*step)
+    return meta, meta.batched.kernel_arrays(meta.new_slots)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", required=True)
@@ -126,10 +133,11 @@ def main() -> None:
             print(f"| {rows} row{'s' if rows > 1 else ''}, {dtype} weights | {ms['before']:.2f} | {ms['after']:.2f} | "
                   f"{ms['before'] / ms['after']:.2f}x | {diff:.1e} |")
 
-    print("\n| paged attention, 30 layers, 256 keys | before ms | after ms | ratio | largest difference |\n|---|---|---|---|---|")
-    for num_seqs, rows in ((1, 1), (4, 1), (16, 1), (64, 1), (4, 5), (16, 5)):
-        ms, diff = paged_attention(libs, num_seqs, rows, c, num_layers, args.repeats)
-        print(f"| {num_seqs} sequences x {rows} rows | {ms['before']:.2f} | {ms['after']:.2f} | "
+    print("\n| paged attention, 30 layers | before ms | after ms | ratio | largest difference |\n|---|---|---|---|---|")
+    for num_seqs, rows, context in ((1, 1, 64), (1, 1, 256), (1, 1, 1024), (4, 1, 256), (16, 1, 256), (64, 1, 256),
+                                    (4, 5, 256), (16, 5, 256)):
+        ms, diff = paged_attention(libs, num_seqs, rows, c, num_layers, args.repeats, context)
+        print(f"| {num_seqs} sequences x {rows} rows, {context} keys | {ms['before']:.2f} | {ms['after']:.2f} | "
               f"{ms['before'] / ms['after']:.2f}x | {diff:.1e} |")
 
     before = load(args.commit, "serving/attention.py", "attention_before", tmp)
@@ -140,7 +148,7 @@ def main() -> None:
         paths = [[[c + 1 + j for j in range(d + 1)] for d in range(nodes)] for c in contexts] if nodes else None
         step = ([1] * num_seqs, contexts, tables, 16, "cpu", paths)
         ms = alternate({"before": lambda: before.PagedMetadata.build(*step),
-                        "after": lambda: PagedMetadata.build(*step)}, 10 * args.repeats)
+                        "after": lambda: kernel_metadata(*step)}, 10 * args.repeats)
         label = "decode" if not nodes else f"verify 1 + {nodes} nodes"
         print(f"| {num_seqs} sequences, {label} | {ms['before']:.3f} | {ms['after']:.3f} | "
               f"{ms['before'] / ms['after']:.1f}x |")
