@@ -214,9 +214,9 @@ class PagedAttention:
             self.new_args, self.batched_args = args[:2], args[2:]
 
     def kernel_step(self) -> tuple | None:
-        """When every sequence of the step attends in the C kernel (decode and verify steps): the arguments of
-        kernels.c's decoder_layers after its scratch (the pools, floats per layer, new slots, batch), so that the
-        target's forward runs in one call (serving.kernels.KernelForward); else None."""
+        """When every sequence of the step attends in the C kernel (decode and verify steps): the attention's
+        arguments of kernels.c's model_forward (the pools, floats per layer, new slots, batch), so that the target's
+        forward runs in one call (serving.kernels.KernelForward); else None."""
         if self.lib is None or self.meta.batched is None or self.meta.singles:
             return None
         return (*self.pools, self.layer_bytes // 4, *self.new_args, *self.batched_args)

@@ -246,7 +246,7 @@ class Scratch:
     def __init__(self, config, num_layers: int):
         c = config
         self.config = c
-        self.layer_table = (_LayerWeights * num_layers)()  # every layer's weights, for decoder_layers
+        self.layer_table = (_LayerWeights * num_layers)()  # every layer's weights, for model_forward
         self.sizes = {"normed": c.hidden_size, "qkv": (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
                       "gate_up": 2 * c.intermediate_size, "act": c.intermediate_size, "attn": c.num_heads * c.head_dim,
                       "h": c.hidden_size, "selected": c.hidden_size, "cos": c.head_dim, "sin": c.head_dim}
