@@ -97,7 +97,7 @@ def paged_attention(libs: dict, num_seqs: int, rows: int, c, num_layers: int, re
 def kernel_metadata(*step):
     """This checkout's metadata of a step and the host arrays its C kernel reads."""
     meta = PagedMetadata.build(*step)
-    return meta, meta.batched.kernel_arrays(meta.new_slots)
+    return meta, meta.kernel_arrays
 
 
 def main() -> None:

@@ -64,9 +64,10 @@ class _Batched:
     rows: each sees the whole context, then the keys of its path (its ancestors' slots and its own, in position
     order), so it reads the keys a decode step at its position would, in the same order.
 
-    The C kernel reads `seqs`, the context slots and `paths` from one host tensor (kernel_arrays); torch's path reads
-    the padded row indices, its own key list and mask; each is built the first time it is asked for (per-step metadata
-    costs more than a draft layer's arithmetic, and each torch call ~20 us after a forward has evicted the caches)."""
+    The C kernel reads `seqs`, the context slots and `paths` from one host tensor (PagedMetadata.kernel_arrays);
+    torch's path reads the padded row indices, its own key list and mask; each is built the first time it is asked
+    for (per-step metadata costs more than a draft layer's arithmetic, and each torch call ~20 us after a forward has
+    evicted the caches)."""
 
     def __init__(self, short, slots: list[list[int]], device):
         # short: (first row, query rows, context length, paths: a slot list per tree row); slots: each sequence's
@@ -75,7 +76,7 @@ class _Batched:
         self.max_q = max(q + len(paths) for _, q, _, paths in short)
         self.max_c = max(c for _, _, c, _ in short)
 
-    def kernel_arrays(self, slot_mapping: list[int]) -> tuple[torch.Tensor, tuple]:
+    def host_arrays(self, slot_mapping: list[int]) -> tuple[torch.Tensor, tuple]:
         """(host tensor, kernels.c's arguments from new_slots on: new_slots, num_new, seqs, num_seqs, slots,
         slot_stride, paths, path_stride), all read from the tensor: seqs [B][5] = (first row in the flat batch, query
         rows, context length, tree rows, first tree row in paths); slots [B][Cmax], each context's then zeros that
@@ -161,6 +162,12 @@ class PagedMetadata:
         self.new_slots, self.singles, self.batched, self.device = new_slots, singles, batched, device
 
     @functools.cached_property
+    def kernel_arrays(self) -> tuple[torch.Tensor, tuple]:
+        """The C kernel's arrays of the batched sequences (_Batched.host_arrays), made once however many
+        PagedAttentions read them (the cost model times one step's forward over and over)."""
+        return self.batched.host_arrays(self.new_slots)
+
+    @functools.cached_property
     def slot_mapping(self) -> torch.Tensor:
         """[num_tokens] where each scheduled token's K/V is written, on the device."""
         return torch.tensor(self.new_slots, dtype=torch.long, device="cpu").to(self.device)
@@ -210,7 +217,7 @@ class PagedAttention:
             self.attend = self.lib.paged_attention
             self.layer_bytes = k[0].numel() * k.element_size()
             self.pools = (k.data_ptr(), cache.v.data_ptr())
-            self.host, args = b.kernel_arrays(meta.new_slots)  # the host tensor lives as long as the step
+            args = meta.kernel_arrays[1]  # the metadata holds the host tensor they point into
             self.new_args, self.batched_args = args[:2], args[2:]
 
     def kernel_step(self) -> tuple | None:

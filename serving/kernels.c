@@ -458,6 +458,12 @@ void paged_attention(const float *q, long q_stride, float *out, float *k_pool, f
     free(num_keys);
 }
 
+/* Whether xr[c], at an index after best, takes the lead from xr[best] in torch.argmax's order: larger, or the first
+ * NaN (a NaN, once best, keeps it). */
+static inline int later_wins(const float *xr, long best, long c) {
+    return !isnan(xr[best]) && (isnan(xr[c]) || xr[c] > xr[best]);
+}
+
 /* The index of the largest value among xr[lo .. hi), the first one on ties and the first NaN if any, as
  * torch.argmax. Each lane keeps its own first best; the lanes then resolve by value and index. */
 static long argmax_range(const float *xr, long lo, long hi) {
@@ -487,7 +493,7 @@ static long argmax_range(const float *xr, long lo, long hi) {
         }
     }
     for (; i < hi; i++)  /* the tail past the last 8, or the whole range when it is shorter */
-        if (!isnan(xr[best]) && (isnan(xr[i]) || xr[i] > xr[best])) best = i;
+        if (later_wins(xr, best, i)) best = i;
     return best;
 }
 
@@ -511,7 +517,7 @@ void argmax_rows(const float *x, long rows, long ldx, long n, long *out) {
         long best = -1;
         for (long t = 0; t < threads; t++) {
             long c = found[r * threads + t];
-            if (c >= 0 && (best < 0 || (!isnan(xr[best]) && (isnan(xr[c]) || xr[c] > xr[best])))) best = c;
+            if (c >= 0 && (best < 0 || later_wins(xr, best, c))) best = c;
         }
         out[r] = best;
     }
@@ -596,13 +602,13 @@ void layer_post(const layer_weights *L, const float *h, long rows, const float *
 /* Layers [0, num_layers) of layers, one after another, on `rows` rows whose every sequence attends through
  * paged_attention (a decode or verify step): per layer layer_pre, the attention over that layer's pools (layer_floats
  * apart from k_pool, v_pool), which also writes the step's keys and values into new_slots, and layer_post: the
- * kernels a layer loop in Python calls, in the same order, so the same results. h: [rows, hidden], the input, overwritten by the output; normed, qkv, attn, gu,
- * act: the layers' scratch. */
-static void decoder_layers(const layer_weights *layers, long num_layers, float *h, long rows, float *normed, float *qkv,
-                    float *attn, float *gu, float *act, const float *cos, const float *sin, float *k_pool,
-                    float *v_pool, long layer_floats, const long *new_slots, long num_new, const long *seqs,
-                    long num_seqs, const long *slots, long slot_stride, const long *paths, long path_stride,
-                    float scale) {
+ * kernels a layer loop in Python calls, in the same order, so the same results. h: [rows, hidden], the input,
+ * overwritten by the output; normed, qkv, attn, gu, act: the layers' scratch. */
+static void decoder_layers(const layer_weights *layers, long num_layers, float *h, long rows, float *normed,
+                           float *qkv, float *attn, float *gu, float *act, const float *cos, const float *sin,
+                           float *k_pool, float *v_pool, long layer_floats, const long *new_slots, long num_new,
+                           const long *seqs, long num_seqs, const long *slots, long slot_stride, const long *paths,
+                           long path_stride, float scale) {
     for (long l = 0; l < num_layers; l++) {
         const layer_weights *L = layers + l;
         long q_size = L->heads * L->dim, kv_size = L->kv_heads * L->dim, n = q_size + 2 * kv_size;
