@@ -8,6 +8,8 @@ with the arrays the C kernel reads where this checkout makes them apart) for dec
 sequences of ~300 tokens. The two take turns, so that drift hits both alike.
 
     python benchmarks/against_commit.py --commit 1b2846c [--repeats 30]
+
+A commit from before paged_attention took an attention_args struct is called with its positional arguments.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 from serving.attention import PagedMetadata
+from serving.kernel_abi import AttentionArgs, AttentionBatch, Sequence
 from serving.kernels import SIGNATURES, SOURCE, compile_flags, to_panels
 from serving.model import ModelConfig
 from serving.targets import DEFAULT_TARGET, resolve
@@ -48,7 +51,20 @@ def build(source: Path, out: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     for name in ("gemm_panels", "gemm_panels_bf16", "paged_attention"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = SIGNATURES[name], None
+    if not has_struct_calls(lib):
+        _long, _ptr = ctypes.c_long, ctypes.c_void_p
+        lib.paged_attention.argtypes = [_ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _ptr, _long, _ptr, _long, _ptr,
+                                        _long, _ptr, _long, _ptr, _long, _long, _long, _long, ctypes.c_float]
     return lib
+
+
+def has_struct_calls(lib: ctypes.CDLL) -> bool:
+    """Whether `lib`'s larger calls take structs (serving/kernel_abi.py), which kernel_layouts came with."""
+    try:
+        lib.kernel_layouts
+    except AttributeError:
+        return False
+    return True
 
 
 def linear_shapes(c) -> list[tuple[int, int]]:
@@ -79,17 +95,28 @@ def paged_attention(libs: dict, num_seqs: int, rows: int, c, num_layers: int, re
                          for b in range(num_seqs)])
     pool_shape = (num_seqs * blocks * block_size, c.num_kv_heads, c.head_dim)
     pools = [(torch.randn(pool_shape), torch.randn(pool_shape)) for _ in range(num_layers)]
-    seqs = torch.tensor([[b * rows, rows, context, 0, 0] for b in range(num_seqs)])
+    seqs = torch.tensor([[b * rows, rows, context, 0, 0] for b in range(num_seqs)])  # Sequence's fields
     q = torch.randn(num_seqs * rows, c.num_heads, c.head_dim)
     outs = {which: torch.empty_like(q) for which in libs}
     paths = torch.zeros(1, 2, dtype=torch.long)
 
+    batch = AttentionBatch(seqs=seqs.data_ptr(), num_seqs=num_seqs, slots=slots.data_ptr(),
+                           slot_stride=slots.shape[1], paths=paths.data_ptr(), path_stride=2)
+    assert ctypes.sizeof(Sequence) == seqs.shape[1] * seqs.element_size()
+
     def attend(which):
+        lib = libs[which]
         for k, v in pools:
-            libs[which].paged_attention(q.data_ptr(), c.num_heads * c.head_dim, outs[which].data_ptr(), k.data_ptr(),
-                                        v.data_ptr(), None, 0, None, 0, None, 0, seqs.data_ptr(), num_seqs,
-                                        slots.data_ptr(), slots.shape[1], paths.data_ptr(), 2, c.num_heads,
-                                        c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
+            if has_struct_calls(lib):
+                lib.paged_attention(AttentionArgs(
+                    q=q.data_ptr(), q_stride=c.num_heads * c.head_dim, out=outs[which].data_ptr(), k_pool=k.data_ptr(),
+                    v_pool=v.data_ptr(), heads=c.num_heads, kv_heads=c.num_kv_heads, dim=c.head_dim,
+                    scale=c.head_dim ** -0.5, batch=ctypes.pointer(batch)))
+            else:
+                lib.paged_attention(q.data_ptr(), c.num_heads * c.head_dim, outs[which].data_ptr(), k.data_ptr(),
+                                    v.data_ptr(), None, 0, None, 0, None, 0, seqs.data_ptr(), num_seqs,
+                                    slots.data_ptr(), slots.shape[1], paths.data_ptr(), 2, c.num_heads,
+                                    c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
     ms = alternate({which: (lambda which=which: attend(which)) for which in libs}, repeats)
     return ms, (outs["before"] - outs["after"]).abs().max().item()
 

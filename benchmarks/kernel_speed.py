@@ -84,8 +84,7 @@ def main() -> None:
         tokens = num_seqs * query_len
         q = torch.randn(tokens, layer.num_heads, layer.head_dim)
         k, v = torch.randn(tokens, layer.num_kv_heads, layer.head_dim), torch.randn(tokens, layer.num_kv_heads, layer.head_dim)
-        fast, reference = PagedAttention(cache, meta), PagedAttention(cache, meta)
-        reference.lib = None
+        fast, reference = PagedAttention(cache, meta), PagedAttention(cache, meta, use_kernel=False)
         torch_s = timed(lambda: [reference(i, q, k, v) for i in range(c.num_layers)], args.repeats)
         ours_s = timed(lambda: [fast(i, q, k, v) for i in range(c.num_layers)], args.repeats)
         print(f"| {label}, {c.num_layers} layers | {torch_s * 1e3:.2f} | {ours_s * 1e3:.2f} | {torch_s / ours_s:.2f}x |")

@@ -1,13 +1,16 @@
-"""Paged attention in plain torch, the engine's reference backend.
+"""Paged attention: K/V read through block tables from a pool of fixed-size blocks.
 
-It reads K/V through block tables from a pool of fixed-size blocks. Sequences with short
-queries (decode, verification of a few drafts) run as one padded batch; longer queries (prefill chunks)
-run one at a time. Everything derived from the block tables is built once per step in
-`PagedMetadata.build` and shared by every layer.
+Sequences with short queries (decode, verification of a few drafts, draft-tree rows: `ShortQueries`) run as one
+batch, through serving/kernels.c's `paged_attention` where it runs, else padded through torch; longer queries
+(prefill chunks: `LongQuery`) run one at a time through torch. Everything derived from the block tables is built once
+per step in `PagedMetadata.build` and shared by every layer; `AttentionPath` names the four ways a step attends and
+`PagedAttention.path` picks one.
 """
 from __future__ import annotations
 
 import array
+import ctypes
+import enum
 import functools
 import itertools
 from dataclasses import dataclass
@@ -16,6 +19,7 @@ import torch
 
 from heads.attention import sdpa_gqa
 from serving.blocks import slot
+from serving.kernel_abi import AttentionArgs, AttentionBatch, PagedKV
 from serving.kernels import library
 
 MAX_BATCHED_QUERY_LEN = 16
@@ -42,7 +46,8 @@ class KVCache:
 
 
 @dataclass
-class _Single:
+class LongQuery:
+    """A sequence whose query is longer than MAX_BATCHED_QUERY_LEN rows (a prefill chunk), attended on its own."""
     start: int
     end: int
     key_slots: torch.Tensor | None  # [context]; None when the chunk is the whole sequence so far
@@ -58,13 +63,13 @@ def context_slots(table: list[int], context: int, block_size: int) -> list[int]:
     return slots
 
 
-class _Batched:
-    """The sequences with short queries or tree rows, attended as one padded batch of B sequences. A sequence's rows
+class ShortQueries:
+    """The sequences with short queries or tree rows, attended as one batch of B sequences. A sequence's rows
     are its query rows (causal: query row i sees keys 0 .. context - query rows + i, in table order), then its tree
     rows: each sees the whole context, then the keys of its path (its ancestors' slots and its own, in position
     order), so it reads the keys a decode step at its position would, in the same order.
 
-    The C kernel reads `seqs`, the context slots and `paths` from one host tensor (PagedMetadata.kernel_arrays);
+    The C kernel reads an AttentionBatch over one host tensor (PagedMetadata.kernel_arrays);
     torch's path reads the padded row indices, its own key list and mask; each is built the first time it is asked
     for (per-step metadata costs more than a draft layer's arithmetic, and each torch call ~20 us after a forward has
     evicted the caches)."""
@@ -76,16 +81,14 @@ class _Batched:
         self.max_q = max(q + len(paths) for _, q, _, paths in short)
         self.max_c = max(c for _, _, c, _ in short)
 
-    def host_arrays(self, slot_mapping: list[int]) -> tuple[torch.Tensor, tuple]:
-        """(host tensor, kernels.c's arguments from new_slots on: new_slots, num_new, seqs, num_seqs, slots,
-        slot_stride, paths, path_stride), all read from the tensor: seqs [B][5] = (first row in the flat batch, query
-        rows, context length, tree rows, first tree row in paths); slots [B][Cmax], each context's then zeros that
-        nothing reads; paths [tree rows][1 + longest path] = (path length, its slots)."""
+    def host_arrays(self, slot_mapping: list[int]) -> tuple[torch.Tensor, AttentionBatch]:
+        """(host tensor, the AttentionBatch over it): new_slots, then seqs [B] Sequences, then slots [B][Cmax], each
+        context's then zeros that nothing reads, then paths [tree rows][1 + longest path] = (path length, its slots)."""
         all_paths = [path for *_, paths in self.short for path in paths]
         stride = 1 + max(map(len, all_paths), default=0)
         seqs, first_path = [], 0
         for start, q, c, paths in self.short:
-            seqs += [start, q, c, len(paths), first_path]
+            seqs += [start, q, c, len(paths), first_path]  # Sequence's fields, in its order
             first_path += len(paths)
         flat = slot_mapping + seqs
         for row in self.slots:
@@ -100,7 +103,8 @@ class _Batched:
         base, size = host.data_ptr(), host.element_size()
         num_slots = len(self.slots) * self.max_c
         at = [base + size * n for n in itertools.accumulate((len(slot_mapping), len(seqs), num_slots), initial=0)]
-        return host, (at[0], len(slot_mapping), at[1], len(self.short), at[2], self.max_c, at[3], stride)
+        return host, AttentionBatch(new_slots=at[0], num_new=len(slot_mapping), seqs=at[1], num_seqs=len(self.short),
+                                    slots=at[2], slot_stride=self.max_c, paths=at[3], path_stride=stride)
 
     @functools.cached_property
     def query_index(self) -> torch.Tensor:
@@ -155,17 +159,17 @@ class _Batched:
 
 class PagedMetadata:
     """The attention metadata of one flat forward: where each scheduled token's K/V is written (`new_slots`, and as a
-    tensor on the device, `slot_mapping`), the long queries attended one at a time (`singles`) and the short ones as
-    one batch (`batched`)."""
+    tensor on the device, `slot_mapping`), the long queries attended one at a time (`long`) and the short ones as
+    one batch (`short`)."""
 
-    def __init__(self, new_slots: list[int], singles: list[_Single], batched: _Batched | None, device):
-        self.new_slots, self.singles, self.batched, self.device = new_slots, singles, batched, device
+    def __init__(self, new_slots: list[int], long: list[LongQuery], short: ShortQueries | None, device):
+        self.new_slots, self.long, self.short, self.device = new_slots, long, short, device
 
     @functools.cached_property
-    def kernel_arrays(self) -> tuple[torch.Tensor, tuple]:
-        """The C kernel's arrays of the batched sequences (_Batched.host_arrays), made once however many
+    def kernel_arrays(self) -> tuple[torch.Tensor, AttentionBatch]:
+        """The C kernel's metadata of the short sequences (ShortQueries.host_arrays), made once however many
         PagedAttentions read them (the cost model times one step's forward over and over)."""
-        return self.batched.host_arrays(self.new_slots)
+        return self.short.host_arrays(self.new_slots)
 
     @functools.cached_property
     def slot_mapping(self) -> torch.Tensor:
@@ -178,7 +182,7 @@ class PagedMetadata:
         after this step (its last query row is key context - 1). tree_paths[i], when given, has one list per
         further row of sequence i (a draft tree's nodes): the pool slots of the keys that row sees after the
         context, in position order, its own last (where its K/V is written)."""
-        slot_mapping, singles, short, short_slots = [], [], [], []
+        slot_mapping, long, short, short_slots = [], [], [], []
         start = 0
         for i, (query_len, context_len, table) in enumerate(zip(query_lens, context_lens, block_tables)):
             if len(table) * block_size < context_len:
@@ -189,58 +193,82 @@ class PagedMetadata:
             slot_mapping.extend(path[-1] for path in paths)
             if query_len > MAX_BATCHED_QUERY_LEN and not paths:
                 if query_len == context_len:
-                    singles.append(_Single(start, start + query_len, None, None))
+                    long.append(LongQuery(start, start + query_len, None, None))
                 else:
                     mask = torch.ones(query_len, context_len, dtype=torch.bool, device="cpu")
                     mask = mask.tril(context_len - query_len)[None]
-                    singles.append(_Single(start, start + query_len, torch.tensor(slots, device="cpu").to(device),
-                                           mask.to(device)))
+                    long.append(LongQuery(start, start + query_len, torch.tensor(slots, device="cpu").to(device),
+                                          mask.to(device)))
             else:
                 short.append((start, query_len, context_len, paths))
                 short_slots.append(slots)
             start += query_len + len(paths)
-        return cls(slot_mapping, singles, _Batched(short, short_slots, device) if short else None, device)
+        return cls(slot_mapping, long, ShortQueries(short, short_slots, device) if short else None, device)
+
+
+class AttentionPath(enum.Enum):
+    """How a step attends, the same in every layer (PagedAttention.path chooses). The C kernel reads keys in place and
+    runs where the pool is float32 on CPU with head_dim a multiple of 8 and kernels.c is built; torch gathers keys."""
+    # Every sequence short, the C kernel: one call per layer writes the step's K/V and attends (decode and verify
+    # steps on CPU); the only path the target's forward runs in one C call (serving.kernels.KernelForward).
+    KERNEL = "kernel"
+    # Long queries too: torch writes every K/V and attends the long ones, then the C kernel the short ones.
+    KERNEL_AND_LONG = "kernel and long"
+    # Without the kernel, one row per sequence (decode): the padded batch is the flat batch, no gather of rows.
+    TORCH_DECODE = "torch decode"
+    # Without the kernel otherwise: the long queries one at a time, the short ones as one padded batch.
+    TORCH = "torch"
 
 
 class PagedAttention:
-    """Writes this step's K/V into the pool, then attends over each sequence's blocks. Short queries run
-    through serving/kernels.c's `paged_attention` where it runs (float32 on CPU, head_dim a multiple of 8),
-    which reads keys in place instead of gathering them; when every sequence of the step is short, that one
-    call also writes the new K/V."""
+    """Writes this step's K/V into the pool, then attends over each sequence's blocks, along `path`."""
 
-    def __init__(self, cache: KVCache, meta: PagedMetadata):
+    def __init__(self, cache: KVCache, meta: PagedMetadata, use_kernel: bool = True):
+        """use_kernel=False attends through torch even where the C kernel runs (the tests' and benchmarks' reference)."""
         self.cache, self.meta = cache, meta
         k = cache.k
-        self.lib = library() if k.device.type == "cpu" and k.dtype == torch.float32 and k.shape[-1] % 8 == 0 else None
-        b = meta.batched
-        if self.lib is not None and b is not None:  # read once per step, used by every layer
+        runs = use_kernel and k.device.type == "cpu" and k.dtype == torch.float32 and k.shape[-1] % 8 == 0
+        self.lib = library() if runs else None
+        self.path = self.choose_path()
+        if self.path in (AttentionPath.KERNEL, AttentionPath.KERNEL_AND_LONG):  # read once per step, used by every layer
             self.attend = self.lib.paged_attention
             self.layer_bytes = k[0].numel() * k.element_size()
             self.pools = (k.data_ptr(), cache.v.data_ptr())
-            args = meta.kernel_arrays[1]  # the metadata holds the host tensor they point into
-            self.new_args, self.batched_args = args[:2], args[2:]
+            self.batch = meta.kernel_arrays[1]  # the metadata holds the host tensor it points into
+            if self.path is AttentionPath.KERNEL_AND_LONG:  # torch wrote the step's K/V
+                self.batch = AttentionBatch.from_buffer_copy(self.batch)
+                self.batch.new_slots, self.batch.num_new = None, 0
 
-    def kernel_step(self) -> tuple | None:
-        """When every sequence of the step attends in the C kernel (decode and verify steps): the attention's
-        arguments of kernels.c's model_forward (the pools, floats per layer, new slots, batch), so that the target's
-        forward runs in one call (serving.kernels.KernelForward); else None."""
-        if self.lib is None or self.meta.batched is None or self.meta.singles:
+    def choose_path(self) -> AttentionPath:
+        short, long = self.meta.short, self.meta.long
+        if self.lib is not None and short is not None:
+            return AttentionPath.KERNEL_AND_LONG if long else AttentionPath.KERNEL
+        if short is not None and not long and all(q + len(paths) == 1 for _, q, _, paths in short.short):
+            return AttentionPath.TORCH_DECODE
+        return AttentionPath.TORCH
+
+    def paged_kv(self) -> PagedKV | None:
+        """On AttentionPath.KERNEL: model_forward's attention fields (every layer's pools, the batch), so that the
+        target's forward runs in one call (serving.kernels.KernelForward); else None."""
+        if self.path is not AttentionPath.KERNEL:
             return None
-        return (*self.pools, self.layer_bytes // 4, *self.new_args, *self.batched_args)
+        return PagedKV(k_pool=self.pools[0], v_pool=self.pools[1], layer_floats=self.layer_bytes // 4,
+                       batch=ctypes.pointer(self.batch))
 
     def __call__(self, layer_idx, q, k, v):
-        meta, b = self.meta, self.meta.batched
-        if self.lib is not None and b is not None:
-            return self._kernel(layer_idx, q, k, v, self._write_and_attend_singles(layer_idx, q, k, v) if meta.singles else None)
-        if self.lib is None and b is not None and not meta.singles and b.query_index.shape == (q.shape[0], 1):
-            # decode only: one row per sequence, already in order
+        path, short = self.path, self.meta.short
+        if path is AttentionPath.KERNEL:
+            return self._kernel(layer_idx, q, k, v, q.new_empty(q.shape))
+        if path is AttentionPath.KERNEL_AND_LONG:
+            return self._kernel(layer_idx, q, k, v, self._write_and_attend_long(layer_idx, q, k, v))
+        if path is AttentionPath.TORCH_DECODE:
             k_pool, v_pool = self._write(layer_idx, k, v)
-            return sdpa_gqa(q.unsqueeze(1), *self._gather(k_pool, v_pool, b), b.mask).view(q.shape)
-        out = self._write_and_attend_singles(layer_idx, q, k, v)
-        if b is not None:
+            return sdpa_gqa(q.unsqueeze(1), *self._gather(k_pool, v_pool, short), short.mask).view(q.shape)
+        out = self._write_and_attend_long(layer_idx, q, k, v)
+        if short is not None:
             k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]
-            o = sdpa_gqa(q[b.query_index], *self._gather(k_pool, v_pool, b), b.mask)
-            out.index_copy_(0, b.rows, o.flatten(0, 1)[b.valid])
+            o = sdpa_gqa(q[short.query_index], *self._gather(k_pool, v_pool, short), short.mask)
+            out.index_copy_(0, short.rows, o.flatten(0, 1)[short.valid])
         return out
 
     def _write(self, layer_idx, k, v):
@@ -249,10 +277,10 @@ class PagedAttention:
         v_pool.index_copy_(0, self.meta.slot_mapping, v)
         return k_pool, v_pool
 
-    def _write_and_attend_singles(self, layer_idx, q, k, v) -> torch.Tensor:
+    def _write_and_attend_long(self, layer_idx, q, k, v) -> torch.Tensor:
         k_pool, v_pool = self._write(layer_idx, k, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        for s in self.meta.singles:
+        for s in self.meta.long:
             if s.key_slots is None:
                 o = sdpa_gqa(q[None, s.start:s.end], k[None, s.start:s.end], v[None, s.start:s.end], is_causal=True)
             else:
@@ -260,22 +288,21 @@ class PagedAttention:
             out[s.start:s.end] = o[0]
         return out
 
-    def _kernel(self, layer_idx, q, k, v, out=None):
-        """The short sequences through the C kernel, into `out` (a new tensor when None); it also writes the step's
-        K/V unless `out` is given (the torch path wrote them with the long sequences')."""
+    def _kernel(self, layer_idx, q, k, v, out):
+        """The short sequences through the C kernel, into `out`; it also writes the step's K/V on
+        AttentionPath.KERNEL (on KERNEL_AND_LONG torch wrote them with the long sequences')."""
         # the kernel steps tokens by stride(0) and needs each token's heads dense
         q, k, v = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (q, k, v))
-        new = self.new_args if out is None else (None, 0)
-        if out is None:
-            out = q.new_empty(q.shape)
         offset = layer_idx * self.layer_bytes
-        self.attend(q.data_ptr(), q.stride(0), out.data_ptr(), self.pools[0] + offset, self.pools[1] + offset,
-                    k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), *new, *self.batched_args,
-                    q.shape[1], k.shape[1], q.shape[2], q.shape[2] ** -0.5)
+        self.attend(AttentionArgs(q=q.data_ptr(), q_stride=q.stride(0), out=out.data_ptr(),
+                                  k_pool=self.pools[0] + offset, v_pool=self.pools[1] + offset, k_new=k.data_ptr(),
+                                  v_new=v.data_ptr(), k_stride=k.stride(0), v_stride=v.stride(0), heads=q.shape[1],
+                                  kv_heads=k.shape[1], dim=q.shape[2], scale=q.shape[2] ** -0.5,
+                                  batch=ctypes.pointer(self.batch)))
         return out
 
     @staticmethod
-    def _gather(k_pool, v_pool, b: _Batched):
+    def _gather(k_pool, v_pool, b: ShortQueries):
         shape = (b.query_index.shape[0], -1, *k_pool.shape[1:])  # [B, keys, kv_heads, head_dim]
         if b.key_range is not None:
             return k_pool.narrow(0, *b.key_range).view(shape), v_pool.narrow(0, *b.key_range).view(shape)

@@ -9,8 +9,108 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* The calls that take many arguments take one struct, declared here and, field for field, as a ctypes Structure in
+ * serving/kernel_abi.py (kernel_layouts below lets tests/serving/test_kernels.py check that the two agree). A field
+ * added here goes there too, and into kernel_layouts. */
+
+/* A decoder layer's weights (heads/layer.py), as serving/kernels.py's KernelLayer reads them once. */
+typedef struct {
+    const float *input_norm, *post_norm, *q_norm, *k_norm;  /* q_norm, k_norm: NULL where the model has none */
+    const void *qkv, *o, *gate_up, *down;  /* panels, float32 or bfloat16 */
+    const float *qkv_bias;  /* NULL where the model has none */
+    long bf16, hidden, heads, kv_heads, dim, intermediate;
+    float eps;
+} layer_weights;
+
+/* One sequence of a paged_attention batch. */
+typedef struct {
+    long first_row;   /* its first row in q and out */
+    long query_rows;  /* its causal query rows: query row i sees keys 0 .. context - query_rows + i */
+    long context;     /* its keys in table order after this step */
+    long tree_rows;   /* its draft-tree rows after the query rows: each sees the context, then its path */
+    long first_path;  /* its first tree row's index in paths */
+} sequence;
+
+/* The attention metadata of a step's short sequences (serving/attention.py's ShortQueries builds it once per step,
+ * every layer reads it). */
+typedef struct {
+    const long *new_slots;  /* [num_new] the pool slot each of the step's new keys and values goes to */
+    long num_new;           /* 0: paged_attention writes none (they were written before) */
+    const sequence *seqs;   /* [num_seqs] */
+    long num_seqs;
+    const long *slots;      /* [num_seqs][slot_stride] each context's key slots in position order, then padding */
+    long slot_stride;
+    const long *paths;      /* [tree rows][path_stride] = (path length, the path's slots in position order, padding) */
+    long path_stride;
+} attention_batch;
+
+/* paged_attention's arguments: one layer's attention of a batch. */
+typedef struct {
+    const float *q;  /* [tokens, heads, dim], q_stride floats from token to token */
+    long q_stride;
+    float *out;  /* [tokens, heads, dim] */
+    float *k_pool, *v_pool;  /* [slots, kv_heads, dim] */
+    const float *k_new, *v_new;  /* the batch's new keys and values, k_stride / v_stride floats from token to token */
+    long k_stride, v_stride;
+    long heads, kv_heads, dim;  /* dim: a multiple of 8 */
+    float scale;
+    const attention_batch *batch;
+} attention_args;
+
+/* layer_pre's and layer_post's arguments: one layer on `rows` rows. */
+typedef struct {
+    const layer_weights *weights;
+    long rows;
+    const float *h;        /* [rows, hidden] the layer's input */
+    float *normed, *qkv;   /* layer_pre's outputs: [rows, hidden], [rows, (heads + 2 kv_heads) dim] */
+    const float *cos, *sin;  /* [rows, dim] each row's rope */
+    const float *attn;     /* [rows, heads dim] the attention's output, layer_post's input */
+    float *out;            /* [rows, hidden] the layer's output; may be h */
+    float *gate_up, *act;  /* layer_post's scratch: [rows, 2 intermediate], [rows, intermediate] */
+} layer_step;
+
+/* Every layer's K/V of a step whose sequences all attend through paged_attention. */
+typedef struct {
+    float *k_pool, *v_pool;  /* layer 0's pools; layer l's begin l * layer_floats floats on */
+    long layer_floats;
+    const attention_batch *batch;
+} paged_kv;
+
+/* model_forward's buffers for intermediate results, shared by every layer (serving/kernels.py's Scratch). */
+typedef struct {
+    float *h, *normed, *qkv, *attn, *gate_up, *act, *cos, *sin, *selected;
+} forward_scratch;
+
+/* model_forward's arguments: the model (fixed once it is loaded), then the step. */
+typedef struct {
+    const layer_weights *layers;
+    long num_layers;
+    const float *embed;  /* [vocab, hidden] */
+    long vocab;
+    const float *cos_table, *sin_table;  /* [max_positions, dim] */
+    long max_positions;
+    const float *norm;  /* the final norm's weight */
+    float eps;
+    const void *lm_head;  /* panels, float32 or bfloat16 */
+    long lm_bf16;
+    float scale;  /* of the attention's scores */
+    const long *ids, *positions;  /* [rows] */
+    long rows;
+    const long *aux_layers;  /* [num_aux], sorted: the layers whose input states are copied into aux */
+    long num_aux;
+    const long *logits_rows;  /* [num_logits] the rows that need logits; NULL: rows 0 .. num_logits - 1 */
+    long num_logits;
+    float *aux;  /* [num_aux][rows][hidden] */
+    float *hidden_out;  /* [rows, hidden] after the final norm, or NULL */
+    float *logits;  /* [num_logits, vocab] */
+    long *best;  /* [num_logits] each logits row's argmax */
+    paged_kv kv;
+    forward_scratch scratch;
+} forward_args;
 
 #define NR 16
 /* MR rows x 2 accumulators per tile, each panel streamed once for every MR rows: 6 with AVX2's 16 vector registers;
@@ -285,11 +385,11 @@ static inline long key_slot(const long *sl, long context, const long *path, long
  * scores first (the shared keys read once, in blocks of 8), then each row's softmax and its weighted sum of values
  * with the sums in registers, the values fetched into L2 during the first pass. No softmax between key blocks holds
  * up the next block's loads: 1.4-1.6x faster than an online softmax over K/V in memory. */
-static void attend_chunk(const float *q, long q_stride, const float *k_pool, const float *v_pool, const long *seq,
+static void attend_chunk(const float *q, long q_stride, const float *k_pool, const float *v_pool, const sequence *seq,
                          const long *sl, const long *tree_paths, long path_stride, long c0, long c1, long h0, long h1,
                          long heads, long kv_heads, long dim, float scale, float *parts) {
-    long first = seq[0], rows = seq[1], context = seq[2], group = heads / kv_heads, hs = (h1 - h0) * group;
-    long n = (rows + seq[3]) * hs, vecs = dim / 8, width = (c1 - c0 + 7) / 8 * 8;
+    long first = seq->first_row, rows = seq->query_rows, context = seq->context, group = heads / kv_heads;
+    long hs = (h1 - h0) * group, n = (rows + seq->tree_rows) * hs, vecs = dim / 8, width = (c1 - c0 + 7) / 8 * 8;
     float *buf = malloc(sizeof(float) * n * (dim + width));
     long *seen = malloc(sizeof(long) * n);
     float *qs = buf, *scores = buf + n * dim;  /* row-head r = i * hs + (head - h0 * group): row i */
@@ -309,7 +409,7 @@ static void attend_chunk(const float *q, long q_stride, const float *k_pool, con
         for (long h = h0; h < h1; h++) {
             const float *kr[8];  /* the context's keys of this block, shared by every row */
             for (int j = 0; j < 8; j++) kr[j] = k_pool + (key_slot(sl, context, 0, b0 + j) * kv_heads + h) * dim;
-            for (long i = 0; i < rows + seq[3]; i++) {
+            for (long i = 0; i < rows + seq->tree_rows; i++) {
                 long t = i - rows, r0 = i * hs + (h - h0) * group;
                 if (seen[r0] <= b0) continue;
                 const float **krow = kr, *kp[8];
@@ -377,25 +477,25 @@ static void attend_chunk(const float *q, long q_stride, const float *k_pool, con
 }
 
 /* Attention of short queries (decode, verify) and draft-tree rows over keys read in place from the paged pool,
- * after writing this step's new keys and values (num_new rows of k_new / v_new, strides in floats, into slots
- * new_slots) to it. q: [tokens, heads, dim] with q_stride floats from token to token; out: [tokens, heads, dim];
- * k_pool, v_pool: [slots, kv_heads, dim]; seqs: [num_seqs][5] = (first row, query rows, context length, tree rows,
- * first tree row in paths); slots: [num_seqs][slot_stride] the context's key slots in position order; paths:
- * [tree rows][path_stride] = (path length, then the path's slots in position order).
- * Query row i of a sequence sees keys 0 .. context - rows + i. Tree row t, after the query rows, sees the whole
+ * after writing the batch's new keys and values (its num_new rows of k_new / v_new into its new_slots) to it.
+ * Query row i of a sequence sees keys 0 .. context - query_rows + i. Tree row t, after the query rows, sees the whole
  * context and then its path (its ancestors' slots and its own), so its sums run over the keys a decode step at its
  * position would read, in the same chunks and order: a node's output is the one that step gives.
  * Tasks per sequence (attend_chunk): one per key-value head where its keys are one chunk, else one per chunk over
- * every head; then each row's chunks are merged in order (a lone chunk's result as it is). dim must be a multiple
- * of 8. */
-void paged_attention(const float *q, long q_stride, float *out, float *k_pool, float *v_pool, const float *k_new,
-                     long k_stride, const float *v_new, long v_stride, const long *new_slots, long num_new,
-                     const long *seqs, long num_seqs, const long *slots, long slot_stride, const long *paths,
-                     long path_stride, long heads, long kv_heads, long dim, float scale) {
+ * every head; then each row's chunks are merged in order (a lone chunk's result as it is). */
+void paged_attention(const attention_args *a) {
+    const attention_batch *batch = a->batch;
+    const float *q = a->q;
+    float *out = a->out, *k_pool = a->k_pool, *v_pool = a->v_pool;
+    long q_stride = a->q_stride, heads = a->heads, kv_heads = a->kv_heads, dim = a->dim;
+    float scale = a->scale;
+    const sequence *seqs = batch->seqs;
+    const long *slots = batch->slots, *paths = batch->paths;
+    long num_seqs = batch->num_seqs, slot_stride = batch->slot_stride, path_stride = batch->path_stride;
     long row = kv_heads * dim;
-    for (long t = 0; t < num_new; t++) {
-        memcpy(k_pool + new_slots[t] * row, k_new + t * k_stride, row * sizeof(float));
-        memcpy(v_pool + new_slots[t] * row, v_new + t * v_stride, row * sizeof(float));
+    for (long t = 0; t < batch->num_new; t++) {
+        memcpy(k_pool + batch->new_slots[t] * row, a->k_new + t * a->k_stride, row * sizeof(float));
+        memcpy(v_pool + batch->new_slots[t] * row, a->v_new + t * a->v_stride, row * sizeof(float));
     }
     /* per sequence: its keys (its longest row's), its first task and its first part (a part: one chunk's result for
      * one row's heads) */
@@ -403,13 +503,15 @@ void paged_attention(const float *q, long q_stride, float *out, float *k_pool, f
          *first_part = first_task + num_seqs + 1;
     first_task[0] = first_part[0] = 0;
     for (long b = 0; b < num_seqs; b++) {
-        const long *seq = seqs + 5 * b, *tree_paths = paths + seq[4] * path_stride;
-        num_keys[b] = seq[2];
-        for (long t = 0; t < seq[3]; t++)
-            if (seq[2] + tree_paths[t * path_stride] > num_keys[b]) num_keys[b] = seq[2] + tree_paths[t * path_stride];
+        const sequence *seq = seqs + b;
+        const long *tree_paths = paths + seq->first_path * path_stride;
+        num_keys[b] = seq->context;
+        for (long t = 0; t < seq->tree_rows; t++)
+            if (seq->context + tree_paths[t * path_stride] > num_keys[b])
+                num_keys[b] = seq->context + tree_paths[t * path_stride];
         long chunks = (num_keys[b] + KEY_CHUNK - 1) / KEY_CHUNK;
         first_task[b + 1] = first_task[b] + (chunks == 1 ? kv_heads : chunks);
-        first_part[b + 1] = first_part[b] + chunks * (seq[1] + seq[3]);
+        first_part[b + 1] = first_part[b] + chunks * (seq->query_rows + seq->tree_rows);
     }
     long part_floats = heads * (dim + 2);
     float *parts = malloc(sizeof(float) * first_part[num_seqs] * part_floats);
@@ -417,20 +519,20 @@ void paged_attention(const float *q, long q_stride, float *out, float *k_pool, f
     for (long task = 0; task < first_task[num_seqs]; task++) {
         long b = 0;
         while (first_task[b + 1] <= task) b++;
-        const long *seq = seqs + 5 * b;
+        const sequence *seq = seqs + b;
         long k = task - first_task[b], one_chunk = num_keys[b] <= KEY_CHUNK;
         long j = one_chunk ? 0 : k, h0 = one_chunk ? k : 0, h1 = one_chunk ? k + 1 : kv_heads, c0 = j * KEY_CHUNK;
         long c1 = c0 + KEY_CHUNK < num_keys[b] ? c0 + KEY_CHUNK : num_keys[b];
-        attend_chunk(q, q_stride, k_pool, v_pool, seq, slots + b * slot_stride, paths + seq[4] * path_stride,
+        attend_chunk(q, q_stride, k_pool, v_pool, seq, slots + b * slot_stride, paths + seq->first_path * path_stride,
                      path_stride, c0, c1, h0, h1, heads, kv_heads, dim, scale,
-                     parts + (first_part[b] + j * (seq[1] + seq[3])) * part_floats);
+                     parts + (first_part[b] + j * (seq->query_rows + seq->tree_rows)) * part_floats);
     }
     #pragma omp parallel for schedule(static) if (num_seqs >= 4)
     for (long b = 0; b < num_seqs; b++) {
-        const long *seq = seqs + 5 * b;
-        long n = seq[1] + seq[3], chunks = (num_keys[b] + KEY_CHUNK - 1) / KEY_CHUNK;
+        const sequence *seq = seqs + b;
+        long n = seq->query_rows + seq->tree_rows, chunks = (num_keys[b] + KEY_CHUNK - 1) / KEY_CHUNK;
         for (long r = 0; r < n * heads; r++) {  /* r = i * heads + hq */
-            float *dst = out + ((seq[0] + r / heads) * heads + r % heads) * dim;
+            float *dst = out + ((seq->first_row + r / heads) * heads + r % heads) * dim;
             const float *part = parts + first_part[b] * part_floats + r * (dim + 2);
             if (chunks == 1) {
                 float inv = 1.0f / part[1];
@@ -524,17 +626,6 @@ void argmax_rows(const float *x, long rows, long ldx, long n, long *out) {
     free(found);
 }
 
-/* A decoder layer of heads/layer.py around its attention, in two calls (the attention runs between them, from
- * serving/attention.py), so that a step makes three calls per layer instead of some twenty torch operators. Every
- * part computes a row from that row alone, as the separate kernels do. */
-typedef struct {
-    const float *input_norm, *post_norm, *q_norm, *k_norm;  /* q_norm, k_norm: NULL where the model has none */
-    const void *qkv, *o, *gate_up, *down;  /* panels, float32 or bfloat16 */
-    const float *qkv_bias;  /* NULL where the model has none */
-    long bf16, hidden, heads, kv_heads, dim, intermediate;
-    float eps;
-} layer_weights;
-
 /* x * cos + roll(x, dim / 2) * sin per head, in place: heads.rope.apply_rope, each product and the sum rounded
  * as torch rounds them (no fused multiply-add). */
 __attribute__((optimize("fp-contract=off")))
@@ -571,98 +662,143 @@ static void silu_mul(const float *gu, long rows, long n, float *out) {
     }
 }
 
-/* Before attention: normed = input_norm(h); qkv = normed @ W_qkv (+ bias); the query and key heads normed (Qwen3)
- * and rotated in place. h: [rows, hidden]; qkv: [rows, (heads + 2 kv_heads) dim]; cos, sin: [rows, dim]. */
-void layer_pre(const layer_weights *L, const float *h, long rows, float *normed, float *qkv, const float *cos,
-               const float *sin) {
-    long n = (L->heads + 2 * L->kv_heads) * L->dim;
-    rms_norm(h, rows, L->hidden, L->input_norm, L->eps, normed, L->hidden, L->hidden);
-    gemm(normed, rows, L->hidden, L->qkv, L->bf16, L->hidden, n, L->qkv_bias, 0, qkv, n);
+/* A decoder layer of heads/layer.py around its attention, in two calls (the attention runs between them, from
+ * serving/attention.py), so that a step makes three calls per layer instead of some twenty torch operators. Every
+ * part computes a row from that row alone, as the separate kernels do.
+ * Before attention: normed = input_norm(h); qkv = normed @ W_qkv (+ bias); the query and key heads normed (Qwen3)
+ * and rotated in place. */
+void layer_pre(const layer_step *s) {
+    const layer_weights *L = s->weights;
+    long rows = s->rows, n = (L->heads + 2 * L->kv_heads) * L->dim;
+    float *qkv = s->qkv;
+    rms_norm(s->h, rows, L->hidden, L->input_norm, L->eps, s->normed, L->hidden, L->hidden);
+    gemm(s->normed, rows, L->hidden, L->qkv, L->bf16, L->hidden, n, L->qkv_bias, 0, qkv, n);
     if (L->q_norm)
         for (long r = 0; r < rows; r++) {
             float *q = qkv + r * n, *k = q + L->heads * L->dim;
             rms_norm(q, L->heads, L->dim, L->q_norm, L->eps, q, L->dim, L->dim);
             rms_norm(k, L->kv_heads, L->dim, L->k_norm, L->eps, k, L->dim, L->dim);
         }
-    rope(qkv, rows, n, L->heads + L->kv_heads, L->dim, cos, sin);
+    rope(qkv, rows, n, L->heads + L->kv_heads, L->dim, s->cos, s->sin);
 }
 
-/* After attention: out = h + attn @ W_o; normed = post_norm(out); gu = normed @ W_gate_up;
- * act = silu(gate) * up; out += act @ W_down. attn: [rows, heads dim]; h, out: [rows, hidden]. */
-void layer_post(const layer_weights *L, const float *h, long rows, const float *attn, float *out, float *normed,
-                float *gu, float *act) {
-    long q_size = L->heads * L->dim, n = L->intermediate;
-    gemm(attn, rows, q_size, L->o, L->bf16, q_size, L->hidden, 0, h, out, L->hidden);
-    rms_norm(out, rows, L->hidden, L->post_norm, L->eps, normed, L->hidden, L->hidden);
-    gemm(normed, rows, L->hidden, L->gate_up, L->bf16, L->hidden, 2 * n, 0, 0, gu, 2 * n);
-    silu_mul(gu, rows, n, act);
-    gemm(act, rows, n, L->down, L->bf16, n, L->hidden, 0, out, out, L->hidden);
+/* After attention: out = h + attn @ W_o; normed = post_norm(out); gate_up = normed @ W_gate_up;
+ * act = silu(gate) * up; out += act @ W_down. */
+void layer_post(const layer_step *s) {
+    const layer_weights *L = s->weights;
+    long rows = s->rows, q_size = L->heads * L->dim, n = L->intermediate;
+    gemm(s->attn, rows, q_size, L->o, L->bf16, q_size, L->hidden, 0, s->h, s->out, L->hidden);
+    rms_norm(s->out, rows, L->hidden, L->post_norm, L->eps, s->normed, L->hidden, L->hidden);
+    gemm(s->normed, rows, L->hidden, L->gate_up, L->bf16, L->hidden, 2 * n, 0, 0, s->gate_up, 2 * n);
+    silu_mul(s->gate_up, rows, n, s->act);
+    gemm(s->act, rows, n, L->down, L->bf16, n, L->hidden, 0, s->out, s->out, L->hidden);
 }
 
-/* Layers [0, num_layers) of layers, one after another, on `rows` rows whose every sequence attends through
- * paged_attention (a decode or verify step): per layer layer_pre, the attention over that layer's pools (layer_floats
- * apart from k_pool, v_pool), which also writes the step's keys and values into new_slots, and layer_post: the
- * kernels a layer loop in Python calls, in the same order, so the same results. h: [rows, hidden], the input,
- * overwritten by the output; normed, qkv, attn, gu, act: the layers' scratch. */
-static void decoder_layers(const layer_weights *layers, long num_layers, float *h, long rows, float *normed,
-                           float *qkv, float *attn, float *gu, float *act, const float *cos, const float *sin,
-                           float *k_pool, float *v_pool, long layer_floats, const long *new_slots, long num_new,
-                           const long *seqs, long num_seqs, const long *slots, long slot_stride, const long *paths,
-                           long path_stride, float scale) {
-    for (long l = 0; l < num_layers; l++) {
-        const layer_weights *L = layers + l;
+/* Layers [first, stop) of the model, one after another, on a step whose every sequence attends through
+ * paged_attention (a decode or verify step): per layer layer_pre, the attention over that layer's pools, which also
+ * writes the step's keys and values into the batch's new_slots, and layer_post: the kernels a layer loop in Python
+ * calls, in the same order, so the same results. The scratch's h: [rows, hidden], the input, overwritten by the
+ * output. */
+static void decoder_layers(const forward_args *f, long first, long stop) {
+    const forward_scratch *w = &f->scratch;
+    layer_step step = {0, f->rows, w->h, w->normed, w->qkv, w->cos, w->sin, w->attn, w->h, w->gate_up, w->act};
+    for (long l = first; l < stop; l++) {
+        const layer_weights *L = f->layers + l;
         long q_size = L->heads * L->dim, kv_size = L->kv_heads * L->dim, n = q_size + 2 * kv_size;
-        layer_pre(L, h, rows, normed, qkv, cos, sin);
-        paged_attention(qkv, n, attn, k_pool + l * layer_floats, v_pool + l * layer_floats, qkv + q_size, n,
-                        qkv + q_size + kv_size, n, new_slots, num_new, seqs, num_seqs, slots, slot_stride, paths,
-                        path_stride, L->heads, L->kv_heads, L->dim, scale);
-        layer_post(L, h, rows, attn, h, normed, gu, act);  /* in place: h is read only by layer_post's first sum */
+        step.weights = L;
+        layer_pre(&step);
+        attention_args attention = {w->qkv, n, w->attn, f->kv.k_pool + l * f->kv.layer_floats,
+                                    f->kv.v_pool + l * f->kv.layer_floats, w->qkv + q_size, w->qkv + q_size + kv_size,
+                                    n, n, L->heads, L->kv_heads, L->dim, f->scale, f->kv.batch};
+        paged_attention(&attention);
+        layer_post(&step);  /* in place: h is read only by layer_post's first sum */
     }
 }
 
-/* The target's whole forward on `rows` rows whose every sequence attends through paged_attention (a decode or
- * verify step), as serving/model.py's Model.forward computes it operator by operator: each row's embedding
- * (embed: [vocab, hidden]) and rope rows (cos_table, sin_table: [max_positions, dim]) by its id and position, layers
- * [0, num_layers) by decoder_layers, a copy of the states before each of the sorted aux_layers into aux
- * ([num_aux][rows][hidden]), the final norm of every row into hidden_out (when not NULL) and of the logits rows
- * (logits_rows, or rows 0 .. num_logits - 1 when NULL) into `selected`, the LM head's product into logits
- * ([num_logits, vocab]) and each logits row's argmax into best. h .. selected: scratch.
+/* The target's whole forward on a step whose every sequence attends through paged_attention (a decode or verify
+ * step), as serving/model.py's Model.forward computes it operator by operator: each row's embedding and rope rows by
+ * its id and position, the layers by decoder_layers, a copy of the states before each of the aux layers, the final
+ * norm of every row into hidden_out (when not NULL) and of the logits rows into the scratch's `selected`, the LM
+ * head's product into logits and each logits row's argmax into best.
  * The Python between these steps read every cache line of its state anew after the layers' weights had streamed
  * through the caches. Returns 0, or -1 (computing nothing) when an id, a position or a logits row is out of range. */
-long model_forward(const layer_weights *layers, long num_layers, const float *embed, long vocab,
-                   const float *cos_table, const float *sin_table, long max_positions, const float *norm, float eps,
-                   const void *lm_head, long lm_bf16, const long *ids, const long *positions, long rows, float *h,
-                   float *normed, float *qkv, float *attn, float *gu, float *act, float *cos, float *sin,
-                   float *selected, const long *aux_layers, long num_aux, float *aux, float *hidden_out,
-                   const long *logits_rows, long num_logits, float *logits, long *best, float *k_pool, float *v_pool,
-                   long layer_floats, const long *new_slots, long num_new, const long *seqs, long num_seqs,
-                   const long *slots, long slot_stride, const long *paths, long path_stride, float scale) {
-    long hidden = layers->hidden, dim = layers->dim;
+long model_forward(const forward_args *f) {
+    const forward_scratch *w = &f->scratch;
+    long hidden = f->layers->hidden, dim = f->layers->dim, rows = f->rows;
     for (long r = 0; r < rows; r++)
-        if (ids[r] < 0 || ids[r] >= vocab || positions[r] < 0 || positions[r] >= max_positions) return -1;
-    for (long i = 0; logits_rows && i < num_logits; i++)
-        if (logits_rows[i] < 0 || logits_rows[i] >= rows) return -1;
+        if (f->ids[r] < 0 || f->ids[r] >= f->vocab || f->positions[r] < 0 || f->positions[r] >= f->max_positions)
+            return -1;
+    for (long i = 0; f->logits_rows && i < f->num_logits; i++)
+        if (f->logits_rows[i] < 0 || f->logits_rows[i] >= rows) return -1;
     for (long r = 0; r < rows; r++) {
-        memcpy(h + r * hidden, embed + ids[r] * hidden, hidden * sizeof(float));
-        memcpy(cos + r * dim, cos_table + positions[r] * dim, dim * sizeof(float));
-        memcpy(sin + r * dim, sin_table + positions[r] * dim, dim * sizeof(float));
+        memcpy(w->h + r * hidden, f->embed + f->ids[r] * hidden, hidden * sizeof(float));
+        memcpy(w->cos + r * dim, f->cos_table + f->positions[r] * dim, dim * sizeof(float));
+        memcpy(w->sin + r * dim, f->sin_table + f->positions[r] * dim, dim * sizeof(float));
     }
     long start = 0;
-    for (long a = 0; a <= num_aux; a++) {
-        long stop = a < num_aux ? aux_layers[a] : num_layers;
-        decoder_layers(layers + start, stop - start, h, rows, normed, qkv, attn, gu, act, cos, sin,
-                       k_pool + start * layer_floats, v_pool + start * layer_floats, layer_floats, new_slots, num_new,
-                       seqs, num_seqs, slots, slot_stride, paths, path_stride, scale);
-        if (a < num_aux) memcpy(aux + a * rows * hidden, h, rows * hidden * sizeof(float));
+    for (long a = 0; a <= f->num_aux; a++) {
+        long stop = a < f->num_aux ? f->aux_layers[a] : f->num_layers;
+        decoder_layers(f, start, stop);
+        if (a < f->num_aux) memcpy(f->aux + a * rows * hidden, w->h, rows * hidden * sizeof(float));
         start = stop;
     }
-    if (hidden_out) rms_norm(h, rows, hidden, norm, eps, hidden_out, hidden, hidden);
-    for (long i = 0; i < num_logits; i++)
-        rms_norm(h + (logits_rows ? logits_rows[i] : i) * hidden, 1, hidden, norm, eps, selected + i * hidden, hidden,
-                 hidden);
-    if (num_logits) {
-        gemm(selected, num_logits, hidden, lm_head, (int)lm_bf16, hidden, vocab, 0, 0, logits, vocab);
-        argmax_rows(logits, num_logits, vocab, vocab, best);
+    if (f->hidden_out) rms_norm(w->h, rows, hidden, f->norm, f->eps, f->hidden_out, hidden, hidden);
+    for (long i = 0; i < f->num_logits; i++)
+        rms_norm(w->h + (f->logits_rows ? f->logits_rows[i] : i) * hidden, 1, hidden, f->norm, f->eps,
+                 w->selected + i * hidden, hidden, hidden);
+    if (f->num_logits) {
+        gemm(w->selected, f->num_logits, hidden, f->lm_head, (int)f->lm_bf16, hidden, f->vocab, 0, 0, f->logits,
+             f->vocab);
+        argmax_rows(f->logits, f->num_logits, f->vocab, f->vocab, f->best);
     }
     return 0;
+}
+
+/* Each struct field's offset and size, and each struct's size (field NULL), in declaration order, for the test that
+ * checks serving/kernel_abi.py's Structures against them. */
+typedef struct {
+    const char *type, *field;
+    long offset, size;
+} field_layout;
+#define FIELD(T, F) {#T, #F, offsetof(T, F), sizeof(((T *)0)->F)}
+#define SIZE(T) {#T, 0, 0, sizeof(T)}
+static const field_layout layouts[] = {
+    SIZE(layer_weights), FIELD(layer_weights, input_norm), FIELD(layer_weights, post_norm),
+    FIELD(layer_weights, q_norm), FIELD(layer_weights, k_norm), FIELD(layer_weights, qkv), FIELD(layer_weights, o),
+    FIELD(layer_weights, gate_up), FIELD(layer_weights, down), FIELD(layer_weights, qkv_bias),
+    FIELD(layer_weights, bf16), FIELD(layer_weights, hidden), FIELD(layer_weights, heads),
+    FIELD(layer_weights, kv_heads), FIELD(layer_weights, dim), FIELD(layer_weights, intermediate),
+    FIELD(layer_weights, eps),
+    SIZE(sequence), FIELD(sequence, first_row), FIELD(sequence, query_rows), FIELD(sequence, context),
+    FIELD(sequence, tree_rows), FIELD(sequence, first_path),
+    SIZE(attention_batch), FIELD(attention_batch, new_slots), FIELD(attention_batch, num_new),
+    FIELD(attention_batch, seqs), FIELD(attention_batch, num_seqs), FIELD(attention_batch, slots),
+    FIELD(attention_batch, slot_stride), FIELD(attention_batch, paths), FIELD(attention_batch, path_stride),
+    SIZE(attention_args), FIELD(attention_args, q), FIELD(attention_args, q_stride), FIELD(attention_args, out),
+    FIELD(attention_args, k_pool), FIELD(attention_args, v_pool), FIELD(attention_args, k_new),
+    FIELD(attention_args, v_new), FIELD(attention_args, k_stride), FIELD(attention_args, v_stride),
+    FIELD(attention_args, heads), FIELD(attention_args, kv_heads), FIELD(attention_args, dim),
+    FIELD(attention_args, scale), FIELD(attention_args, batch),
+    SIZE(layer_step), FIELD(layer_step, weights), FIELD(layer_step, rows), FIELD(layer_step, h),
+    FIELD(layer_step, normed), FIELD(layer_step, qkv), FIELD(layer_step, cos), FIELD(layer_step, sin),
+    FIELD(layer_step, attn), FIELD(layer_step, out), FIELD(layer_step, gate_up), FIELD(layer_step, act),
+    SIZE(paged_kv), FIELD(paged_kv, k_pool), FIELD(paged_kv, v_pool), FIELD(paged_kv, layer_floats),
+    FIELD(paged_kv, batch),
+    SIZE(forward_scratch), FIELD(forward_scratch, h), FIELD(forward_scratch, normed), FIELD(forward_scratch, qkv),
+    FIELD(forward_scratch, attn), FIELD(forward_scratch, gate_up), FIELD(forward_scratch, act),
+    FIELD(forward_scratch, cos), FIELD(forward_scratch, sin), FIELD(forward_scratch, selected),
+    SIZE(forward_args), FIELD(forward_args, layers), FIELD(forward_args, num_layers), FIELD(forward_args, embed),
+    FIELD(forward_args, vocab), FIELD(forward_args, cos_table), FIELD(forward_args, sin_table),
+    FIELD(forward_args, max_positions), FIELD(forward_args, norm), FIELD(forward_args, eps),
+    FIELD(forward_args, lm_head), FIELD(forward_args, lm_bf16), FIELD(forward_args, scale), FIELD(forward_args, ids),
+    FIELD(forward_args, positions), FIELD(forward_args, rows), FIELD(forward_args, aux_layers),
+    FIELD(forward_args, num_aux), FIELD(forward_args, logits_rows), FIELD(forward_args, num_logits),
+    FIELD(forward_args, aux), FIELD(forward_args, hidden_out), FIELD(forward_args, logits), FIELD(forward_args, best),
+    FIELD(forward_args, kv), FIELD(forward_args, scratch),
+};
+
+/* The layouts above and their count. */
+long kernel_layouts(const field_layout **out) {
+    *out = layouts;
+    return sizeof(layouts) / sizeof(layouts[0]);
 }

@@ -25,6 +25,7 @@ from torch import nn
 
 from heads.layer import DecoderLayer, RMSNorm
 from serving.cache_dir import cache_dir
+from serving.kernel_abi import STRUCTS, AttentionArgs, FieldLayout, ForwardArgs, ForwardScratch, LayerStep, LayerWeights
 
 log = logging.getLogger(__name__)
 
@@ -32,21 +33,19 @@ SOURCE = Path(__file__).with_name("kernels.c")
 PANEL = 16  # NR in kernels.c
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _long, _ptr, _float = ctypes.c_long, ctypes.c_void_p, ctypes.c_float
+# The leaf kernels' argument lists; the calls that take more take one struct (serving/kernel_abi.py).
 SIGNATURES = {
     "gemm_panels": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long],
     "gemm_panels_bf16": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long],
     "rms_norm": [_ptr, _long, _long, _ptr, _float, _ptr, _long, _long],
-    "paged_attention": [_ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _ptr, _long, _ptr, _long, _ptr, _long, _ptr, _long,
-                        _ptr, _long, _long, _long, _long, _float],
     "argmax_rows": [_ptr, _long, _long, _long, _ptr],
-    "layer_pre": [_ptr, _ptr, _long, _ptr, _ptr, _ptr, _ptr],
-    "layer_post": [_ptr, _ptr, _long, _ptr, _ptr, _ptr, _ptr, _ptr],
-    "model_forward": [_ptr, _long, _ptr, _long, _ptr, _ptr, _long, _ptr, _float, _ptr, _long,  # weights
-                      _ptr, _ptr, _long, *[_ptr] * 9,  # ids, positions, rows, scratch
-                      _ptr, _long, _ptr, _ptr, _ptr, _long, _ptr, _ptr,  # aux taps, outputs
-                      _ptr, _ptr, _long, _ptr, _long, _ptr, _long, _ptr, _long, _ptr, _long, _float],  # attention
+    "paged_attention": [ctypes.POINTER(AttentionArgs)],
+    "layer_pre": [ctypes.POINTER(LayerStep)],
+    "layer_post": [ctypes.POINTER(LayerStep)],
+    "model_forward": [ctypes.POINTER(ForwardArgs)],
+    "kernel_layouts": [ctypes.POINTER(ctypes.POINTER(FieldLayout))],
 }
-RESULT_TYPES = {"model_forward": _long}
+RESULT_TYPES = {"model_forward": _long, "kernel_layouts": _long}
 
 
 def build_id() -> str:
@@ -90,6 +89,25 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, RESULT_TYPES.get(name)
     return lib
+
+
+def struct_layouts(lib: ctypes.CDLL) -> dict[str, dict[str | None, tuple[int, int]]]:
+    """What the compiled kernels say of their structs: {struct: {field: (offset, size)}, the struct's own size under
+    None}, to compare with serving/kernel_abi.py's Structures."""
+    entries = ctypes.POINTER(FieldLayout)()
+    count = lib.kernel_layouts(ctypes.byref(entries))
+    layouts: dict[str, dict[str | None, tuple[int, int]]] = {}
+    for entry in entries[:count]:
+        field = entry.field.decode() if entry.field else None
+        layouts.setdefault(entry.type.decode(), {})[field] = (entry.offset, entry.size)
+    return layouts
+
+
+def python_layouts() -> dict[str, dict[str | None, tuple[int, int]]]:
+    """The same of serving/kernel_abi.py's Structures."""
+    return {name: {None: (0, ctypes.sizeof(struct)),
+                   **{field: (getattr(struct, field).offset, getattr(struct, field).size) for field, _ in struct._fields_}}
+            for name, struct in STRUCTS.items()}
 
 
 def argmax(x: torch.Tensor) -> list[int]:
@@ -231,14 +249,6 @@ def for_inference(module: nn.Module, weight_dtype: torch.dtype = torch.float32) 
     return module
 
 
-class _LayerWeights(ctypes.Structure):
-    """kernels.c's layer_weights."""
-    _fields_ = [*((name, _ptr) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "o", "gate_up", "down",
-                                             "qkv_bias")),
-                *((name, _long) for name in ("bf16", "hidden", "heads", "kv_heads", "dim", "intermediate")),
-                ("eps", _float)]
-
-
 class Scratch:
     """The buffers a layer's kernels write between its calls, shared by every layer of a model (they run one after
     another), with their views for a step's row count made once."""
@@ -246,13 +256,13 @@ class Scratch:
     def __init__(self, config, num_layers: int):
         c = config
         self.config = c
-        self.layer_table = (_LayerWeights * num_layers)()  # every layer's weights, for model_forward
+        self.layer_table = (LayerWeights * num_layers)()  # every layer's weights, for model_forward
         self.sizes = {"normed": c.hidden_size, "qkv": (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
                       "gate_up": 2 * c.intermediate_size, "act": c.intermediate_size, "attn": c.num_heads * c.head_dim,
                       "h": c.hidden_size, "selected": c.hidden_size, "cos": c.head_dim, "sin": c.head_dim}
         self.buffers = {name: torch.empty(0, size, device="cpu") for name, size in self.sizes.items()}
         self.views: dict[int, tuple] = {}
-        self.addresses: dict[int, tuple] = {}
+        self.addresses: dict[int, ForwardScratch] = {}
 
     def take(self, rows: int) -> tuple:
         """(normed, qkv, q, k, v, gate_up, act) for `rows` rows; q, k, v: [rows, heads, head_dim] views of qkv."""
@@ -270,13 +280,12 @@ class Scratch:
                                 qkv[:, q_size + kv_size:].unflatten(-1, (c.num_kv_heads, c.head_dim)), gate_up, act)
         return self.views[rows]
 
-    def pointers(self, rows: int) -> tuple[int, ...]:
-        """The addresses of model_forward's scratch for `rows` rows: h, normed, qkv, attn, gate_up, act, cos, sin,
-        and of its selected rows' norms."""
+    def pointers(self, rows: int) -> ForwardScratch:
+        """model_forward's scratch for `rows` rows."""
         self.take(rows)  # grows the buffers where needed, which drops the addresses read before
         if rows not in self.addresses:
-            self.addresses[rows] = tuple(self.buffers[name].data_ptr() for name in (
-                "h", "normed", "qkv", "attn", "gate_up", "act", "cos", "sin", "selected"))
+            self.addresses[rows] = ForwardScratch(**{name: self.buffers[name].data_ptr()
+                                                     for name, _ in ForwardScratch._fields_})
         return self.addresses[rows]
 
 
@@ -302,14 +311,16 @@ class KernelLayer(_KernelModule):
     def read_pointers(self):
         layer, c = self.reference, self.reference.config
         qk_norm = c.qk_norm
-        self.scratch.layer_table[self.layer_idx] = _LayerWeights(
-            layer.input_norm.reference.weight.data_ptr(), layer.post_norm.reference.weight.data_ptr(),
-            layer.q_norm.reference.weight.data_ptr() if qk_norm else None,
-            layer.k_norm.reference.weight.data_ptr() if qk_norm else None,
-            layer.qkv.panels.data_ptr(), layer.o.panels.data_ptr(), layer.gate_up.panels.data_ptr(),
-            layer.down.panels.data_ptr(), _pointer(layer.qkv.bias), int(self.weight_dtype == torch.bfloat16),
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
-        self.struct_ptr = ctypes.addressof(self.scratch.layer_table[self.layer_idx])
+        self.scratch.layer_table[self.layer_idx] = LayerWeights(
+            input_norm=layer.input_norm.reference.weight.data_ptr(),
+            post_norm=layer.post_norm.reference.weight.data_ptr(),
+            q_norm=layer.q_norm.reference.weight.data_ptr() if qk_norm else None,
+            k_norm=layer.k_norm.reference.weight.data_ptr() if qk_norm else None,
+            qkv=layer.qkv.panels.data_ptr(), o=layer.o.panels.data_ptr(), gate_up=layer.gate_up.panels.data_ptr(),
+            down=layer.down.panels.data_ptr(), qkv_bias=_pointer(layer.qkv.bias),
+            bf16=int(self.weight_dtype == torch.bfloat16), hidden=c.hidden_size, heads=c.num_heads,
+            kv_heads=c.num_kv_heads, dim=c.head_dim, intermediate=c.intermediate_size, eps=c.rms_norm_eps)
+        self.weights_ref = ctypes.pointer(self.scratch.layer_table[self.layer_idx])
         self.pre, self.post = self.lib.layer_pre, self.lib.layer_post
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention) -> torch.Tensor:
@@ -318,12 +329,14 @@ class KernelLayer(_KernelModule):
         if hidden.dim() != 2 or not hidden.is_contiguous() or not cos.is_contiguous() or not sin.is_contiguous():
             raise ValueError("KernelLayer takes contiguous [rows, hidden] states and rope tables")
         normed, qkv, q, k, v, gate_up, act = self.scratch.take(rows)
-        self.pre(self.struct_ptr, hidden.data_ptr(), rows, normed.data_ptr(), qkv.data_ptr(), cos.data_ptr(),
-                 sin.data_ptr())
+        step = LayerStep(weights=self.weights_ref, rows=rows, h=hidden.data_ptr(), normed=normed.data_ptr(),
+                         qkv=qkv.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), gate_up=gate_up.data_ptr(),
+                         act=act.data_ptr())
+        self.pre(step)
         attended = attention(self.layer_idx, q, k, v).contiguous()
         out = torch.empty_like(hidden)
-        self.post(self.struct_ptr, hidden.data_ptr(), rows, attended.data_ptr(), out.data_ptr(), normed.data_ptr(),
-                  gate_up.data_ptr(), act.data_ptr())
+        step.attn, step.out = attended.data_ptr(), out.data_ptr()
+        self.post(step)
         return out
 
 
@@ -338,11 +351,11 @@ def kernel_layers(layers: nn.ModuleList, config) -> nn.ModuleList:
 
 class KernelForward:
     """The target's whole forward in one call of kernels.c's model_forward, for steps whose every sequence attends in
-    the C kernel (PagedAttention.kernel_step): embedding, rope rows, every layer, the aux taps, the final norm, the LM
-    head and each logits row's argmax. Around the layers' one call the forward made some ten torch and kernel calls
-    more, and after the weights have streamed through the caches the first Python and torch calls of a step cost
-    20-80 us each (benchmarks/RESULTS.md, round 35). The same kernels in the same order: the same results as the
-    model's layer loop (tests/serving/test_model.py), and each row's argmax as kernels.argmax gives it."""
+    the C kernel (AttentionPath.KERNEL): embedding, rope rows, every layer, the aux taps, the final norm, the LM head
+    and each logits row's argmax. Around the layers' one call the forward made some ten torch and kernel calls more,
+    and after the weights have streamed through the caches the first Python and torch calls of a step cost 20-80 us
+    each (benchmarks/RESULTS.md, round 35). The same kernels in the same order: the same results as the model's layer
+    loop (tests/serving/test_model.py), and each row's argmax as kernels.argmax gives it."""
 
     def __init__(self, layers: nn.ModuleList, embed: nn.Embedding, rope, norm: FusedRMSNorm, logits_head: PackedLinear):
         self.scratch = layers[0].scratch
@@ -350,13 +363,21 @@ class KernelForward:
         self.embed, self.rope, self.norm, self.logits_head = embed, rope, norm, logits_head
         c = self.scratch.config
         self.hidden_size, self.scale = c.hidden_size, c.head_dim ** -0.5
-        self.layers_ptr = ctypes.addressof(self.scratch.layer_table)
+        self.args = ForwardArgs()
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kernel_step: tuple,
-                 logits_rows: torch.Tensor | None, return_hidden: bool, aux_layers, num_layers: int):
-        """input_ids, positions: [rows] int64; kernel_step: the step's PagedAttention.kernel_step();
-        logits_rows: [num_logits] int64 rows that need logits (None: all). Returns (logits or None, each logits row's
-        argmax, hidden states after the final norm or None, {layer: states before it})."""
+    def model_fields(self) -> None:
+        """The model's fields of the arguments, read at each call (a move of the model changes its addresses)."""
+        a, embed, head = self.args, self.embed.weight, self.logits_head
+        a.layers, a.embed, a.vocab = self.scratch.layer_table, embed.data_ptr(), embed.shape[0]
+        a.cos_table, a.sin_table, a.max_positions = self.rope.cos.data_ptr(), self.rope.sin.data_ptr(), self.rope.cos.shape[0]
+        a.norm, a.eps, a.lm_head = self.norm.weight_ptr, self.norm.eps, head.panels_ptr
+        a.lm_bf16, a.scale = int(head.weight_dtype == torch.bfloat16), self.scale
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv, logits_rows: torch.Tensor | None,
+                 return_hidden: bool, aux_layers, num_layers: int):
+        """input_ids, positions: [rows] int64; kv: the step's PagedAttention.paged_kv(); logits_rows: [num_logits]
+        int64 rows that need logits (None: all). Returns (logits or None, each logits row's argmax, hidden states
+        after the final norm or None, {layer: states before it})."""
         rows, size = input_ids.shape[0], self.hidden_size
         if any(t is not None and (t.dtype != torch.long or not t.is_contiguous())
                for t in (input_ids, positions, logits_rows)):
@@ -367,15 +388,15 @@ class KernelForward:
         num_logits = rows if logits_rows is None else len(logits_rows)
         logits = torch.empty(num_logits, self.logits_head.out_features, device="cpu") if num_logits else None
         best = torch.empty(num_logits, dtype=torch.long, device="cpu")
-        embed, head = self.embed.weight, self.logits_head
-        status = self.run(self.layers_ptr, num_layers, embed.data_ptr(), embed.shape[0], self.rope.cos.data_ptr(),
-                          self.rope.sin.data_ptr(), self.rope.cos.shape[0], self.norm.weight_ptr, self.norm.eps,
-                          head.panels_ptr, int(head.weight_dtype == torch.bfloat16), input_ids.data_ptr(),
-                          positions.data_ptr(), rows, *self.scratch.pointers(rows),
-                          (ctypes.c_long * len(taps))(*taps) if taps else None, len(taps), _pointer(aux),
-                          _pointer(hidden), _pointer(logits_rows), num_logits, _pointer(logits), best.data_ptr(),
-                          *kernel_step, self.scale)
-        if status:
-            raise ValueError(f"a forward got token ids outside [0, {embed.shape[0]}), positions outside "
-                             f"[0, {self.rope.cos.shape[0]}) or logits rows outside [0, {rows})")
+        taps_array = (ctypes.c_long * len(taps))(*taps) if taps else None
+        self.model_fields()
+        a = self.args
+        a.num_layers, a.ids, a.positions, a.rows = num_layers, input_ids.data_ptr(), positions.data_ptr(), rows
+        a.aux_layers, a.num_aux = ctypes.cast(taps_array, _ptr) if taps else None, len(taps)
+        a.logits_rows, a.num_logits = _pointer(logits_rows), num_logits
+        a.aux, a.hidden_out, a.logits, a.best = _pointer(aux), _pointer(hidden), _pointer(logits), best.data_ptr()
+        a.kv, a.scratch = kv, self.scratch.pointers(rows)
+        if self.run(a):
+            raise ValueError(f"a forward got token ids outside [0, {a.vocab}), positions outside "
+                             f"[0, {a.max_positions}) or logits rows outside [0, {rows})")
         return logits, best.tolist(), hidden, {layer: aux[i] for i, layer in enumerate(taps)}

@@ -2,6 +2,7 @@
 through an explicit name map, run over one flattened batch of every scheduled token."""
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +13,7 @@ from torch import nn
 from heads.hf_folder import read_config, read_tensors
 from heads.layer import DecoderLayer, LayerConfig, RMSNorm
 from heads.rope import Rope, rope_settings
-from serving.attention import PagedAttention
+from serving.attention import AttentionPath, PagedAttention
 from serving.kernels import FusedRMSNorm, KernelForward, KernelLayer, PackedLinear, for_inference, kernel_layers
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -87,6 +88,19 @@ class ModelConfig:
         )
 
 
+class ForwardPath(enum.Enum):
+    """How Model.forward computes a step (Model.forward_path chooses).
+
+    Where serving/kernels.c runs (built for this CPU, float32 weights on CPU: serving.kernels.library), loading makes
+    the layers KernelLayers (three C calls each) and a KernelForward over them; elsewhere they stay DecoderLayers of
+    torch operators. A step then runs in one C call when every sequence of it attends in the C kernel, since the Python
+    and torch calls between layers cost more than their arithmetic at a decode step's few rows; a step with a prefill
+    chunk (AttentionPath.KERNEL_AND_LONG), a drafter's early exit or training's dense attention runs the layer loop."""
+    ONE_CALL = "KernelForward: embedding to argmax in one model_forward call"
+    KERNEL_LAYERS = "a loop over KernelLayers"
+    TORCH_LAYERS = "a loop over DecoderLayers"
+
+
 @dataclass
 class ModelOutput:
     logits: torch.Tensor | None  # [num_logits_rows, vocab]
@@ -155,6 +169,12 @@ class Model(nn.Module):
                     raise ValueError(f"{folder}: {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
                 own[name].copy_(tensor)
 
+    def forward_path(self, attention) -> ForwardPath:
+        """The path of a step attending through `attention` (ForwardPath says why)."""
+        if self.fused is not None and isinstance(attention, PagedAttention) and attention.path is AttentionPath.KERNEL:
+            return ForwardPath.ONE_CALL
+        return ForwardPath.KERNEL_LAYERS if isinstance(self.layers[0], KernelLayer) else ForwardPath.TORCH_LAYERS
+
     @torch.inference_mode()
     def forward(self, input_ids, positions, attention, logits_rows=None, return_hidden=False, aux_layers=(),
                 num_layers=None):
@@ -162,10 +182,9 @@ class Model(nn.Module):
         (layer_idx, q, k, v) -> output (training's dense attention); logits_rows: rows that need logits (None: all);
         num_layers: run only the first layers, then the final norm and LM head (early-exit drafting)."""
         stop = len(self.layers) if num_layers is None else num_layers
-        step = attention.kernel_step() if self.fused is not None and isinstance(attention, PagedAttention) else None
-        if step is not None:
-            logits, best, hidden, aux = self.fused(input_ids, positions, step, logits_rows, return_hidden, aux_layers,
-                                                   stop)
+        if self.forward_path(attention) is ForwardPath.ONE_CALL:
+            logits, best, hidden, aux = self.fused(input_ids, positions, attention.paged_kv(), logits_rows,
+                                                   return_hidden, aux_layers, stop)
             return ModelOutput(logits, hidden, aux, best)
         hidden = self.embed(input_ids)  # [num_tokens, hidden]
         cos, sin = self.rope.tables(positions, hidden.dtype)

@@ -196,8 +196,7 @@ def test_paged_attention_kernel_matches_torch(num_heads, num_kv, head_dim):
     fast = PagedAttention(cache, meta)
     if fast.lib is None:
         pytest.skip("the kernels do not run here")
-    reference = PagedAttention(cache, meta)
-    reference.lib = None
+    reference = PagedAttention(cache, meta, use_kernel=False)
     torch.testing.assert_close(fast(1, q, k, v), reference(1, q, k, v))
 
 
@@ -288,9 +287,7 @@ def test_tree_rows_attend_as_decode_steps_at_their_position(contexts):
         pool = KVCache(2, num_blocks, block_size, num_kv, head_dim, torch.float32, "cpu")
         pool.k.copy_(start.k)
         pool.v.copy_(start.v)
-        attention = PagedAttention(pool, meta)
-        if torch_path:
-            attention.lib = None
+        attention = PagedAttention(pool, meta, use_kernel=not torch_path)
         return attention(layer, q, k, v), pool
 
     query_lens, context_lens = [q_len for q_len, _, _ in seqs], [c for _, c, _ in seqs]
@@ -396,3 +393,36 @@ def test_kernel_layers_keep_the_modules_where_the_kernels_do_not_run(no_kernels)
     config = LayerConfig(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96)
     layers = nn.ModuleList([kernels.for_inference(DecoderLayer(config))])
     assert kernels.kernel_layers(layers, config) is layers
+
+
+@pytest.mark.skipif(not HAS_AVX2 or shutil.which("cc") is None, reason="needs AVX2 and a C compiler")
+def test_the_structs_of_kernel_abi_match_kernels_c():
+    """Every struct kernels.c's calls take: the same fields, in the same order, at the same offsets and sizes, and the
+    same struct sizes, as serving/kernel_abi.py declares them."""
+    c_side, python_side = kernels.struct_layouts(kernels.library()), kernels.python_layouts()
+    assert c_side.keys() == python_side.keys()
+    for name, fields in python_side.items():
+        assert list(c_side[name]) == list(fields), name  # the same names in the same order
+        assert c_side[name] == fields, name
+
+
+def test_the_attention_metadata_reads_back_through_the_structs():
+    """ShortQueries.host_arrays writes each sequence in Sequence's field order, and the AttentionBatch points at
+    the arrays PagedMetadata.build describes."""
+    import ctypes
+
+    from serving.attention import PagedMetadata
+    from serving.kernel_abi import Sequence
+
+    tables = [[3, 0], [1], [4, 2]]
+    meta = PagedMetadata.build([1, 2, 1], [5, 3, 6], tables, 4, "cpu", tree_paths=[[], [], [[9], [9, 10]]])
+    host, batch = meta.kernel_arrays
+    seqs = (Sequence * batch.num_seqs).from_address(batch.seqs)
+    assert [(s.first_row, s.query_rows, s.context, s.tree_rows, s.first_path) for s in seqs] == [
+        (0, 1, 5, 0, 0), (1, 2, 3, 0, 0), (3, 1, 6, 2, 0)]
+    longs = lambda address, count: list((ctypes.c_long * count).from_address(address))
+    assert longs(batch.new_slots, batch.num_new) == meta.new_slots == [4 * 0 + 0, 4 * 1 + 1, 4 * 1 + 2, 4 * 2 + 1, 9, 10]
+    assert longs(batch.slots, batch.num_seqs * batch.slot_stride) == [12, 13, 14, 15, 0, 0,
+                                                                      4, 5, 6, 0, 0, 0,
+                                                                      16, 17, 18, 19, 8, 9]
+    assert longs(batch.paths, 2 * batch.path_stride) == [1, 9, 0, 2, 9, 10]
