@@ -15,10 +15,12 @@ A drafter sees a `DraftContext` (serving/drafters/context.py: the model runner, 
 outputs), never the engine. Its state for one request lives in that request's slot, `request.spec.slots[drafter]`,
 which the speculator clears when the request finishes, is preempted or aborted.
 `observe(ctx)` runs every step, before requests finishing in it leave and before `propose`, for drafters that catch
-up over what the target kept; a `PooledDrafter` (a K/V pool of its own) may defer that work until a request drafts
+up over what the target kept; a drafter with a K/V pool of its own may defer that work until a request drafts
 (`catch_up`), handing what it deferred to the blocks the prefix cache registers (`registered`), so that a request
 sharing them completes it when it drafts; `summary()` is what a drafter reports beside the acceptance counts
 (lookahead: its pool's hit rate).
+A drafter class names the methods or head kinds it serves (`kinds`, gathered into serving/drafters/__init__.py's
+table), refuses the options it cannot honour (`check`) and is built from the speculative config (`build`).
 """
 from __future__ import annotations
 
@@ -45,10 +47,22 @@ class DraftBudget(NamedTuple):
 
 
 class Drafter(abc.ABC):
+    kinds: tuple[str, ...] = ()  # the methods, or for heads the kinds (serving/drafters/head.py, drafter_kind), it serves
     needs_hidden: bool = False
     aux_layers: tuple[int, ...] = ()
     is_calibrated: bool = False
     num_lookahead: int = 0
+
+    @classmethod
+    def check(cls, config, ctx, head=None) -> None:
+        """Raises a ValueError naming an option of the speculative config `config` this drafter cannot honour on
+        ctx's target (and, for a head drafter, with the loaded `head`). SpeculativeConfig checks the options alone."""
+
+    @classmethod
+    def build(cls, ctx, config, head=None, token_map=None) -> "Drafter":
+        """The drafter of `config` (for a head drafter: of the loaded, bound `head` and its token map), checked."""
+        cls.check(config, ctx, head)
+        return cls(config)
 
     @abc.abstractmethod
     def propose(self, ctx: DraftContext, requests: list, budgets: dict[str, DraftBudget]) -> dict[str, DraftTree]:
@@ -65,9 +79,7 @@ class Drafter(abc.ABC):
         """What this drafter reports beside the acceptance counts (the bench adds it to the method's row)."""
         return {}
 
-
-class PooledDrafter(Drafter):
-    """A drafter with a K/V pool of its own addressed by the target's block tables (a draft model's, a head's)."""
+    # For a drafter with a K/V pool of its own addressed by the target's block tables (a draft model's, a head's):
 
     def catch_up(self, ctx: DraftContext, requests: list) -> int:
         """Before drafting for `requests`: complete the work `observe` deferred for them and for the shared blocks

@@ -8,6 +8,9 @@ the block's hash): a request that shares the block and drafts runs the drafter o
 pool's entries of a block depend on the block's rows alone, and the pool takes every row's K/V before any row
 attends). The blocks the drafter has not run over are always the last of any chain it shares, as whoever runs it
 over a block runs it over every unrun block before.
+
+The drafting is the same loop for all of them (`propose`): the catch-up, then the requests it leaves ready, drafted
+in batches of at most max_num_seqs (the scratch slots past the target's blocks hold that many requests).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.drafters.base import PooledDrafter
+from serving.drafters.base import Drafter
 
 
 @dataclass
@@ -43,15 +46,22 @@ class Unrun:
     pairs: Pending
 
 
-class DeferredDrafter(PooledDrafter):
-    """Notes the kept rows (`observe`), hands those of registered blocks to the blocks (`registered`) and gives a
-    drafting request's rows back (`take_pending`). A subclass names its slot type (`State`, a DeferredState), says
-    which target rows it reads (`feature_rows`), and runs over what `take_pending` gives in its `catch_up`."""
+class DeferredDrafter(Drafter):
+    """Notes the kept rows (`observe`), hands those of registered blocks to the blocks (`registered`), gives a
+    drafting request's rows back (`take_pending`) and drafts (`propose`). A head drafter subclass names its slot type
+    (`State`, a DeferredState), says which target rows it reads (`feature_rows`), runs over what `take_pending` gives
+    in its `catch_up`, says which requests it can draft for after it (`is_ready`) and drafts a batch (`_draft`)."""
 
     State: type[DeferredState] = DeferredState
 
-    def __init__(self, block_size: int, device: torch.device):
-        self.block_size, self.device = block_size, device
+    @classmethod
+    def build(cls, ctx, config, head=None, token_map=None):
+        cls.check(config, ctx, head)
+        return cls(ctx, head, token_map, config)
+
+    def __init__(self, ctx):
+        runner = ctx.runner
+        self.block_size, self.device, self.max_requests = runner.block_size, runner.device, ctx.max_num_seqs
         self.unrun: dict[int, Unrun] = {}  # block id -> the rows moved there when the prefix cache registered it
 
     def state(self, request) -> DeferredState:
@@ -61,6 +71,26 @@ class DeferredDrafter(PooledDrafter):
     @abc.abstractmethod
     def feature_rows(self, step, rows: torch.Tensor) -> torch.Tensor:
         """The target's rows `rows` of `step` as the drafter notes them: [rows, features]."""
+
+    def is_ready(self, request) -> bool:
+        """After the catch-up: whether the drafter holds what drafting for the request reads."""
+        return True
+
+    @abc.abstractmethod
+    def _draft(self, ctx, requests, budgets) -> dict:
+        """Trees for at most max_requests ready requests (Drafter.propose's result)."""
+
+    def propose(self, ctx, requests, budgets):
+        self.catch_up(ctx, requests)
+        requests = [r for r in requests if self.is_ready(r)]
+        trees = {}
+        for first in range(0, len(requests), self.max_requests):  # more only if max_num_seqs grew since
+            trees.update(self._draft(ctx, requests[first:first + self.max_requests], budgets))
+        self.drafted(requests)
+        return trees
+
+    def drafted(self, requests) -> None:
+        """After drafting for `requests`: forget what is drafted from once."""
 
     @torch.inference_mode()
     def observe(self, ctx):

@@ -23,7 +23,7 @@ import torch
 
 from serving.attention import KVCache, PagedAttention
 from serving.drafters.deferred import DeferredDrafter, DeferredState
-from serving.drafters.head import Confidence, top_log_probs
+from serving.drafters.confidence import Confidence, top_log_probs
 from serving.drafters.tree_search import grow_from_marginals
 
 
@@ -35,10 +35,18 @@ class ContextState(DeferredState):
 
 
 class DFlashDrafter(DeferredDrafter):
+    kinds = ("dflash",)
     State = ContextState
     needs_hidden = False
     is_calibrated = True
     num_lookahead = 0  # the context K/V at position p read the target's states at p alone
+
+    @classmethod
+    def check(cls, config, ctx, head=None):
+        if config.num_speculative_tokens > head.config.block_size - 1:
+            raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds the {head.config.block_size - 1} "
+                             f"drafts of this DFlash head's block (block_size={head.config.block_size}): draft fewer "
+                             "tokens, or train a head with longer blocks")
 
     def __init__(self, ctx, head, token_map, config):
         c = head.config
@@ -46,10 +54,9 @@ class DFlashDrafter(DeferredDrafter):
         self.confidence, self.topk = Confidence(head, config.confidence_threshold), config.topk
         self.aux_layers = tuple(dict.fromkeys(c.target_layers))
         runner = ctx.runner
-        super().__init__(runner.block_size, runner.device)
+        super().__init__(ctx)
         self.num_slots = c.block_size  # scratch slots of one request's block
         self.scratch_start = runner.cache.num_blocks * runner.block_size
-        self.max_requests = ctx.max_num_seqs
         num_scratch_blocks = -(-self.max_requests * self.num_slots // runner.block_size)
         layer = c.layer_config()
         self.cache = KVCache(c.num_layers, runner.cache.num_blocks + num_scratch_blocks, runner.block_size,
@@ -76,13 +83,8 @@ class DFlashDrafter(DeferredDrafter):
             self.cache.v[layer].index_copy_(0, meta.slot_mapping, v)
         return len(positions)
 
-    def propose(self, ctx, requests, budgets):
-        self.catch_up(ctx, requests)
-        requests = [r for r in requests if self.state(r).end == r.num_tokens - 1]  # its whole context in the pool
-        trees = {}
-        for first in range(0, len(requests), self.max_requests):  # more only if max_num_seqs grew since
-            trees.update(self._draft(ctx, requests[first:first + self.max_requests], budgets))
-        return trees
+    def is_ready(self, request) -> bool:
+        return self.state(request).end == request.num_tokens - 1  # its whole context in the pool
 
     def block_paths(self, index: int) -> list[list[int]]:
         """The scratch slots each row of the `index`-th request's block attends to, its own last."""

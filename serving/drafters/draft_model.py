@@ -8,14 +8,21 @@ import torch
 
 from serving import targets
 from serving.attention import KVCache
-from serving.drafters.base import PooledDrafter
+from serving.drafters.base import Drafter
 from serving.model import Model
 from serving.sampler import sample
 from serving.spec_decode.tree import DraftTree
 
 
-class DraftModelDrafter(PooledDrafter):
+class DraftModelDrafter(Drafter):
     """Its slot per request: (tokens before which its pool holds all, the drafts it fed after them)."""
+
+    kinds = ("draft_model",)
+
+    @classmethod
+    def build(cls, ctx, config, head=None, token_map=None):
+        cls.check(config, ctx)
+        return cls(ctx, config)
 
     def __init__(self, ctx, config):
         runner = ctx.runner

@@ -1,5 +1,5 @@
-"""EAGLE-1, EAGLE-3 and MTP with serve_mode 'reuse_first' (module 0 drafts every token) as drafters: a decoder layer
-of their own over a K/V pool addressed by the target's block tables, drafting EAGLE-2's dynamic tree
+"""EAGLE-1 and EAGLE-3 as drafters (and the base of MTP's reuse-first mode, drafters/mtp.py, and of P-EAGLE): a
+decoder layer of their own over a K/V pool addressed by the target's block tables, drafting EAGLE-2's dynamic tree
 (drafters/tree_search.py; topk 1 is a chain).
 
 The head catches up over the tokens the target computed and kept (the pair (h_p, x_{p+1}) at position p, reading the
@@ -21,7 +21,7 @@ import torch
 from heads.eagle3 import Eagle3
 from serving.attention import KVCache, PagedAttention
 from serving.drafters.deferred import DeferredDrafter, DeferredState
-from serving.drafters.head import Confidence, top_log_probs
+from serving.drafters.confidence import Confidence, top_log_probs
 from serving.drafters.tree_search import grow
 from serving.spec_decode.tree import path_to
 
@@ -34,23 +34,23 @@ class HeadState(DeferredState):
 
 
 class EagleDrafter(DeferredDrafter):
+    kinds = ("eagle", "eagle3")
     State = HeadState
     needs_hidden = True
     is_calibrated = True
     num_lookahead = 1  # its K/V at position p depends on token p + 1
 
     def __init__(self, ctx, head, token_map, config):
-        self.head, self.kind, self.token_map = head, head.config.kind, token_map
+        self.head, self.token_map = head, token_map
         self.confidence, self.topk = Confidence(head, config.confidence_threshold), config.topk
         self.fuses_aux = isinstance(head, Eagle3)  # EAGLE-3's body (P-EAGLE's too): reads the aux layers through fc
         self.aux_layers = tuple(head.config.aux_layers) if self.fuses_aux else ()
         layer = head.config.layer_config()
         runner = ctx.runner
-        super().__init__(runner.block_size, runner.device)
+        super().__init__(ctx)
         # scratch: one run of slots for each of up to max_num_seqs requests drafted at once
         self.num_scratch = self.scratch_rows(config)
         self.scratch_start = runner.cache.num_blocks * runner.block_size
-        self.max_requests = ctx.max_num_seqs
         num_scratch_blocks = -(-self.max_requests * self.num_scratch // runner.block_size)
         self.cache = KVCache(1, runner.cache.num_blocks + num_scratch_blocks, runner.block_size, layer.num_kv_heads,
                              layer.head_dim, runner.dtype, runner.device)
@@ -67,15 +67,15 @@ class EagleDrafter(DeferredDrafter):
         return step.out.hidden[rows]
 
     def _forward(self, ids, features, positions, meta):
-        attention = PagedAttention(self.cache, meta)
-        if self.kind == "mtp":
-            return self.head.forward_module(0, ids, features, positions, attention)
-        return self.head(ids, features, positions, attention)
+        return self.head(ids, features, positions, PagedAttention(self.cache, meta))
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(out)
 
     def _top(self, out: torch.Tensor, depth: int) -> tuple[list, list]:
         """(log-probabilities, target ids) of the topk most likely drafts after each row of head outputs, as lists
         per row."""
-        logits = self.head.logits(0, out) if self.kind == "mtp" else self.head.logits(out)
+        logits = self._logits(out)
         log_probs, best = top_log_probs(logits, self.topk, self.confidence.temperature(depth))
         if self.fuses_aux:
             best = self.head.to_target_ids(best)
@@ -104,15 +104,12 @@ class EagleDrafter(DeferredDrafter):
             self.state(request).last_output = out[last - 1]
         return len(ids)
 
-    def propose(self, ctx, requests, budgets):
-        self.catch_up(ctx, requests)
-        requests = [r for r in requests if self.state(r).last_output is not None]
-        trees = {}
-        for first in range(0, len(requests), self.max_requests):  # more only if max_num_seqs grew since
-            trees.update(self._draft(ctx, requests[first:first + self.max_requests], budgets))
+    def is_ready(self, request) -> bool:
+        return self.state(request).last_output is not None
+
+    def drafted(self, requests) -> None:
         for request in requests:
             self.state(request).last_output = None  # it is drafted from once
-        return trees
 
     @torch.inference_mode()
     def _draft(self, ctx, requests, budgets):

@@ -10,10 +10,15 @@ from serving.spec_decode.tree import DraftTree
 
 
 class EarlyExitDrafter(Drafter):
-    def __init__(self, ctx, config):
+    kinds = ("early_exit",)
+
+    @classmethod
+    def check(cls, config, ctx, head=None):
         num_target_layers = ctx.runner.model.config.num_layers
         if config.num_layers >= num_target_layers:
             raise ValueError(f"early_exit num_layers={config.num_layers} must be below the target's {num_target_layers} layers")
+
+    def __init__(self, config):
         self.num_layers = config.num_layers
 
     def propose(self, ctx, requests, budgets):

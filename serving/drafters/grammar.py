@@ -6,5 +6,11 @@ from serving.drafters.base import Drafter
 
 
 class GrammarDrafter(Drafter):
+    kinds = ("grammar",)
+
+    @classmethod
+    def build(cls, ctx, config, head=None, token_map=None):
+        return cls()
+
     def propose(self, ctx, requests, budgets):
         return {}

@@ -81,6 +81,8 @@ class RequestState:
 
 
 class LookaheadDrafter(Drafter):
+    kinds = ("lookahead",)
+
     def __init__(self, config):
         self.width, self.n, self.max_candidates = config.window, config.ngram, config.max_candidates
         w, n = self.width, self.n

@@ -12,13 +12,25 @@ from __future__ import annotations
 import torch
 
 from serving.drafters.base import Drafter
-from serving.drafters.head import Confidence, top_log_probs
+from serving.drafters.confidence import Confidence, top_log_probs
 from serving.drafters.tree_search import Candidates, grow
 
 
 class MedusaDrafter(Drafter):
+    kinds = ("medusa",)
     needs_hidden = True
     is_calibrated = True
+
+    @classmethod
+    def check(cls, config, ctx, head=None):
+        if config.num_speculative_tokens > head.config.num_heads:
+            raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds this Medusa head's "
+                             f"{head.config.num_heads} heads")
+
+    @classmethod
+    def build(cls, ctx, config, head=None, token_map=None):
+        cls.check(config, ctx, head)
+        return cls(head, token_map, config)
 
     def __init__(self, head, token_map, config):
         self.head, self.token_map = head, token_map

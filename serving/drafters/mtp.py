@@ -1,16 +1,32 @@
-"""MTP modules with serve_mode 'chain' as a drafter: module j (0-based) drafts token j + 1, as the modules were
-trained (DeepSeek-V3's multi-token prediction). A chain: module j reads module j - 1's output, so one path only."""
+"""MTP heads as drafters, in either of their config's serve modes:
+- 'chain' (MtpChainDrafter): module j (0-based) drafts token j + 1, as the modules were trained (DeepSeek-V3's
+  multi-token prediction). A chain: module j reads module j - 1's output, so one path only.
+- 'reuse_first' (MtpReuseFirstDrafter): module 0 drafts every token, as an EAGLE-1 layer does (drafters/eagle.py),
+  trees included."""
 from __future__ import annotations
 
 import torch
 
 from serving.attention import KVCache, PagedAttention
-from serving.drafters.base import PooledDrafter
-from serving.drafters.head import Confidence, top_log_probs
+from serving.drafters.base import Drafter
+from serving.drafters.confidence import Confidence, top_log_probs
+from serving.drafters.eagle import EagleDrafter
 from serving.spec_decode.tree import DraftTree
 
 
-class MtpChainDrafter(PooledDrafter):
+class MtpReuseFirstDrafter(EagleDrafter):
+    """MTP with serve_mode 'reuse_first': module 0 as an EAGLE-1 layer."""
+
+    kinds = ("mtp_reuse_first",)
+
+    def _forward(self, ids, features, positions, meta):
+        return self.head.forward_module(0, ids, features, positions, PagedAttention(self.cache, meta))
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(0, out)
+
+
+class MtpChainDrafter(Drafter):
     """MTP with serve_mode 'chain': module j (0-based) drafts token j + 1, as the modules were trained.
 
     Module j at position t reads (h^j_t, x_{t+j+1}), so its K/V reaches position c - 1 - j with real tokens when
@@ -20,8 +36,24 @@ class MtpChainDrafter(PooledDrafter):
 
     Its slot per request: module j -> (position, module j's output there), the last each module computed."""
 
+    kinds = ("mtp",)
     needs_hidden = True
     is_calibrated = True
+
+    @classmethod
+    def check(cls, config, ctx, head=None):
+        if config.topk > 1:
+            raise ValueError(f"draft trees (topk > 1) apply to MTP heads with serve_mode 'reuse_first'; {config.model} has "
+                             "serve_mode 'chain': set serve_mode 'reuse_first' in its config.json, or leave topk 1")
+        if config.num_speculative_tokens > head.config.depth:
+            raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds this MTP head's depth "
+                             f"{head.config.depth} (serve_mode 'chain' drafts one token per module): draft fewer "
+                             "tokens or set serve_mode 'reuse_first' in its config.json")
+
+    @classmethod
+    def build(cls, ctx, config, head=None, token_map=None):
+        cls.check(config, ctx, head)
+        return cls(ctx, head, token_map, config.confidence_threshold)
 
     def __init__(self, ctx, head, token_map=None, threshold=0.0):
         self.head, self.depth, self.confidence = head, head.config.depth, Confidence(head, threshold)

@@ -10,6 +10,8 @@ from serving.spec_decode.tree import DraftTree
 
 
 class NgramDrafter(Drafter):
+    kinds = ("ngram",)
+
     def __init__(self, config):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
@@ -17,10 +19,10 @@ class NgramDrafter(Drafter):
         return {r.request_id: DraftTree.chain(self.lookup(r.token_ids, budgets[r.request_id].chain_length))
                 for r in requests}
 
-    def has_match(self, tokens: list[int]) -> bool:
-        """Whether the sequence's last n tokens occurred before, for some n in [prompt_lookup_min, prompt_lookup_max]:
-        whether `propose` drafts anything within any budget."""
-        return bool(self.lookup(tokens, 1))
+    def clears_bar(self, request) -> bool:
+        """Whether the request's last n tokens occurred before, for some n in [prompt_lookup_min, prompt_lookup_max]:
+        whether `propose` drafts anything within any budget (drafters/fallback.py: lookup first, then a head)."""
+        return bool(self.lookup(request.token_ids, 1))
 
     def lookup(self, tokens: list[int], num_drafts: int) -> list[int]:
         num_tokens = len(tokens)

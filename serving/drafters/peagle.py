@@ -23,17 +23,23 @@ import itertools
 import torch
 
 from serving.drafters.eagle import EagleDrafter
-from serving.drafters.head import top_log_probs
+from serving.drafters.confidence import top_log_probs
 from serving.drafters.tree_search import grow, grow_from_marginals
 
 
 class PeagleDrafter(EagleDrafter):
-    def __init__(self, ctx, head, config):
+    kinds = ("peagle",)
+
+    @classmethod
+    def check(cls, config, ctx, head=None):
         if config.num_speculative_tokens > head.config.num_depths:
             raise ValueError(f"num_speculative_tokens={config.num_speculative_tokens} exceeds the "
                              f"{head.config.num_depths} depths {config.model} was trained for: draft at most "
                              f"{head.config.num_depths} tokens, or train the head with --model.init_args.num_depths "
                              f"{config.num_speculative_tokens}")
+
+    def __init__(self, ctx, head, token_map, config):
+        """token_map: None (a P-EAGLE head drafts over its own draft vocabulary)."""
         super().__init__(ctx, head, None, config)
         with torch.inference_mode():
             self.mask_row = head.mask_feature()[None]  # fc(mask_hidden): every placeholder's g, fixed once loaded
@@ -45,14 +51,14 @@ class PeagleDrafter(EagleDrafter):
         return config.num_speculative_tokens - 1
 
     def catch_up(self, ctx, requests) -> int:
-        """Nothing apart: the pending pairs run in the drafting forward (`propose`)."""
+        """Nothing apart: the pending pairs run in the drafting forward (`_draft`)."""
         return 0
 
-    def propose(self, ctx, requests, budgets):
-        trees = {}
-        for first in range(0, len(requests), self.max_requests):  # more only if max_num_seqs grew since
-            trees.update(self._draft(ctx, requests[first:first + self.max_requests], budgets))
-        return trees
+    def is_ready(self, request) -> bool:
+        return True  # every drafting request: its pending pairs run in the drafting forward
+
+    def drafted(self, requests) -> None:
+        """Nothing: it keeps no output between steps."""
 
     @torch.inference_mode()
     def _draft(self, ctx, requests, budgets):

@@ -65,6 +65,7 @@ class SuffixState:
 
 
 class SuffixDrafter(Drafter):
+    kinds = ("suffix",)
     is_calibrated = True
 
     def __init__(self, config):
@@ -130,3 +131,40 @@ class SuffixDrafter(Drafter):
         return {"suffix_us_per_step": self.seconds / max(self.num_steps, 1) * 1e6,
                 "suffix_us_per_draft": self.seconds / max(self.num_drafts, 1) * 1e6,
                 "suffix_cached_requests": self.num_cached_requests}
+
+
+class SuffixFirstChoice(SuffixDrafter):
+    """Suffix decoding as the primary of suffix-first drafting (drafters/fallback.py): it drafts for a request where its
+    draft's score, the tokens its own frequencies expect accepted, is at least `suffix_first_min_score`.
+
+    The choice is made on the request's draft within the config's whole budget (num_draft_tokens - 1 nodes,
+    num_speculative_tokens deep), before the step's budget cuts it, so that it does not depend on the budget. With the
+    adaptive policy the draft chosen still honours the budget's cut, by its nodes' estimated probabilities."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.min_score = config.suffix_first_min_score
+        self.whole = DraftBudget(config.max_draft_nodes, config.num_speculative_tokens)
+        self.drafts: dict[str, tuple[int, Suffix | None]] = {}  # request id -> (its tokens, the draft chosen)
+
+    def chosen(self, request) -> Suffix | None:
+        """The draft where it clears the bar for this request at its current tokens, else None; made once per step."""
+        num_tokens, draft = self.drafts.get(request.request_id, (-1, None))
+        if num_tokens != request.num_tokens:
+            draft = self.speculate(request, self.whole.num_nodes).cut(self.whole)
+            draft = draft if draft.tree and draft.score >= self.min_score else None
+            self.drafts[request.request_id] = (request.num_tokens, draft)
+        return draft
+
+    def clears_bar(self, request) -> bool:
+        return self.chosen(request) is not None
+
+    def propose(self, ctx, requests, budgets):
+        """The chosen drafts of `requests` (each clears the bar), cut to each one's budget."""
+        trees = {r.request_id: self.chosen(r).cut(budgets[r.request_id]).tree for r in requests}
+        self.drafts.clear()
+        return trees
+
+    def reset(self, request):
+        super().reset(request)
+        self.drafts.pop(request.request_id, None)

@@ -27,7 +27,7 @@ A trained head (`Drafter.is_calibrated`) is judged differently: c_i is the draft
 before they are verified, and its calibrated probability of a path is a better estimate, for this step, of that
 path's survival than any history. A node repays its row when that survival is at least the step's rate (tokens per
 second) times what one more row costs, so each budget carries that as `min_log_survival` and the head keeps no node
-below it (drafters/head.py, the confidence cut). A request's few recent verify steps are noise beside the head's
+below it (drafters/confidence.py, the confidence cut). A request's few recent verify steps are noise beside the head's
 calibrated probability of the draft in hand (benchmarks/RESULTS.md, "Adaptive speculation, round 23").
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ import time
 import torch
 
 from serving.drafters import make_drafter
-from serving.drafters.base import DraftBudget, PooledDrafter
+from serving.drafters.base import DraftBudget
 from serving.drafters.context import DraftContext, StepOutputs
 from serving.request import Request, SamplingParams
 from serving.sampler import target_probs
@@ -48,11 +48,6 @@ class Speculator:
         self.policy = (AdaptivePolicy(config, engine.step_cost, DraftCost(), per_request=not self.drafter.is_calibrated)
                        if config.adaptive else None)
         self.is_calibrated = False
-
-    @property
-    def pooled(self) -> PooledDrafter | None:
-        """The drafter, where it keeps a K/V pool of its own (catch-up, blocks registered by the prefix cache)."""
-        return self.drafter if isinstance(self.drafter, PooledDrafter) else None
 
     def calibrate(self, engine) -> None:
         """Times the drafter for the adaptive policy's cost model: short generations over random prompts, drafted to
@@ -145,8 +140,7 @@ class Speculator:
     def registered(self, request: Request, first_block: int) -> None:
         """The prefix cache registered the request's blocks from `first_block` on (a pooled drafter keeps what they
         still need)."""
-        if self.pooled:
-            self.pooled.registered(request, first_block)
+        self.drafter.registered(request, first_block)
 
     def reset(self, request: Request) -> None:
         """Forgets a request that finished, was preempted or aborted: its drafts, estimate and drafter state."""
@@ -194,7 +188,7 @@ class Speculator:
         # The drafting call's cost, what choosing depths changes, counts the head's catch-up over the requests' kept
         # tokens too: only steps that draft pay it.
         start = time.perf_counter()
-        num_caught_up = self.pooled.catch_up(ctx, requests) if self.pooled else 0
+        num_caught_up = self.drafter.catch_up(ctx, requests)
         drafting = time.perf_counter()
         trees = self.drafter.propose(ctx, requests, budgets)
         if self.policy:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from serving.drafters.base import DraftBudget, Drafter
-from serving.drafters.head import Confidence
+from serving.drafters.confidence import Confidence
 from serving.request import SamplingParams, SpecState
 from serving.spec_decode import cost
 from serving.spec_decode.adaptive import AdaptivePolicy, Estimate

@@ -18,7 +18,7 @@ import torch
 import heads
 import serving.drafters.dflash as dflash
 from heads.attention import DenseContextAttention
-from serving.drafters.head import Confidence, top_log_probs
+from serving.drafters.confidence import Confidence, top_log_probs
 from serving.drafters.tree_search import grow_from_marginals
 from serving.request import SamplingParams
 

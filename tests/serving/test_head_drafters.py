@@ -1070,7 +1070,7 @@ def test_a_confidence_threshold_cuts_chains_where_their_probability_falls_below_
 def test_confidence_is_the_heads_probability_of_its_draft_at_a_temperature():
     from types import SimpleNamespace
 
-    from serving.drafters.head import Confidence, log_confidence, top_log_probs
+    from serving.drafters.confidence import Confidence, log_confidence, top_log_probs
     from serving.drafters.medusa import MedusaDrafter
 
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.45, 0.35]]))

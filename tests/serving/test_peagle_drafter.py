@@ -22,7 +22,7 @@ import torch
 import heads
 from heads.attention import sdpa_gqa
 from heads.peagle import block_mask
-from serving.drafters.head import Confidence, top_log_probs
+from serving.drafters.confidence import Confidence, top_log_probs
 from serving.drafters.tree_search import grow, grow_from_marginals
 from serving.request import SamplingParams
 

@@ -48,7 +48,7 @@ import pytest
 import torch
 
 from serving.drafters.base import Drafter
-from serving.drafters.head import Confidence, top_log_probs
+from serving.drafters.confidence import Confidence, top_log_probs
 from serving.drafters.tree_search import Candidates, grow, grow_from_marginals
 from serving.request import SamplingParams
 from serving.sampler import sample, target_probs

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torchmetrics import Metric
 
-from serving.drafters.head import log_confidence
+from serving.drafters.confidence import log_confidence
 
 TEMPERATURES = tuple(2 ** (k / 4) for k in range(-4, 13))  # 0.5 .. 8
 
