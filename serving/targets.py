@@ -47,7 +47,7 @@ _TINY_DEFAULTS = dict(
     bos_token_id=1, eos_token_id=2,
 )
 # Qwen2 adds q/k/v biases and Qwen3 q/k RMSNorm by construction; the embedding tying differs per family.
-_TINY_TIED = {"llama": False, "qwen2": True, "qwen3": False}
+_TINY_TIED = {"llama": False, "qwen2": True, "qwen3": False, "qwen3_moe": False}
 
 
 def resolve(name: str) -> Path:
@@ -90,6 +90,26 @@ def fingerprint(folder: str | Path) -> dict:
     return fields
 
 
+def architecture(folder: str | Path) -> str:
+    """The target's class name in transformers (config.json's first `architectures` entry, else its model_type)."""
+    config = read_config(folder)
+    return (config.get("architectures") or [config["model_type"]])[0]
+
+
+def generation_limits(folder: str | Path) -> tuple[list[int], int]:
+    """The ids the target stops on (generation_config.json's, else config.json's) and its most positions, for any
+    family: multimodal configs nest the language model's fields under `text_config`."""
+    folder = Path(folder)
+    config = read_config(folder)
+    text = config.get("text_config", config)
+    eos = config.get("eos_token_id", text.get("eos_token_id"))
+    generation = folder / "generation_config.json"
+    if generation.exists():
+        eos = json.loads(generation.read_text()).get("eos_token_id", eos)
+    eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return eos_token_ids, text.get("max_position_embeddings", 2048)
+
+
 def target_info(name: str) -> dict:
     """What `draftheads info --target NAME` prints: where the target lives, its shape, dtype and fingerprint."""
     folder = resolve(name)
@@ -119,7 +139,7 @@ def target_info(name: str) -> dict:
 def build_tiny_model(
     folder: str | Path, arch: str = "llama", *, seed: int = 0, tokenizer_from: str | Path | None = None, **overrides
 ) -> Path:
-    """Write a seeded random float32 model of family `arch` (llama, qwen2, qwen3) to `folder`.
+    """Write a seeded random float32 model of family `arch` (llama, qwen2, qwen3, qwen3_moe) to `folder`.
 
     `overrides` are config fields (e.g. vocab_size, rope_scaling). With `tokenizer_from`, that folder's
     tokenizer files are copied and its vocab size and special token ids become the defaults.
