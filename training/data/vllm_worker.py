@@ -1,0 +1,51 @@
+"""Runs in vLLM's Python environment for training.data.vllm_capture: imports vLLM and nothing of this project.
+
+    python vllm_worker.py SETTINGS_JSON REPLY_FD
+
+Starts vLLM on the target with the `extract_hidden_states` method and its hidden-states connector, says {"ready":
+true} on REPLY_FD, then for each line of stdin (a JSON list of token id lists) prefills them with max_tokens 1 and
+replies {"paths": [...]}, one safetensors file per list, in order. Ends at the end of stdin.
+"""
+import fcntl
+import json
+import os
+import sys
+
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+
+def written(path: str) -> None:
+    """Waits until the connector's writer thread, which holds the file's lock until it is done, has written `path`."""
+    lock = path + ".lock"
+    if os.path.exists(lock):
+        with open(lock) as file:
+            fcntl.flock(file, fcntl.LOCK_SH)
+        os.remove(lock)
+
+
+def main() -> None:
+    settings, reply_fd = json.loads(sys.argv[1]), int(sys.argv[2])
+    replies = os.fdopen(reply_fd, "w")
+    llm = LLM(model=settings["model"], skip_tokenizer_init=True, dtype=settings["dtype"],
+              max_model_len=settings["max_model_len"], enable_prefix_caching=False,
+              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                  "draft_model_config": {"hf_config": {
+                                      "eagle_aux_hidden_state_layer_ids": settings["layer_ids"]}}},
+              kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                                  "kv_connector_extra_config": {"shared_storage_path": settings["storage"]}})
+    replies.write(json.dumps({"ready": True}) + "\n")
+    replies.flush()
+    greedy_one = SamplingParams(max_tokens=1, temperature=0.0)
+    for line in sys.stdin:
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in json.loads(line)]
+        outputs = llm.generate(prompts, greedy_one, use_tqdm=False)
+        paths = [output.kv_transfer_params["hidden_states_path"] for output in outputs]
+        for path in paths:
+            written(path)
+        replies.write(json.dumps({"paths": paths}) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    main()
