@@ -1,4 +1,5 @@
-"""The one decoder layer (Llama family: Llama, Qwen2, Qwen3, Mistral) with its attention injected.
+"""The one decoder layer (Llama family: Llama, Qwen2, Qwen3, Mistral; Qwen3-MoE's sparse MLP) with its attention
+injected.
 
 The target in the engine, the EAGLE layers, the MTP blocks and DFlash's layers all run this layer. Attention is a
 callable `attention(layer_idx, q, k, v) -> out` over `[..., heads, head_dim]` tensors: dense causal
@@ -15,6 +16,29 @@ from torch import nn
 from heads.rope import apply_rope
 
 
+@dataclass(frozen=True)
+class MoeConfig:
+    """A sparse MLP as Qwen3-MoE has it: a softmax router over `num_experts` SwiGLU experts of width
+    `intermediate_size`, each row summed over its top `num_experts_per_tok`, their weights renormalised to sum to 1
+    where `norm_topk_prob`. `dense_layers` keep a dense MLP (Qwen3-MoE's mlp_only_layers and decoder_sparse_step)."""
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    dense_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "MoeConfig | None":
+        num_experts = config.get("num_experts", config.get("num_local_experts")) or 0
+        if not num_experts:
+            return None
+        step = config.get("decoder_sparse_step", 1)
+        only_mlp = set(config.get("mlp_only_layers") or [])
+        dense = tuple(i for i in range(config["num_hidden_layers"]) if i in only_mlp or (i + 1) % step)
+        return cls(num_experts, config["num_experts_per_tok"], config["moe_intermediate_size"],
+                   config.get("norm_topk_prob", False), dense)
+
+
 @dataclass
 class LayerConfig:
     hidden_size: int
@@ -26,6 +50,7 @@ class LayerConfig:
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
     attention_input_size: int = 0  # 0 means hidden_size; EAGLE-3 attends over 2 * hidden
+    moe: MoeConfig | None = None  # a sparse MLP (a target's; draft layers are dense)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -43,7 +68,7 @@ class LayerConfig:
             head_dim=config.get("head_dim") or 0,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             qkv_bias=config.get("attention_bias", config.get("model_type") == "qwen2"),
-            qk_norm=config.get("model_type") == "qwen3",
+            qk_norm=config.get("model_type") in ("qwen3", "qwen3_moe"),
         )
 
 
@@ -73,8 +98,12 @@ class DecoderLayer(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.o = nn.Linear(self.q_size, c.hidden_size, bias=False)
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.experts = None
+        if c.moe is not None and layer_idx not in c.moe.dense_layers:
+            self.experts = SparseMoe(c.hidden_size, c.moe)
+        else:
+            self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+            self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, hidden, cos, sin, attention, attention_input=None):
         """hidden: [..., hidden]; attention_input replaces input_norm(hidden) when the caller builds it
@@ -82,7 +111,10 @@ class DecoderLayer(nn.Module):
         x = self.input_norm(hidden) if attention_input is None else attention_input
         q, k, v = self.project(x, cos, sin)
         hidden = hidden + self.o(attention(self.layer_idx, q, k, v).flatten(-2))
-        gate, up = self.gate_up(self.post_norm(hidden)).chunk(2, dim=-1)
+        x = self.post_norm(hidden)
+        if self.experts is not None:
+            return hidden + self.experts(x)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
         return hidden + self.down(F.silu(gate) * up)
 
     def project(self, x, cos, sin):
@@ -97,3 +129,31 @@ class DecoderLayer(nn.Module):
             qk = torch.cat([self.q_norm(qk[..., :c.num_heads, :]), self.k_norm(qk[..., c.num_heads:, :])], dim=-2)
         qk = apply_rope(qk, cos, sin)  # the query and key heads in one go
         return qk[..., :c.num_heads, :], qk[..., c.num_heads:, :], v
+
+
+class SparseMoe(nn.Module):
+    """Each row through its top-k experts (MoeConfig), the experts run one after another over the rows routed to
+    them, in ascending expert order: a row's sum has the same order, and so the same bits, in any batch."""
+
+    def __init__(self, hidden_size: int, config: MoeConfig):
+        super().__init__()
+        self.config = config
+        self.router = nn.Linear(hidden_size, config.num_experts, bias=False)
+        self.gate_up = nn.ModuleList(nn.Linear(hidden_size, 2 * config.intermediate_size, bias=False)
+                                     for _ in range(config.num_experts))
+        self.down = nn.ModuleList(nn.Linear(config.intermediate_size, hidden_size, bias=False)
+                                  for _ in range(config.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [rows, hidden]
+        probs = self.router(rows).float().softmax(dim=-1)
+        weights, experts = probs.topk(self.config.num_experts_per_tok, dim=-1)  # [rows, k]
+        if self.config.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(rows)
+        for expert in experts.unique().tolist():
+            routed, slot = (experts == expert).nonzero(as_tuple=True)
+            gate, up = self.gate_up[expert](rows[routed]).chunk(2, dim=-1)
+            out.index_add_(0, routed, self.down[expert](F.silu(gate) * up) * weights[routed, slot, None])
+        return out.view_as(x)

@@ -343,8 +343,8 @@ class KernelLayer(_KernelModule):
 def kernel_layers(layers: nn.ModuleList, config) -> nn.ModuleList:
     """The target's layers (DecoderLayers after `for_inference`, of LayerConfig `config`) as KernelLayers sharing
     one Scratch where the kernels run; as they are elsewhere."""
-    if not len(layers) or layers[0].qkv.lib is None:
-        return layers
+    if not len(layers) or layers[0].qkv.lib is None or config.moe is not None:
+        return layers  # the C layers have dense MLPs; a sparse one runs its experts' products in PackedLinears
     scratch = Scratch(config, len(layers))
     return nn.ModuleList(KernelLayer(layer, scratch) for layer in layers)
 

@@ -3,22 +3,23 @@ through an explicit name map, run over one flattened batch of every scheduled to
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from heads.hf_folder import read_config, read_tensors
-from heads.layer import DecoderLayer, LayerConfig, RMSNorm
+from heads.layer import DecoderLayer, LayerConfig, MoeConfig, RMSNorm
 from heads.rope import Rope, rope_settings
 from serving.attention import AttentionPath, PagedAttention
 from serving.kernels import FusedRMSNorm, KernelForward, KernelLayer, PackedLinear, for_inference, kernel_layers
 from serving.targets import generation_limits
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                           "Qwen3MoeForCausalLM")
 
-# Hugging Face name -> (our name, shard index inside a fused tensor or None); `{}` is the layer index.
+# Hugging Face name -> (our name, shard index inside a fused tensor or None); each `{}` an index (layer, expert).
 WEIGHT_MAP = {
     "model.embed_tokens.weight": ("embed.weight", None),
     "model.norm.weight": ("norm.weight", None),
@@ -37,18 +38,21 @@ WEIGHT_MAP = {
     "model.layers.{}.mlp.gate_proj.weight": ("layers.{}.gate_up.weight", 0),
     "model.layers.{}.mlp.up_proj.weight": ("layers.{}.gate_up.weight", 1),
     "model.layers.{}.mlp.down_proj.weight": ("layers.{}.down.weight", None),
+    "model.layers.{}.mlp.gate.weight": ("layers.{}.experts.router.weight", None),
+    "model.layers.{}.mlp.experts.{}.gate_proj.weight": ("layers.{}.experts.gate_up.{}.weight", 0),
+    "model.layers.{}.mlp.experts.{}.up_proj.weight": ("layers.{}.experts.gate_up.{}.weight", 1),
+    "model.layers.{}.mlp.experts.{}.down_proj.weight": ("layers.{}.experts.down.{}.weight", None),
 }
 
 
 def _map_name(hf_name: str):
     parts = hf_name.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            pattern = ".".join(parts[:i] + ["{}"] + parts[i + 1:])
-            if pattern in WEIGHT_MAP:
-                ours, shard = WEIGHT_MAP[pattern]
-                return ours.format(part), shard
-    return WEIGHT_MAP.get(hf_name, (None, None))
+    indices = [part for part in parts if part.isdigit()]
+    pattern = ".".join("{}" if part.isdigit() else part for part in parts)
+    if pattern not in WEIGHT_MAP:
+        return None, None
+    ours, shard = WEIGHT_MAP[pattern]
+    return ours.format(*indices), shard
 
 
 @dataclass
@@ -76,7 +80,7 @@ class ModelConfig:
             architecture=architecture,
             num_layers=config["num_hidden_layers"],
             vocab_size=config["vocab_size"],
-            layer=LayerConfig.from_hf(config),
+            layer=replace(LayerConfig.from_hf(config), moe=MoeConfig.from_hf(config)),
             max_position_embeddings=max_position_embeddings,
             rope_theta=theta,
             rope_scaling=scaling,

@@ -82,3 +82,10 @@ def tiny_qwen2(tmp_path_factory):
 def tiny_qwen3(tmp_path_factory):
     """Qwen3: per-head q/k RMSNorm, untied embeddings."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory):
+    """Qwen3-MoE: 8 experts, each row through its top 2 (weights renormalised), layer 1 dense (mlp_only_layers)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", num_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1])

@@ -25,7 +25,7 @@ from serving.bench.prompts import first_turn, load_prompts
 from serving.request import SamplingParams
 
 
-TINY = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_llama_rope3"]
+TINY = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_llama_rope3", "tiny_qwen3_moe"]
 VOCAB = 256  # the tiny fixtures' vocabulary
 EOS = 2  # the tiny fixtures' eos token
 
@@ -49,7 +49,7 @@ def hf_greedy(folder, prompt, max_new_tokens, ignore_eos=True):
     config = copy.deepcopy(model.generation_config)
     config.pad_token_id = 0
     if ignore_eos:
-        config.eos_token_id = None
+        config.eos_token_id = []  # None falls back to the model config's EOS
     out = model.generate(torch.tensor([prompt]), generation_config=config, max_new_tokens=max_new_tokens,
                          do_sample=False)
     tokens = out[0, len(prompt):].tolist()

@@ -248,7 +248,8 @@ def dense_medusa_drafts(head, states, tokens, num_drafts):
 # ---- random heads -------------------------------------------------------------------------------------
 
 
-HEAD_CASES = [("medusa", "tiny_llama"), ("eagle", "tiny_qwen3"), ("eagle3", "tiny_llama"), ("mtp", "tiny_qwen3")]
+HEAD_CASES = [("medusa", "tiny_llama"), ("eagle", "tiny_qwen3"), ("eagle3", "tiny_llama"), ("mtp", "tiny_qwen3"),
+              ("eagle3", "tiny_qwen3_moe")]
 SCENARIOS = {
     # one request at a time; prompts of up to 50 tokens prefill in chunks of 16
     1: dict(max_num_seqs=1, max_num_batched_tokens=16),
