@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 
-def sdpa_gqa(q, k, v, mask=None, is_causal=False):
+def sdpa_gqa(q, k, v, mask=None, is_causal=False, scale=None):
     """q: [B, Q, H, D]; k, v: [B, C, KV, D]; mask: [B, Q, C] bool (True attends) -> [B, Q, H, D].
     Grouped-query attention without repeating K/V: the query heads sharing a KV head are stacked on the query axis."""
     batch, num_q, num_heads, head_dim = q.shape
@@ -21,7 +21,8 @@ def sdpa_gqa(q, k, v, mask=None, is_causal=False):
         mask = mask.unsqueeze(1)  # [B, 1, Q, C]; one query row broadcasts over its group
         if num_q > 1 and group > 1:
             mask = mask.repeat(1, 1, group, 1)  # [B, 1, group * Q, C]
-    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=is_causal)
+    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=is_causal,
+                                         scale=scale)
     return out.view(batch, num_kv, group, num_q, head_dim).permute(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, head_dim)
 
 

@@ -1,5 +1,5 @@
-"""The one decoder layer (Llama family: Llama, Qwen2, Qwen3, Mistral; Qwen3-MoE's sparse MLP) with its attention
-injected.
+"""The one decoder layer (Llama family: Llama, Qwen2, Qwen3, Mistral; Qwen3-MoE's sparse MLP; Gemma 3's
+GeLU MLP and norms around the attention's and the MLP's outputs) with its attention injected.
 
 The target in the engine, the EAGLE layers, the MTP blocks and DFlash's layers all run this layer. Attention is a
 callable `attention(layer_idx, q, k, v) -> out` over `[..., heads, head_dim]` tensors: dense causal
@@ -14,6 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.rope import apply_rope
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 @dataclass(frozen=True)
@@ -51,12 +54,28 @@ class LayerConfig:
     qk_norm: bool = False  # Qwen3
     attention_input_size: int = 0  # 0 means hidden_size; EAGLE-3 attends over 2 * hidden
     moe: MoeConfig | None = None  # a sparse MLP (a target's; draft layers are dense)
+    activation: str = "silu"  # of the MLP's gate: silu, or gelu_tanh (Gemma)
+    sandwich_norms: bool = False  # Gemma: RMSNorms on the attention's and the MLP's outputs too
+    query_pre_attn_scalar: float = 0.0  # scores scaled by its -1/2 power (Gemma); 0: head_dim's (attention_scale)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         self.head_dim = self.head_dim or self.hidden_size // self.num_heads
         self.attention_input_size = self.attention_input_size or self.hidden_size
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention scales scores by (the attention applies it: serving.attention.KVCache carries it)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def is_llama(self) -> bool:
+        """Whether the layer is the Llama family's (a dense SwiGLU MLP, two norms, the usual scale): what
+        serving/kernels.c's layers compute."""
+        return self.moe is None and self.activation == "silu" and not self.sandwich_norms
 
     @classmethod
     def from_hf(cls, config: dict) -> "LayerConfig":
@@ -68,7 +87,9 @@ class LayerConfig:
             head_dim=config.get("head_dim") or 0,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             qkv_bias=config.get("attention_bias", config.get("model_type") == "qwen2"),
-            qk_norm=config.get("model_type") in ("qwen3", "qwen3_moe"),
+            qk_norm=config.get("model_type") in ("qwen3", "qwen3_moe", "gemma3_text"),
+            **(dict(activation="gelu_tanh", sandwich_norms=True, query_pre_attn_scalar=config["query_pre_attn_scalar"])
+               if config.get("model_type") == "gemma3_text" else {}),
         )
 
 
@@ -98,6 +119,10 @@ class DecoderLayer(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.o = nn.Linear(self.q_size, c.hidden_size, bias=False)
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.sandwich_norms:
+            self.attn_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.mlp_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.act = ACTIVATIONS[c.activation]
         self.experts = None
         if c.moe is not None and layer_idx not in c.moe.dense_layers:
             self.experts = SparseMoe(c.hidden_size, c.moe)
@@ -110,12 +135,15 @@ class DecoderLayer(nn.Module):
         (EAGLE-3 concatenates two normed streams)."""
         x = self.input_norm(hidden) if attention_input is None else attention_input
         q, k, v = self.project(x, cos, sin)
-        hidden = hidden + self.o(attention(self.layer_idx, q, k, v).flatten(-2))
+        attended = self.o(attention(self.layer_idx, q, k, v).flatten(-2))
+        hidden = hidden + (self.attn_out_norm(attended) if self.config.sandwich_norms else attended)
         x = self.post_norm(hidden)
         if self.experts is not None:
-            return hidden + self.experts(x)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return hidden + self.down(F.silu(gate) * up)
+            out = self.experts(x)
+        else:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            out = self.down(self.act(gate) * up)
+        return hidden + (self.mlp_out_norm(out) if self.config.sandwich_norms else out)
 
     def project(self, x, cos, sin):
         """x: [..., attention_input] (already normed) -> q [..., heads, head_dim], k, v [..., kv_heads, head_dim],

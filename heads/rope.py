@@ -10,8 +10,18 @@ def rope_settings(config: dict) -> tuple[float, dict | None]:
     """(theta, scaling or None for the default rope) from a Hugging Face config.json, whichever layout it uses:
     `rope_theta` and `rope_scaling`, or transformers v5's `rope_parameters` holding both."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the full-attention layers'
     theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
     return theta, rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+
+
+def local_rope_settings(config: dict) -> tuple[float, dict | None] | None:
+    """The sliding-window layers' own (theta, scaling) where they have one (Gemma 3), else None."""
+    local = (config.get("rope_parameters") or {}).get("sliding_attention")
+    if local is None:
+        theta = config.get("rope_local_base_freq")
+        return None if theta is None else (float(theta), None)
+    return float(local.get("rope_theta", 10000.0)), local if local.get("rope_type", "default") != "default" else None
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

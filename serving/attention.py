@@ -13,7 +13,7 @@ import ctypes
 import enum
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,13 +26,18 @@ MAX_BATCHED_QUERY_LEN = 16
 
 
 class KVCache:
-    """One allocation for every layer: k and v are [num_layers, num_blocks * block_size, num_kv_heads, head_dim]."""
+    """One allocation for every layer: k and v are [num_layers, num_blocks * block_size, num_kv_heads, head_dim].
+    How its layers attend over it: `windows`, each layer's sliding window (keys a row sees back from itself, itself
+    included; 0: all), and `scale`, what scores are scaled by (None: head_dim ** -0.5; Gemma's differs)."""
 
-    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                 windows: tuple[int, ...] = (), scale: float | None = None):
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.windows = windows or (0,) * num_layers
+        self.scale = head_dim ** -0.5 if scale is None else scale
 
     def move(self, block_table: list[int], source: int, target: int) -> None:
         """Copies the K/V of a sequence's position `source` into position `target`, in every layer."""
@@ -52,6 +57,18 @@ class LongQuery:
     end: int
     key_slots: torch.Tensor | None  # [context]; None when the chunk is the whole sequence so far
     mask: torch.Tensor | None  # [1, query, context]
+    context: int
+    device: torch.device | str
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """[1, query, context]: a sliding-window layer's causal mask (row i at position p sees key j where
+        p - window < j <= p), made once per window."""
+        if window not in self.window_masks:
+            rows = torch.arange(self.context - (self.end - self.start), self.context, device="cpu")[:, None]
+            keys = torch.arange(self.context, device="cpu")[None]
+            self.window_masks[window] = ((keys <= rows) & (keys > rows - window))[None].to(self.device)
+        return self.window_masks[window]
 
 
 def context_slots(table: list[int], context: int, block_size: int) -> list[int]:
@@ -78,6 +95,7 @@ class ShortQueries:
         # short: (first row, query rows, context length, paths: a slot list per tree row); slots: each sequence's
         # context's slots in position order
         self.short, self.slots, self.device = short, slots, device
+        self.window_masks: dict[int, torch.Tensor] = {}
         self.max_q = max(q + len(paths) for _, q, _, paths in short)
         self.max_c = max(c for _, _, c, _ in short)
 
@@ -147,6 +165,32 @@ class ShortQueries:
         return self.torch_keys[1]
 
     @functools.cached_property
+    def torch_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, Qmax] each row's position, padding rows 0; [B, K] the position of each of torch_keys' keys: a
+        context key's index, a path's k-th slot context + k)."""
+        key_positions = torch.zeros(len(self.short), len(self.torch_keys[0]) // len(self.short), dtype=torch.long)
+        row_positions = torch.zeros(len(self.short), self.max_q, dtype=torch.long)
+        for i, (_, q, c, paths) in enumerate(self.short):
+            row_positions[i, :q] = torch.arange(c - q, c)
+            depths = {slot: k for path in paths for k, slot in enumerate(path)}
+            key_positions[i, :c] = torch.arange(c)
+            key_positions[i, c:c + len(depths)] = torch.tensor([c + depth for depth in depths.values()], dtype=torch.long)
+            for t, path in enumerate(paths):
+                row_positions[i, q + t] = c + len(path) - 1
+        return row_positions.to(self.device), key_positions.to(self.device)
+
+    def window_mask(self, window: int) -> torch.Tensor | None:
+        """torch's path's mask of a layer with a sliding window (0: `mask`): `mask` less the keys before each row's
+        window (row at position p sees key at j > p - window), made once per window."""
+        if not window:
+            return self.mask
+        if window not in self.window_masks:
+            rows, keys = self.torch_positions
+            visible = keys[:, None, :] > rows[:, :, None] - window  # [B, Qmax, K]
+            self.window_masks[window] = visible if self.mask is None else visible & self.mask
+        return self.window_masks[window]
+
+    @functools.cached_property
     def key_range(self) -> tuple[int, int] | None:
         """(first slot, count) when a lone sequence's keys lie in consecutive slots (concurrency 1, usually): its
         keys are then a view of the pool."""
@@ -193,12 +237,12 @@ class PagedMetadata:
             slot_mapping.extend(path[-1] for path in paths)
             if query_len > MAX_BATCHED_QUERY_LEN and not paths:
                 if query_len == context_len:
-                    long.append(LongQuery(start, start + query_len, None, None))
+                    long.append(LongQuery(start, start + query_len, None, None, context_len, device))
                 else:
                     mask = torch.ones(query_len, context_len, dtype=torch.bool, device="cpu")
                     mask = mask.tril(context_len - query_len)[None]
                     long.append(LongQuery(start, start + query_len, torch.tensor(slots, device="cpu").to(device),
-                                          mask.to(device)))
+                                          mask.to(device), context_len, device))
             else:
                 short.append((start, query_len, context_len, paths))
                 short_slots.append(slots)
@@ -256,18 +300,20 @@ class PagedAttention:
                        batch=ctypes.pointer(self.batch))
 
     def __call__(self, layer_idx, q, k, v):
-        path, short = self.path, self.meta.short
+        path, short, window = self.path, self.meta.short, self.cache.windows[layer_idx]
         if path is AttentionPath.KERNEL:
             return self._kernel(layer_idx, q, k, v, q.new_empty(q.shape))
         if path is AttentionPath.KERNEL_AND_LONG:
             return self._kernel(layer_idx, q, k, v, self._write_and_attend_long(layer_idx, q, k, v))
         if path is AttentionPath.TORCH_DECODE:
             k_pool, v_pool = self._write(layer_idx, k, v)
-            return sdpa_gqa(q.unsqueeze(1), *self._gather(k_pool, v_pool, short), short.mask).view(q.shape)
+            return sdpa_gqa(q.unsqueeze(1), *self._gather(k_pool, v_pool, short), short.window_mask(window),
+                            scale=self.cache.scale).view(q.shape)
         out = self._write_and_attend_long(layer_idx, q, k, v)
         if short is not None:
             k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]
-            o = sdpa_gqa(q[short.query_index], *self._gather(k_pool, v_pool, short), short.mask)
+            o = sdpa_gqa(q[short.query_index], *self._gather(k_pool, v_pool, short), short.window_mask(window),
+                         scale=self.cache.scale)
             out.index_copy_(0, short.rows, o.flatten(0, 1)[short.valid])
         return out
 
@@ -280,11 +326,15 @@ class PagedAttention:
     def _write_and_attend_long(self, layer_idx, q, k, v) -> torch.Tensor:
         k_pool, v_pool = self._write(layer_idx, k, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        window = self.cache.windows[layer_idx]
         for s in self.meta.long:
+            mask = s.window_mask(window) if window else s.mask
             if s.key_slots is None:
-                o = sdpa_gqa(q[None, s.start:s.end], k[None, s.start:s.end], v[None, s.start:s.end], is_causal=True)
+                o = sdpa_gqa(q[None, s.start:s.end], k[None, s.start:s.end], v[None, s.start:s.end], mask,
+                             is_causal=mask is None, scale=self.cache.scale)
             else:
-                o = sdpa_gqa(q[None, s.start:s.end], k_pool[s.key_slots][None], v_pool[s.key_slots][None], s.mask)
+                o = sdpa_gqa(q[None, s.start:s.end], k_pool[s.key_slots][None], v_pool[s.key_slots][None], mask,
+                             scale=self.cache.scale)
             out[s.start:s.end] = o[0]
         return out
 
@@ -297,8 +347,8 @@ class PagedAttention:
         self.attend(AttentionArgs(q=q.data_ptr(), q_stride=q.stride(0), out=out.data_ptr(),
                                   k_pool=self.pools[0] + offset, v_pool=self.pools[1] + offset, k_new=k.data_ptr(),
                                   v_new=v.data_ptr(), k_stride=k.stride(0), v_stride=v.stride(0), heads=q.shape[1],
-                                  kv_heads=k.shape[1], dim=q.shape[2], scale=q.shape[2] ** -0.5,
-                                  batch=ctypes.pointer(self.batch)))
+                                  kv_heads=k.shape[1], dim=q.shape[2], scale=self.cache.scale,
+                                  window=self.cache.windows[layer_idx], batch=ctypes.pointer(self.batch)))
         return out
 
     @staticmethod

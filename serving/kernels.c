@@ -58,6 +58,7 @@ typedef struct {
     long k_stride, v_stride;
     long heads, kv_heads, dim;  /* dim: a multiple of 8 */
     float scale;
+    long window;  /* keys a row sees back from itself, itself included (a sliding-window layer); 0: every key */
     const attention_batch *batch;
 } attention_args;
 
@@ -387,7 +388,7 @@ static inline long key_slot(const long *sl, long context, const long *path, long
  * up the next block's loads: 1.4-1.6x faster than an online softmax over K/V in memory. */
 static void attend_chunk(const float *q, long q_stride, const float *k_pool, const float *v_pool, const sequence *seq,
                          const long *sl, const long *tree_paths, long path_stride, long c0, long c1, long h0, long h1,
-                         long heads, long kv_heads, long dim, float scale, float *parts) {
+                         long heads, long kv_heads, long dim, float scale, long window, float *parts) {
     long first = seq->first_row, rows = seq->query_rows, context = seq->context, group = heads / kv_heads;
     long hs = (h1 - h0) * group, n = (rows + seq->tree_rows) * hs, vecs = dim / 8, width = (c1 - c0 + 7) / 8 * 8;
     float *buf = malloc(sizeof(float) * n * (dim + width));
@@ -434,8 +435,9 @@ static void attend_chunk(const float *q, long q_stride, const float *k_pool, con
         long i = r / hs, hq = h0 * group + r % hs, h = hq / group, t = i - rows;
         const long *path = t >= 0 ? tree_paths + t * path_stride : 0;
         float *part = parts + (i * heads + hq) * (dim + 2);
-        long visible = (seen[r] < c1 ? seen[r] : c1) - c0;  /* this chunk's keys the row sees */
-        if (visible <= 0) {
+        long visible = (seen[r] < c1 ? seen[r] : c1) - c0;  /* this chunk's keys up to the row's own */
+        long hidden = window && seen[r] - window > c0 ? seen[r] - window - c0 : 0;  /* those before its window */
+        if (visible <= hidden) {
             part[0] = -INFINITY;
             for (long d = 1; d < dim + 2; d++) part[d] = 0.0f;
             continue;
@@ -443,6 +445,7 @@ static void attend_chunk(const float *q, long q_stride, const float *k_pool, con
         long blocks = (visible + 7) / 8 * 8;
         float *s = scores + r * width;
         for (long c = visible; c < blocks; c++) s[c] = -INFINITY;
+        for (long c = 0; c < hidden; c++) s[c] = -INFINITY;
         __m256 mv = _mm256_set1_ps(-INFINITY), lv = _mm256_setzero_ps();
         for (long c = 0; c < blocks; c += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + c));
         float lanes[8], mx = -INFINITY, l = 0.0f;
@@ -524,7 +527,7 @@ void paged_attention(const attention_args *a) {
         long j = one_chunk ? 0 : k, h0 = one_chunk ? k : 0, h1 = one_chunk ? k + 1 : kv_heads, c0 = j * KEY_CHUNK;
         long c1 = c0 + KEY_CHUNK < num_keys[b] ? c0 + KEY_CHUNK : num_keys[b];
         attend_chunk(q, q_stride, k_pool, v_pool, seq, slots + b * slot_stride, paths + seq->first_path * path_stride,
-                     path_stride, c0, c1, h0, h1, heads, kv_heads, dim, scale,
+                     path_stride, c0, c1, h0, h1, heads, kv_heads, dim, scale, a->window,
                      parts + (first_part[b] + j * (seq->query_rows + seq->tree_rows)) * part_floats);
     }
     #pragma omp parallel for schedule(static) if (num_seqs >= 4)
@@ -709,7 +712,7 @@ static void decoder_layers(const forward_args *f, long first, long stop) {
         layer_pre(&step);
         attention_args attention = {w->qkv, n, w->attn, f->kv.k_pool + l * f->kv.layer_floats,
                                     f->kv.v_pool + l * f->kv.layer_floats, w->qkv + q_size, w->qkv + q_size + kv_size,
-                                    n, n, L->heads, L->kv_heads, L->dim, f->scale, f->kv.batch};
+                                    n, n, L->heads, L->kv_heads, L->dim, f->scale, 0, f->kv.batch};
         paged_attention(&attention);
         layer_post(&step);  /* in place: h is read only by layer_post's first sum */
     }
@@ -778,7 +781,7 @@ static const field_layout layouts[] = {
     FIELD(attention_args, k_pool), FIELD(attention_args, v_pool), FIELD(attention_args, k_new),
     FIELD(attention_args, v_new), FIELD(attention_args, k_stride), FIELD(attention_args, v_stride),
     FIELD(attention_args, heads), FIELD(attention_args, kv_heads), FIELD(attention_args, dim),
-    FIELD(attention_args, scale), FIELD(attention_args, batch),
+    FIELD(attention_args, scale), FIELD(attention_args, window), FIELD(attention_args, batch),
     SIZE(layer_step), FIELD(layer_step, weights), FIELD(layer_step, rows), FIELD(layer_step, h),
     FIELD(layer_step, normed), FIELD(layer_step, qkv), FIELD(layer_step, cos), FIELD(layer_step, sin),
     FIELD(layer_step, attn), FIELD(layer_step, out), FIELD(layer_step, gate_up), FIELD(layer_step, act),

@@ -343,8 +343,8 @@ class KernelLayer(_KernelModule):
 def kernel_layers(layers: nn.ModuleList, config) -> nn.ModuleList:
     """The target's layers (DecoderLayers after `for_inference`, of LayerConfig `config`) as KernelLayers sharing
     one Scratch where the kernels run; as they are elsewhere."""
-    if not len(layers) or layers[0].qkv.lib is None or config.moe is not None:
-        return layers  # the C layers have dense MLPs; a sparse one runs its experts' products in PackedLinears
+    if not len(layers) or layers[0].qkv.lib is None or not config.is_llama:
+        return layers  # other layers run torch's operators between their products, still in PackedLinears
     scratch = Scratch(config, len(layers))
     return nn.ModuleList(KernelLayer(layer, scratch) for layer in layers)
 
@@ -362,7 +362,7 @@ class KernelForward:
         self.run = layers[0].lib.model_forward
         self.embed, self.rope, self.norm, self.logits_head = embed, rope, norm, logits_head
         c = self.scratch.config
-        self.hidden_size, self.scale = c.hidden_size, c.head_dim ** -0.5
+        self.hidden_size, self.scale = c.hidden_size, c.attention_scale
         self.args = ForwardArgs()
 
     def model_fields(self) -> None:

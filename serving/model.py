@@ -11,13 +11,13 @@ from torch import nn
 
 from heads.hf_folder import read_config, read_tensors
 from heads.layer import DecoderLayer, LayerConfig, MoeConfig, RMSNorm
-from heads.rope import Rope, rope_settings
+from heads.rope import Rope, local_rope_settings, rope_settings
 from serving.attention import AttentionPath, PagedAttention
 from serving.kernels import FusedRMSNorm, KernelForward, KernelLayer, PackedLinear, for_inference, kernel_layers
 from serving.targets import generation_limits
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                           "Qwen3MoeForCausalLM")
+                           "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 
 # Hugging Face name -> (our name, shard index inside a fused tensor or None); each `{}` an index (layer, expert).
 WEIGHT_MAP = {
@@ -45,14 +45,35 @@ WEIGHT_MAP = {
 }
 
 
-def _map_name(hf_name: str):
+# Gemma 3 names its norms after where they sit: around the attention's output and around the MLP.
+GEMMA3_WEIGHT_MAP = {
+    **WEIGHT_MAP,
+    "model.layers.{}.post_attention_layernorm.weight": ("layers.{}.attn_out_norm.weight", None),
+    "model.layers.{}.pre_feedforward_layernorm.weight": ("layers.{}.post_norm.weight", None),
+    "model.layers.{}.post_feedforward_layernorm.weight": ("layers.{}.mlp_out_norm.weight", None),
+}
+WEIGHT_MAPS = {"gemma3_text": GEMMA3_WEIGHT_MAP}
+
+
+def _map_name(hf_name: str, weight_map: dict = WEIGHT_MAP):
     parts = hf_name.split(".")
     indices = [part for part in parts if part.isdigit()]
     pattern = ".".join("{}" if part.isdigit() else part for part in parts)
-    if pattern not in WEIGHT_MAP:
+    if pattern not in weight_map:
         return None, None
-    ours, shard = WEIGHT_MAP[pattern]
+    ours, shard = weight_map[pattern]
     return ours.format(*indices), shard
+
+
+def layer_windows(config: dict) -> tuple[int, ...]:
+    """Each layer's sliding window in keys (0: it sees the whole context): the layers `layer_types` calls
+    sliding_attention (Gemma 3, and transformers' other configs that list them), else every layer where the config
+    sets `sliding_window` (and does not switch it off with use_sliding_window, as Qwen's do)."""
+    window = config.get("sliding_window") or 0
+    types = config.get("layer_types")
+    if types is not None:
+        return tuple(window if kind == "sliding_attention" else 0 for kind in types)
+    return (window if config.get("use_sliding_window", True) else 0,) * config["num_hidden_layers"]
 
 
 @dataclass
@@ -66,6 +87,11 @@ class ModelConfig:
     rope_scaling: dict | None
     tie_word_embeddings: bool
     eos_token_ids: list[int] = field(default_factory=list)
+    windows: tuple[int, ...] = ()  # per layer, 0 where it attends to every key
+    local_rope: tuple[float, dict | None] | None = None  # the windowed layers' own (theta, scaling) (Gemma 3)
+    embed_scale: float = 1.0  # the embedding's multiplier (Gemma: sqrt(hidden_size))
+    norm_offset: float = 0.0  # added to every RMSNorm weight at load (Gemma's norms scale by 1 + w)
+    model_type: str = ""
 
     @classmethod
     def from_folder(cls, folder) -> "ModelConfig":
@@ -76,6 +102,7 @@ class ModelConfig:
             raise ValueError(f"{folder}: architecture {architecture} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         theta, scaling = rope_settings(config)
         eos_token_ids, max_position_embeddings = generation_limits(folder)
+        is_gemma = config["model_type"] == "gemma3_text"
         return cls(
             architecture=architecture,
             num_layers=config["num_hidden_layers"],
@@ -86,6 +113,11 @@ class ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             eos_token_ids=eos_token_ids,
+            windows=layer_windows(config),
+            local_rope=local_rope_settings(config),
+            embed_scale=config["hidden_size"] ** 0.5 if is_gemma else 1.0,
+            norm_offset=1.0 if is_gemma else 0.0,
+            model_type=config["model_type"],
         )
 
 
@@ -122,6 +154,7 @@ class Model(nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope = Rope(c.layer.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
+        self.local_rope = None if c.local_rope is None else Rope(c.layer.head_dim, c.max_position_embeddings, *c.local_rope)
         self._packed_lm_heads: dict[torch.dtype, PackedLinear] = {}  # not submodules: made for drafters on demand
         self.fused: KernelForward | None = None  # the forward in one C call, where the layers are KernelLayers
 
@@ -137,7 +170,7 @@ class Model(nn.Module):
         model.layers = kernel_layers(for_inference(model.layers, weights), model.config.layer)
         model.norm = FusedRMSNorm(model.norm)
         model.logits_head = PackedLinear(model.lm_head, weights)  # a packed copy for forward; the embedding stays as it is
-        if isinstance(model.layers[0], KernelLayer):
+        if isinstance(model.layers[0], KernelLayer) and not any(model.config.windows):  # model_forward has no windows
             model.fused = KernelForward(model.layers, model.embed, model.rope, model.norm, model.logits_head)
         return model
 
@@ -151,8 +184,11 @@ class Model(nn.Module):
 
     def load_safetensors(self, folder: Path):
         shards: dict[str, dict[int, torch.Tensor]] = {}
+        weight_map = WEIGHT_MAPS.get(self.config.model_type, WEIGHT_MAP)
         for hf_name, tensor in read_tensors(folder).items():
-            ours, shard = _map_name(hf_name)
+            ours, shard = _map_name(hf_name, weight_map)
+            if ours is not None and ours.endswith("norm.weight"):
+                tensor = tensor + self.config.norm_offset
             if ours is None:
                 raise ValueError(f"{folder}: unexpected tensor {hf_name} (not in serving.model.WEIGHT_MAP)")
             shards.setdefault(ours, {})[shard or 0] = tensor
@@ -188,11 +224,16 @@ class Model(nn.Module):
                                                    return_hidden, aux_layers, stop)
             return ModelOutput(logits, hidden, aux, best)
         hidden = self.embed(input_ids)  # [num_tokens, hidden]
-        cos, sin = self.rope.tables(positions, hidden.dtype)
+        if self.config.embed_scale != 1.0:
+            hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
+        tables = self.rope.tables(positions, hidden.dtype)
+        local = tables if self.local_rope is None else self.local_rope.tables(positions, hidden.dtype)
+        windows = self.config.windows
         aux = {}
         for layer in self.layers[:stop]:
             if layer.layer_idx in aux_layers:
                 aux[layer.layer_idx] = hidden
+            cos, sin = local if windows and windows[layer.layer_idx] else tables
             hidden = layer(hidden, cos, sin, attention)
         if return_hidden:
             hidden = self.norm(hidden)

@@ -85,6 +85,14 @@ def tiny_qwen3(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory):
+    """Gemma 3: sliding windows of 8 keys on layers 0-2 with their own rope base, layer 3 global; (1 + w) norms around
+    the attention and the MLP, GeLU, scores scaled by query_pre_attn_scalar 24 (not head_dim 16), tied embeddings."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3_text", sliding_window=8,
+                            layer_types=["sliding_attention"] * 3 + ["full_attention"], query_pre_attn_scalar=24)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe(tmp_path_factory):
     """Qwen3-MoE: 8 experts, each row through its top 2 (weights renormalised), layer 1 dense (mlp_only_layers)."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", num_experts=8,

@@ -248,8 +248,10 @@ def dense_medusa_drafts(head, states, tokens, num_drafts):
 # ---- random heads -------------------------------------------------------------------------------------
 
 
-HEAD_CASES = [("medusa", "tiny_llama"), ("eagle", "tiny_qwen3"), ("eagle3", "tiny_llama"), ("mtp", "tiny_qwen3"),
-              ("eagle3", "tiny_qwen3_moe")]
+HEAD_CASES = [("medusa", "tiny_llama"), ("eagle", "tiny_qwen3"), ("eagle3", "tiny_llama"), ("mtp", "tiny_qwen3")]
+# Targets of the other families the engine runs (a sparse MLP; sliding windows and Gemma's layer): speculative
+# greedy outputs, chains and trees, equal plain decoding's there too.
+FAMILY_CASES = [("eagle3", "tiny_qwen3_moe"), ("eagle", "tiny_gemma3")]
 SCENARIOS = {
     # one request at a time; prompts of up to 50 tokens prefill in chunks of 16
     1: dict(max_num_seqs=1, max_num_batched_tokens=16),
@@ -295,7 +297,7 @@ def spec_run(kind, folder, concurrency, head_dir) -> Run:
 
 
 @pytest.mark.parametrize("concurrency", [1, 8])
-@pytest.mark.parametrize("kind, fixture", HEAD_CASES, ids=[f"{k}-{f}" for k, f in HEAD_CASES])
+@pytest.mark.parametrize("kind, fixture", HEAD_CASES + FAMILY_CASES, ids=[f"{k}-{f}" for k, f in HEAD_CASES + FAMILY_CASES])
 def test_random_heads_reproduce_plain_greedy(kind, fixture, concurrency, heads_root, request):
     folder = request.getfixturevalue(fixture)
     run = spec_run(kind, folder, concurrency, random_head_dir(kind, folder, heads_root))
@@ -317,7 +319,7 @@ def test_random_heads_reproduce_plain_greedy(kind, fixture, concurrency, heads_r
 
 
 @pytest.mark.parametrize("concurrency", [1, 8])
-@pytest.mark.parametrize("kind, fixture", HEAD_CASES, ids=[f"{k}-{f}" for k, f in HEAD_CASES])
+@pytest.mark.parametrize("kind, fixture", HEAD_CASES + FAMILY_CASES, ids=[f"{k}-{f}" for k, f in HEAD_CASES + FAMILY_CASES])
 def test_head_trees_reproduce_plain_greedy(kind, fixture, concurrency, heads_root, request):
     """topk 3, num_draft_tokens 8: each head drafts a tree of up to 7 nodes (its topk most likely children of the
     best nodes, depth by depth), verified whole under chunked prefill and preemption, and the outputs stay plain
