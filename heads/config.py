@@ -64,18 +64,20 @@ class HeadConfig:
 
     @classmethod
     def from_target(cls, parts, intermediate_size: int | None = None, **kind_fields) -> "HeadConfig":
-        """The config of a new head for target `parts` (heads.TargetParts); `kind_fields` are the kind's own. A
-        decoder layer of the head gets the target's MLP width unless `intermediate_size` is given."""
+        """The config of a new head for target `parts` (heads.TargetParts); `kind_fields` are the kind's own, or
+        override what the target gives. A decoder layer of the head gets the target's MLP width unless
+        `intermediate_size` is given."""
         layer = parts.layer
-        return cls(
+        from_target = dict(
             hidden_size=layer.hidden_size, vocab_size=parts.vocab_size, num_attention_heads=layer.num_heads,
             num_key_value_heads=layer.num_kv_heads,
             intermediate_size=layer.intermediate_size if intermediate_size is None else intermediate_size,
             num_target_layers=parts.num_layers, max_position_embeddings=parts.max_position_embeddings,
             head_dim=layer.head_dim, rms_norm_eps=layer.rms_norm_eps, attention_bias=layer.qkv_bias,
             qk_norm=layer.qk_norm, rope_theta=parts.rope_theta, rope_scaling=parts.rope_scaling,
-            target_fingerprint=dict(parts.fingerprint or {}), **kind_fields,
+            target_fingerprint=dict(parts.fingerprint or {}),
         )
+        return cls(**{**from_target, **kind_fields})
 
     @classmethod
     def from_dict(cls, data: dict) -> "HeadConfig":

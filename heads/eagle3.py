@@ -95,6 +95,8 @@ class Eagle3(DraftHead):
         tokens), or the first draft_vocab_size target ids when not given."""
         if draft_token_ids is not None:
             kind_fields["draft_vocab_size"] = len(draft_token_ids)
+        # vLLM, SGLang and speculators draft EAGLE-3 with Llama's layer whatever the target: no q/k norms (Qwen3's)
+        kind_fields.setdefault("qk_norm", False)
         head = cls(cls.config_class.from_target(parts, **kind_fields)).bind_target(parts)
         if draft_token_ids is not None:
             head.set_draft_vocab(draft_token_ids)

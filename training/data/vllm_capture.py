@@ -3,7 +3,7 @@ connector (`ExampleHiddenStatesConnector`) writes each finished request's prompt
 safetensors file ("hidden_states" [T, num_layers, hidden], "token_ids" [T]).
 
 vLLM lives in a Python environment of its own (`make vllm`: .venv-vllm), so it runs in a worker process
-(training/data/vllm_worker.py, which imports nothing of this project) fed batches of token ids on its stdin and
+(training/data/vllm_side, which imports nothing of this project) fed batches of token ids on its stdin and
 answering on a pipe of its own, since vLLM logs to stdout. Layer ids are vLLM's aux hidden state ids, the input of
 that layer; id L (the number of layers) is the last layer's output before the final norm, from which "last" is
 made with the target's own final norm (heads.target_parts), as the LM head would read it.
@@ -24,7 +24,8 @@ from serving.bench.vllm_process import CPU_ENV
 from serving.targets import fingerprint
 from training.data.store import HIDDEN_DTYPE
 
-WORKER = Path(__file__).with_name("vllm_worker.py")
+VLLM_SIDE = Path(__file__).with_name("vllm_side")
+WORKER = VLLM_SIDE / "draftheads_vllm_worker.py"
 START_TIMEOUT_S = 900  # vLLM's start on a CPU: model load, compile, K/V cache profiling
 
 
@@ -52,7 +53,8 @@ class VllmCapture:
                     "layer_ids": self.layer_ids, "storage": self.storage.name}
         self.worker = subprocess.Popen([python, str(WORKER), json.dumps(settings), str(write_fd)],
                                        stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
-                                       pass_fds=(write_fd,), text=True, env={**os.environ, **CPU_ENV})
+                                       pass_fds=(write_fd,), text=True,
+                                       env={**os.environ, **CPU_ENV, "PYTHONPATH": str(VLLM_SIDE)})
         os.close(write_fd)
         self.replies = os.fdopen(read_fd)
         self._reply()  # the worker says it is ready once vLLM has started

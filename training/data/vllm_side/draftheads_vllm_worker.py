@@ -1,16 +1,18 @@
 """Runs in vLLM's Python environment for training.data.vllm_capture: imports vLLM and nothing of this project.
 
-    python vllm_worker.py SETTINGS_JSON REPLY_FD
+    python draftheads_vllm_worker.py SETTINGS_JSON REPLY_FD
 
-Starts vLLM on the target with the `extract_hidden_states` method and its hidden-states connector, says {"ready":
-true} on REPLY_FD, then for each line of stdin (a JSON list of token id lists) prefills them with max_tokens 1 and
-replies {"paths": [...]}, one safetensors file per list, in order. Ends at the end of stdin.
+Starts vLLM on the target with the `extract_hidden_states` method and a hidden-states connector (vLLM's own on a GPU,
+draftheads_hidden_states' on a CPU), says {"ready": true} on REPLY_FD, then for each line of stdin (a JSON list of
+token id lists) prefills them with max_tokens 1 and replies {"paths": [...]}, one safetensors file per list, in
+order. Ends at the end of stdin.
 """
 import fcntl
 import json
 import os
 import sys
 
+import torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -24,6 +26,12 @@ def written(path: str) -> None:
         os.remove(lock)
 
 
+def connector() -> dict:
+    if torch.cuda.is_available():
+        return {"kv_connector": "ExampleHiddenStatesConnector"}
+    return {"kv_connector": "CpuHiddenStatesConnector", "kv_connector_module_path": "draftheads_hidden_states"}
+
+
 def main() -> None:
     settings, reply_fd = json.loads(sys.argv[1]), int(sys.argv[2])
     replies = os.fdopen(reply_fd, "w")
@@ -32,7 +40,7 @@ def main() -> None:
               speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                   "draft_model_config": {"hf_config": {
                                       "eagle_aux_hidden_state_layer_ids": settings["layer_ids"]}}},
-              kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+              kv_transfer_config={"kv_role": "kv_producer", **connector(),
                                   "kv_connector_extra_config": {"shared_storage_path": settings["storage"]}})
     replies.write(json.dumps({"ready": True}) + "\n")
     replies.flush()

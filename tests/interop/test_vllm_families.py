@@ -1,0 +1,28 @@
+"""Heads for targets of other families than Llama, served by the real vLLM: an EAGLE-3 head trained on a tiny
+Qwen3 target (q/k norms, tied embeddings off) exported in vLLM's layout drafts in vLLM what it drafts in this
+project's engine: the same outputs (those of plain decoding) and accepted drafts per position."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_heads
+from serving.bench.vllm_process import VllmServer
+from serving.config import EngineConfig
+from serving.engine import Engine
+from test_vllm import K, compare, export_for_vllm, ours
+
+pytestmark = pytest.mark.usefixtures("vllm_available")
+
+
+@pytest.mark.parametrize("arch", ["qwen3"])
+def test_vllm_serves_an_eagle3_head_for_another_family_with_our_acceptance(arch, tmp_path):
+    target = tiny_heads.chaotic_target(tmp_path / "target", arch)
+    with torch.random.fork_rng():
+        trained = tiny_heads.train("eagle3", target, tiny_heads.store(target, tmp_path / "data"), tmp_path / "eagle3")
+    engine = Engine(EngineConfig(str(target), max_num_seqs=1))
+    prompt_ids = [engine.encode(messages) for messages in tiny_heads.prompts()]
+    plain = ours(target, None, prompt_ids)[0]
+    spec = {"method": "eagle3", "num_speculative_tokens": K}
+    with VllmServer(target, {**spec, "model": str(export_for_vllm("eagle3", trained, target, tmp_path / "vllm"))}) as server:
+        compare(target, trained, spec, server, prompt_ids, plain)
