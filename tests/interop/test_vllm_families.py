@@ -1,6 +1,6 @@
 """Heads for targets of other families than Llama, served by the real vLLM: an EAGLE-3 head trained on a tiny
-Qwen3 target (q/k norms, tied embeddings off) exported in vLLM's layout drafts in vLLM what it drafts in this
-project's engine: the same outputs (those of plain decoding) and accepted drafts per position."""
+Qwen3 target (q/k norms) or Qwen3-MoE target (8 experts, top 2) exported in vLLM's layout drafts in vLLM what it
+drafts in this project's engine: the same outputs (those of plain decoding) and accepted drafts per position."""
 from __future__ import annotations
 
 import pytest
@@ -15,9 +15,12 @@ from test_vllm import K, compare, export_for_vllm, ours
 pytestmark = pytest.mark.usefixtures("vllm_available")
 
 
-@pytest.mark.parametrize("arch", ["qwen3"])
+FAMILIES = {"qwen3": {}, "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)}
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_vllm_serves_an_eagle3_head_for_another_family_with_our_acceptance(arch, tmp_path):
-    target = tiny_heads.chaotic_target(tmp_path / "target", arch)
+    target = tiny_heads.chaotic_target(tmp_path / "target", arch, **FAMILIES[arch])
     with torch.random.fork_rng():
         trained = tiny_heads.train("eagle3", target, tiny_heads.store(target, tmp_path / "data"), tmp_path / "eagle3")
     engine = Engine(EngineConfig(str(target), max_num_seqs=1))

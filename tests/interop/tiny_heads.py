@@ -40,11 +40,11 @@ def prompts(num: int = NUM_PROMPTS) -> list[list[dict]]:
     return [[{"role": "user", "content": f"Write a short note about topic number {i}."}] for i in range(num)]
 
 
-def chaotic_target(folder: Path, arch: str = "llama") -> Path:
+def chaotic_target(folder: Path, arch: str = "llama", **overrides) -> Path:
     if not (folder / "config.json").is_file():
-        build_tiny_model(folder, arch, tokenizer_from=resolve(DEFAULT_TARGET), hidden_size=128,
-                         intermediate_size=256, max_position_embeddings=8192, tie_word_embeddings=False,
-                         initializer_range=0.1)
+        build_tiny_model(folder, arch, tokenizer_from=resolve(DEFAULT_TARGET), **{
+            "hidden_size": 128, "intermediate_size": 256, "max_position_embeddings": 8192,
+            "tie_word_embeddings": False, "initializer_range": 0.1, **overrides})
     return folder
 
 
