@@ -3,7 +3,7 @@ from transformers and from vLLM hold the same tokens, and hidden states within b
 (each backend computes in float32; the store keeps bfloat16, so two backends whose float32 values straddle a
 rounding boundary differ by one bfloat16 step: torch.testing's bfloat16 tolerance, rtol 1.6e-2).
 
-`auto` takes the engine where it runs the family and transformers elsewhere: a tiny Qwen3-MoE target, which the
+`auto` takes the engine where it runs the family and transformers elsewhere: a tiny gpt-oss target, which the
 engine does not run, gets a store whose hidden states equal a transformers forward's.
 """
 from __future__ import annotations
@@ -81,9 +81,10 @@ def test_engine_and_transformers_captures_agree_on_the_default_target(tmp_path):
 
 
 def test_auto_captures_a_family_the_engine_does_not_run_with_transformers(tmp_path, monkeypatch):
+    """gpt-oss (attention sinks, a biased router, clamped SwiGLU experts, yarn rope): a store from transformers."""
     monkeypatch.setattr("training.data.teacher_forced.find_vllm_python", lambda given: None)  # as where vLLM is not
-    target = build_tiny_model(tmp_path / "moe", "qwen3_moe", tokenizer_from=resolve(DEFAULT_TARGET),
-                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    target = build_tiny_model(tmp_path / "gpt-oss", "gpt_oss", tokenizer_from=resolve(DEFAULT_TARGET), head_dim=16,
+                              num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=8)
     store = capture_store(target, tmp_path / "store", "auto")
     assert store.meta["captured_by"] == ["transformers"]
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -96,11 +97,11 @@ def test_auto_captures_a_family_the_engine_does_not_run_with_transformers(tmp_pa
 
 
 def test_auto_prefers_the_engine_then_vllm_then_transformers():
-    assert resolve_capture("auto", "LlamaForCausalLM", "/venv/bin/python") == "engine"
-    assert resolve_capture("auto", "Qwen3MoeForCausalLM", "/venv/bin/python") == "vllm"
-    assert resolve_capture("auto", "Qwen3MoeForCausalLM", None) == "transformers"
-    with pytest.raises(ValueError, match="engine does not run Qwen3MoeForCausalLM.*--capture transformers"):
-        resolve_capture("engine", "Qwen3MoeForCausalLM", None)
+    assert resolve_capture("auto", "Qwen3MoeForCausalLM", "/venv/bin/python") == "engine"
+    assert resolve_capture("auto", "GptOssForCausalLM", "/venv/bin/python") == "vllm"
+    assert resolve_capture("auto", "GptOssForCausalLM", None) == "transformers"
+    with pytest.raises(ValueError, match="engine does not run GptOssForCausalLM.*--capture transformers"):
+        resolve_capture("engine", "GptOssForCausalLM", None)
 
 
 def test_a_capture_backend_other_than_the_engine_needs_answers_from_elsewhere(tmp_path):
@@ -139,18 +140,17 @@ def test_heads_trained_on_either_backends_store_are_interchangeable(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_gemma3_target_gets_a_chat_template_and_a_store_from_transformers(tmp_path, monkeypatch):
-    """gemma3-270m, a family the engine does not run yet: its pretrained GGUF gets Gemma 3's turn format and stops at
-    <end_of_turn>; `auto` captures its store with transformers where vLLM is absent."""
-    monkeypatch.setattr("training.data.teacher_forced.find_vllm_python", lambda given: None)
+def test_the_gemma3_target_gets_a_chat_template_and_its_stores_agree(tmp_path):
+    """gemma3-270m: its pretrained GGUF gets Gemma 3's turn format and stops at <end_of_turn>; the engine's store and
+    transformers' agree, and equal a transformers forward."""
     target = resolve(GEMMA3_TARGET)
     assert architecture(target) == "Gemma3ForCausalLM"
     tokenizer = AutoTokenizer.from_pretrained(target)
     assert tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
                                          add_generation_prompt=True) == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
     assert tokenizer.convert_tokens_to_ids("<end_of_turn>") in generation_limits(target)[0]
-    store = capture_store(target, tmp_path / "store", "auto")
-    assert store.meta["captured_by"] == ["transformers"]
+    store = capture_store(target, tmp_path / "store", "transformers")
+    assert_stores_agree(capture_store(target, tmp_path / "engine", "engine"), store)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     for item in store:
         ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
