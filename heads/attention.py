@@ -7,9 +7,12 @@ import torch
 import torch.nn.functional as F
 
 
-def sdpa_gqa(q, k, v, mask=None, is_causal=False, scale=None):
+def sdpa_gqa(q, k, v, mask=None, is_causal=False, scale=None, sinks=None):
     """q: [B, Q, H, D]; k, v: [B, C, KV, D]; mask: [B, Q, C] bool (True attends) -> [B, Q, H, D].
-    Grouped-query attention without repeating K/V: the query heads sharing a KV head are stacked on the query axis."""
+    Grouped-query attention without repeating K/V: the query heads sharing a KV head are stacked on the query axis.
+    sinks: [H] logits that share each head's softmax with its keys and add no value (gpt-oss)."""
+    if sinks is not None:
+        return _sdpa_with_sinks(q, k, v, mask, is_causal, scale, sinks)
     batch, num_q, num_heads, head_dim = q.shape
     num_kv = k.shape[2]
     group = num_heads // num_kv
@@ -24,6 +27,21 @@ def sdpa_gqa(q, k, v, mask=None, is_causal=False, scale=None):
     out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=is_causal,
                                          scale=scale)
     return out.view(batch, num_kv, group, num_q, head_dim).permute(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, head_dim)
+
+
+def _sdpa_with_sinks(q, k, v, mask, is_causal, scale, sinks):
+    """sdpa_gqa's scores, softmax and sum written out, each head's sink a further column of its scores."""
+    num_q, num_heads, head_dim = q.shape[1:]
+    group = num_heads // k.shape[2]
+    keys, values = (x.repeat_interleave(group, dim=2).transpose(1, 2) for x in (k, v))  # [B, H, C, D]
+    scores = q.transpose(1, 2) @ keys.transpose(-1, -2) * (head_dim ** -0.5 if scale is None else scale)  # [B, H, Q, C]
+    if is_causal:
+        mask = torch.ones(num_q, k.shape[1], dtype=torch.bool, device=q.device).tril(k.shape[1] - num_q)[None]
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    scores = torch.cat([scores, sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)], dim=-1)
+    weights = scores.softmax(dim=-1)[..., :-1]
+    return (weights @ values).transpose(1, 2)
 
 
 class DenseCausalAttention:

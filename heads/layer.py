@@ -1,5 +1,6 @@
-"""The one decoder layer (Llama family: Llama, Qwen2, Qwen3, Mistral; Qwen3-MoE's sparse MLP; Gemma 3's
-GeLU MLP and norms around the attention's and the MLP's outputs) with its attention injected.
+"""The one decoder layer (Llama family: Llama, Qwen2, Qwen3, Mistral; Qwen3-MoE's and gpt-oss's sparse MLPs;
+Gemma 3's GeLU MLP and norms around the attention's and the MLP's outputs; gpt-oss's attention sinks and output
+bias) with its attention injected.
 
 The target in the engine, the EAGLE layers, the MTP blocks and DFlash's layers all run this layer. Attention is a
 callable `attention(layer_idx, q, k, v) -> out` over `[..., heads, head_dim]` tensors: dense causal
@@ -29,12 +30,21 @@ class MoeConfig:
     intermediate_size: int
     norm_topk_prob: bool
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss: biased router and experts, the softmax over the top-k logits only, and a clamped SwiGLU
+    # ((up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit) over interleaved gate and up columns
+    biases: bool = False
+    softmax_after_topk: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
 
     @classmethod
     def from_hf(cls, config: dict) -> "MoeConfig | None":
         num_experts = config.get("num_experts", config.get("num_local_experts")) or 0
         if not num_experts:
             return None
+        if config["model_type"] == "gpt_oss":
+            return cls(num_experts, config["num_experts_per_tok"], config["intermediate_size"], True, biases=True,
+                       softmax_after_topk=True, swiglu_limit=config["swiglu_limit"], swiglu_alpha=config["swiglu_alpha"])
         step = config.get("decoder_sparse_step", 1)
         only_mlp = set(config.get("mlp_only_layers") or [])
         dense = tuple(i for i in range(config["num_hidden_layers"]) if i in only_mlp or (i + 1) % step)
@@ -57,6 +67,8 @@ class LayerConfig:
     activation: str = "silu"  # of the MLP's gate: silu, or gelu_tanh (Gemma)
     sandwich_norms: bool = False  # Gemma: RMSNorms on the attention's and the MLP's outputs too
     query_pre_attn_scalar: float = 0.0  # scores scaled by its -1/2 power (Gemma); 0: head_dim's (attention_scale)
+    o_bias: bool = False  # gpt-oss
+    sinks: bool = False  # gpt-oss: a learned logit per head beside the keys, which takes softmax mass and gives nothing
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -75,7 +87,8 @@ class LayerConfig:
     def is_llama(self) -> bool:
         """Whether the layer is the Llama family's (a dense SwiGLU MLP, two norms, the usual scale): what
         serving/kernels.c's layers compute."""
-        return self.moe is None and self.activation == "silu" and not self.sandwich_norms
+        return (self.moe is None and self.activation == "silu" and not self.sandwich_norms and not self.o_bias
+                and not self.sinks)
 
     @classmethod
     def from_hf(cls, config: dict) -> "LayerConfig":
@@ -90,6 +103,7 @@ class LayerConfig:
             qk_norm=config.get("model_type") in ("qwen3", "qwen3_moe", "gemma3_text"),
             **(dict(activation="gelu_tanh", sandwich_norms=True, query_pre_attn_scalar=config["query_pre_attn_scalar"])
                if config.get("model_type") == "gemma3_text" else {}),
+            **(dict(o_bias=config["attention_bias"], sinks=True) if config.get("model_type") == "gpt_oss" else {}),
         )
 
 
@@ -117,7 +131,9 @@ class DecoderLayer(nn.Module):
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.o = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.o = nn.Linear(self.q_size, c.hidden_size, bias=c.o_bias)
+        if c.sinks:  # read by the attention (serving.attention.KVCache.sinks)
+            self.sinks = nn.Parameter(torch.zeros(c.num_heads))
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.sandwich_norms:
             self.attn_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -166,22 +182,35 @@ class SparseMoe(nn.Module):
     def __init__(self, hidden_size: int, config: MoeConfig):
         super().__init__()
         self.config = config
-        self.router = nn.Linear(hidden_size, config.num_experts, bias=False)
-        self.gate_up = nn.ModuleList(nn.Linear(hidden_size, 2 * config.intermediate_size, bias=False)
-                                     for _ in range(config.num_experts))
-        self.down = nn.ModuleList(nn.Linear(config.intermediate_size, hidden_size, bias=False)
-                                  for _ in range(config.num_experts))
+        c = config
+        self.router = nn.Linear(hidden_size, c.num_experts, bias=c.biases)
+        self.gate_up = nn.ModuleList(nn.Linear(hidden_size, 2 * c.intermediate_size, bias=c.biases)
+                                     for _ in range(c.num_experts))
+        self.down = nn.ModuleList(nn.Linear(c.intermediate_size, hidden_size, bias=c.biases) for _ in range(c.num_experts))
+
+    def route(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([rows, k] weights, [rows, k] experts) of each row's top k."""
+        c, logits = self.config, self.router(rows).float()
+        if c.softmax_after_topk:
+            top, experts = logits.topk(c.num_experts_per_tok, dim=-1)
+            return top.softmax(dim=-1), experts
+        weights, experts = logits.softmax(dim=-1).topk(c.num_experts_per_tok, dim=-1)
+        return (weights / weights.sum(dim=-1, keepdim=True) if c.norm_topk_prob else weights), experts
+
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if not c.swiglu_limit:
+            return F.silu(gate) * up
+        gate, up = gate.clamp(max=c.swiglu_limit), up.clamp(-c.swiglu_limit, c.swiglu_limit)
+        return (up + 1) * gate * torch.sigmoid(gate * c.swiglu_alpha)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [rows, hidden]
-        probs = self.router(rows).float().softmax(dim=-1)
-        weights, experts = probs.topk(self.config.num_experts_per_tok, dim=-1)  # [rows, k]
-        if self.config.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, experts = self.route(rows)
         weights = weights.to(x.dtype)
         out = torch.zeros_like(rows)
         for expert in experts.unique().tolist():
             routed, slot = (experts == expert).nonzero(as_tuple=True)
             gate, up = self.gate_up[expert](rows[routed]).chunk(2, dim=-1)
-            out.index_add_(0, routed, self.down[expert](F.silu(gate) * up) * weights[routed, slot, None])
+            out.index_add_(0, routed, self.down[expert](self.activate(gate, up)) * weights[routed, slot, None])
         return out.view_as(x)

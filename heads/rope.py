@@ -29,8 +29,10 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
         return inv_freq
+    if rope_type == "yarn":
+        return yarn_inv_frequencies(head_dim, theta, scaling)
     if rope_type != "llama3":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, llama3)")
+        raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, llama3, yarn)")
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_context = scaling["original_max_position_embeddings"]
@@ -42,6 +44,35 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
     return torch.where(is_medium, smoothed, scaled)
 
 
+def yarn_inv_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (Peng et al. 2023; gpt-oss): each frequency between its original (extrapolated) and its value divided by
+    `factor` (interpolated), by a linear ramp over the dimensions whose wavelengths fall between beta_fast and
+    beta_slow rotations of the original context."""
+    factor, context = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dimension(rotations: float) -> float:  # the dimension that turns `rotations` times over the original context
+        return head_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(fast), dimension(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    return extrapolated / factor * ramp + extrapolated * (1 - ramp)
+
+
+def attention_factor(scaling: dict | None) -> float:
+    """What YaRN multiplies cos and sin by (0.1 ln(factor) + 1, unless the config gives it); 1 for other ropes."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    return 0.1 * math.log(scaling["factor"]) + 1.0 if scaling["factor"] > 1 else 1.0
+
+
 class Rope:
     """Precomputed cos/sin tables indexed by position. `sin` has its first half negated, so that rotating is
     x * cos + roll(x, head_dim / 2) * sin: the usual rotate_half with its negation folded into the table."""
@@ -50,7 +81,7 @@ class Rope:
         inv_freq = inv_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos, self.sin = emb.cos() * attention_factor(scaling), emb.sin() * attention_factor(scaling)
         self.sin[:, :head_dim // 2] *= -1
 
     def to(self, dtype: torch.dtype, device=None) -> "Rope":

@@ -28,16 +28,19 @@ MAX_BATCHED_QUERY_LEN = 16
 class KVCache:
     """One allocation for every layer: k and v are [num_layers, num_blocks * block_size, num_kv_heads, head_dim].
     How its layers attend over it: `windows`, each layer's sliding window (keys a row sees back from itself, itself
-    included; 0: all), and `scale`, what scores are scaled by (None: head_dim ** -0.5; Gemma's differs)."""
+    included; 0: all), `scale`, what scores are scaled by (None: head_dim ** -0.5; Gemma's differs), and `sinks`,
+    each layer's [heads] sink logits where it has them (gpt-oss; heads.attention.sdpa_gqa)."""
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
-                 windows: tuple[int, ...] = (), scale: float | None = None):
+                 windows: tuple[int, ...] = (), scale: float | None = None,
+                 sinks: tuple[torch.Tensor | None, ...] = ()):
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.windows = windows or (0,) * num_layers
         self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sinks = sinks or (None,) * num_layers
 
     def move(self, block_table: list[int], source: int, target: int) -> None:
         """Copies the K/V of a sequence's position `source` into position `target`, in every layer."""
@@ -301,6 +304,7 @@ class PagedAttention:
 
     def __call__(self, layer_idx, q, k, v):
         path, short, window = self.path, self.meta.short, self.cache.windows[layer_idx]
+        sinks = self.cache.sinks[layer_idx]
         if path is AttentionPath.KERNEL:
             return self._kernel(layer_idx, q, k, v, q.new_empty(q.shape))
         if path is AttentionPath.KERNEL_AND_LONG:
@@ -308,12 +312,12 @@ class PagedAttention:
         if path is AttentionPath.TORCH_DECODE:
             k_pool, v_pool = self._write(layer_idx, k, v)
             return sdpa_gqa(q.unsqueeze(1), *self._gather(k_pool, v_pool, short), short.window_mask(window),
-                            scale=self.cache.scale).view(q.shape)
+                            scale=self.cache.scale, sinks=sinks).view(q.shape)
         out = self._write_and_attend_long(layer_idx, q, k, v)
         if short is not None:
             k_pool, v_pool = self.cache.k[layer_idx], self.cache.v[layer_idx]
             o = sdpa_gqa(q[short.query_index], *self._gather(k_pool, v_pool, short), short.window_mask(window),
-                         scale=self.cache.scale)
+                         scale=self.cache.scale, sinks=sinks)
             out.index_copy_(0, short.rows, o.flatten(0, 1)[short.valid])
         return out
 
@@ -326,15 +330,15 @@ class PagedAttention:
     def _write_and_attend_long(self, layer_idx, q, k, v) -> torch.Tensor:
         k_pool, v_pool = self._write(layer_idx, k, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        window = self.cache.windows[layer_idx]
+        window, sinks = self.cache.windows[layer_idx], self.cache.sinks[layer_idx]
         for s in self.meta.long:
             mask = s.window_mask(window) if window else s.mask
             if s.key_slots is None:
                 o = sdpa_gqa(q[None, s.start:s.end], k[None, s.start:s.end], v[None, s.start:s.end], mask,
-                             is_causal=mask is None, scale=self.cache.scale)
+                             is_causal=mask is None, scale=self.cache.scale, sinks=sinks)
             else:
                 o = sdpa_gqa(q[None, s.start:s.end], k_pool[s.key_slots][None], v_pool[s.key_slots][None], mask,
-                             scale=self.cache.scale)
+                             scale=self.cache.scale, sinks=sinks)
             out[s.start:s.end] = o[0]
         return out
 
@@ -348,8 +352,13 @@ class PagedAttention:
                                   k_pool=self.pools[0] + offset, v_pool=self.pools[1] + offset, k_new=k.data_ptr(),
                                   v_new=v.data_ptr(), k_stride=k.stride(0), v_stride=v.stride(0), heads=q.shape[1],
                                   kv_heads=k.shape[1], dim=q.shape[2], scale=self.cache.scale,
-                                  window=self.cache.windows[layer_idx], batch=ctypes.pointer(self.batch)))
+                                  window=self.cache.windows[layer_idx], sinks=self._sinks_pointer(layer_idx),
+                                  batch=ctypes.pointer(self.batch)))
         return out
+
+    def _sinks_pointer(self, layer_idx: int) -> int | None:
+        sinks = self.cache.sinks[layer_idx]
+        return None if sinks is None else sinks.data_ptr()
 
     @staticmethod
     def _gather(k_pool, v_pool, b: ShortQueries):

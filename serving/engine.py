@@ -69,7 +69,7 @@ class Engine:
                              f"{block_size} tokens fit")
         self.block_size = block_size
         cache = KVCache(model_config.num_layers, num_blocks, block_size, layer.num_kv_heads, layer.head_dim, self.dtype,
-                        self.device, model_config.windows, layer.attention_scale)
+                        self.device, model_config.windows, layer.attention_scale, model.attention_sinks())
         self.runner = ModelRunner(model, cache, block_size, self.dtype, self.device)
         # Prefix-cache hits skip the forward, so a capturing engine would miss those hidden states.
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching and not config.capture_hidden)

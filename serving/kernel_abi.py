@@ -37,7 +37,8 @@ class AttentionArgs(ctypes.Structure):
     """attention_args: paged_attention's arguments, one layer's attention of a batch."""
     _fields_ = [("q", _ptr), ("q_stride", _long), ("out", _ptr), ("k_pool", _ptr), ("v_pool", _ptr), ("k_new", _ptr),
                 ("v_new", _ptr), ("k_stride", _long), ("v_stride", _long), ("heads", _long), ("kv_heads", _long),
-                ("dim", _long), ("scale", _float), ("window", _long), ("batch", ctypes.POINTER(AttentionBatch))]
+                ("dim", _long), ("scale", _float), ("window", _long), ("sinks", _ptr),
+                ("batch", ctypes.POINTER(AttentionBatch))]
 
 
 class LayerStep(ctypes.Structure):

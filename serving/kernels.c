@@ -59,6 +59,7 @@ typedef struct {
     long heads, kv_heads, dim;  /* dim: a multiple of 8 */
     float scale;
     long window;  /* keys a row sees back from itself, itself included (a sliding-window layer); 0: every key */
+    const float *sinks;  /* [heads] logits beside each head's scores that take softmax mass and add no value; or NULL */
     const attention_batch *batch;
 } attention_args;
 
@@ -537,16 +538,17 @@ void paged_attention(const attention_args *a) {
         for (long r = 0; r < n * heads; r++) {  /* r = i * heads + hq */
             float *dst = out + ((seq->first_row + r / heads) * heads + r % heads) * dim;
             const float *part = parts + first_part[b] * part_floats + r * (dim + 2);
-            if (chunks == 1) {
+            if (chunks == 1 && !a->sinks) {
                 float inv = 1.0f / part[1];
                 for (long d = 0; d < dim; d++) dst[d] = part[2 + d] * inv;
                 continue;
             }
-            float mx = -INFINITY, l = 0.0f;
+            float mx = a->sinks ? a->sinks[r % heads] : -INFINITY, l = 0.0f;
             for (long j = 0; j < chunks; j++) {
                 float m = part[j * n * part_floats];
                 mx = m > mx ? m : mx;
             }
+            if (a->sinks) l = expf(a->sinks[r % heads] - mx);
             for (long d = 0; d < dim; d++) dst[d] = 0.0f;
             for (long j = 0; j < chunks; j++) {
                 const float *pj = part + j * n * part_floats;
@@ -712,7 +714,7 @@ static void decoder_layers(const forward_args *f, long first, long stop) {
         layer_pre(&step);
         attention_args attention = {w->qkv, n, w->attn, f->kv.k_pool + l * f->kv.layer_floats,
                                     f->kv.v_pool + l * f->kv.layer_floats, w->qkv + q_size, w->qkv + q_size + kv_size,
-                                    n, n, L->heads, L->kv_heads, L->dim, f->scale, 0, f->kv.batch};
+                                    n, n, L->heads, L->kv_heads, L->dim, f->scale, 0, 0, f->kv.batch};
         paged_attention(&attention);
         layer_post(&step);  /* in place: h is read only by layer_post's first sum */
     }
@@ -781,7 +783,8 @@ static const field_layout layouts[] = {
     FIELD(attention_args, k_pool), FIELD(attention_args, v_pool), FIELD(attention_args, k_new),
     FIELD(attention_args, v_new), FIELD(attention_args, k_stride), FIELD(attention_args, v_stride),
     FIELD(attention_args, heads), FIELD(attention_args, kv_heads), FIELD(attention_args, dim),
-    FIELD(attention_args, scale), FIELD(attention_args, window), FIELD(attention_args, batch),
+    FIELD(attention_args, scale), FIELD(attention_args, window), FIELD(attention_args, sinks),
+    FIELD(attention_args, batch),
     SIZE(layer_step), FIELD(layer_step, weights), FIELD(layer_step, rows), FIELD(layer_step, h),
     FIELD(layer_step, normed), FIELD(layer_step, qkv), FIELD(layer_step, cos), FIELD(layer_step, sin),
     FIELD(layer_step, attn), FIELD(layer_step, out), FIELD(layer_step, gate_up), FIELD(layer_step, act),

@@ -17,7 +17,7 @@ from serving.kernels import FusedRMSNorm, KernelForward, KernelLayer, PackedLine
 from serving.targets import generation_limits
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                           "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+                           "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")
 
 # Hugging Face name -> (our name, shard index inside a fused tensor or None); each `{}` an index (layer, expert).
 WEIGHT_MAP = {
@@ -52,7 +52,33 @@ GEMMA3_WEIGHT_MAP = {
     "model.layers.{}.pre_feedforward_layernorm.weight": ("layers.{}.post_norm.weight", None),
     "model.layers.{}.post_feedforward_layernorm.weight": ("layers.{}.mlp_out_norm.weight", None),
 }
-WEIGHT_MAPS = {"gemma3_text": GEMMA3_WEIGHT_MAP}
+# gpt-oss keeps its router in mlp.router, a sink logit per head, and its experts fused (gpt_oss_experts splits them).
+GPT_OSS_WEIGHT_MAP = {
+    **WEIGHT_MAP,
+    "model.layers.{}.self_attn.o_proj.bias": ("layers.{}.o.bias", None),
+    "model.layers.{}.self_attn.sinks": ("layers.{}.sinks", None),
+    "model.layers.{}.mlp.router.weight": ("layers.{}.experts.router.weight", None),
+    "model.layers.{}.mlp.router.bias": ("layers.{}.experts.router.bias", None),
+}
+WEIGHT_MAPS = {"gemma3_text": GEMMA3_WEIGHT_MAP, "gpt_oss": GPT_OSS_WEIGHT_MAP}
+
+
+def gpt_oss_experts(hf_name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """gpt-oss's fused expert tensors as each expert's Linear weights and biases: gate_up_proj [E, hidden, 2I] holds
+    gate and up in alternate columns (x @ W), here [gate; up] rows; down_proj [E, I, hidden]. None for other names."""
+    if not hf_name.startswith("model.layers.") or ".mlp.experts." not in hf_name:
+        return None
+    layer, name = hf_name.split(".")[2], hf_name.split(".")[-1]
+    ours = f"layers.{layer}.experts"
+    if name == "gate_up_proj":
+        return {f"{ours}.gate_up.{e}.weight": torch.cat([w[:, ::2], w[:, 1::2]], dim=1).t() for e, w in enumerate(tensor)}
+    if name == "gate_up_proj_bias":
+        return {f"{ours}.gate_up.{e}.bias": torch.cat([b[::2], b[1::2]]) for e, b in enumerate(tensor)}
+    if name == "down_proj":
+        return {f"{ours}.down.{e}.weight": w.t() for e, w in enumerate(tensor)}
+    if name == "down_proj_bias":
+        return {f"{ours}.down.{e}.bias": b for e, b in enumerate(tensor)}
+    return None
 
 
 def _map_name(hf_name: str, weight_map: dict = WEIGHT_MAP):
@@ -186,6 +212,10 @@ class Model(nn.Module):
         shards: dict[str, dict[int, torch.Tensor]] = {}
         weight_map = WEIGHT_MAPS.get(self.config.model_type, WEIGHT_MAP)
         for hf_name, tensor in read_tensors(folder).items():
+            experts = gpt_oss_experts(hf_name, tensor) if self.config.model_type == "gpt_oss" else None
+            if experts is not None:
+                shards.update({name: {0: part} for name, part in experts.items()})
+                continue
             ours, shard = _map_name(hf_name, weight_map)
             if ours is not None and ours.endswith("norm.weight"):
                 tensor = tensor + self.config.norm_offset
@@ -205,6 +235,12 @@ class Model(nn.Module):
                 if own[name].shape != tensor.shape:
                     raise ValueError(f"{folder}: {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
                 own[name].copy_(tensor)
+
+    def attention_sinks(self) -> tuple[torch.Tensor | None, ...]:
+        """Each layer's sink logits (gpt-oss), float32 for the attention kernel; None where a layer has none."""
+        if not self.config.layer.sinks:  # the layers with sinks are DecoderLayers (LayerConfig.is_llama)
+            return (None,) * len(self.layers)
+        return tuple(layer.sinks.float().contiguous() for layer in self.layers)
 
     def forward_path(self, attention) -> ForwardPath:
         """The path of a step attending through `attention` (ForwardPath says why)."""

@@ -93,6 +93,14 @@ def tiny_gemma3(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory):
+    """gpt-oss: attention sinks, q/k/v/o biases, sliding windows of 8 keys on alternate layers, yarn rope, 4 experts
+    with biases, top 2 by a biased router (softmax over the two), clamped SwiGLU over interleaved gate/up columns."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_gpt_oss"), "gpt_oss", head_dim=16, num_local_experts=4,
+                            num_experts_per_tok=2, intermediate_size=32, sliding_window=8)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe(tmp_path_factory):
     """Qwen3-MoE: 8 experts, each row through its top 2 (weights renormalised), layer 1 dense (mlp_only_layers)."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", num_experts=8,

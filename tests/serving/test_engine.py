@@ -25,7 +25,7 @@ from serving.bench.prompts import first_turn, load_prompts
 from serving.request import SamplingParams
 
 
-TINY = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_llama_rope3", "tiny_qwen3_moe", "tiny_gemma3"]
+TINY = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_llama_rope3", "tiny_qwen3_moe", "tiny_gemma3", "tiny_gpt_oss"]
 VOCAB = 256  # the tiny fixtures' vocabulary
 EOS = 2  # the tiny fixtures' eos token
 

@@ -251,7 +251,7 @@ def dense_medusa_drafts(head, states, tokens, num_drafts):
 HEAD_CASES = [("medusa", "tiny_llama"), ("eagle", "tiny_qwen3"), ("eagle3", "tiny_llama"), ("mtp", "tiny_qwen3")]
 # Targets of the other families the engine runs (a sparse MLP; sliding windows and Gemma's layer): speculative
 # greedy outputs, chains and trees, equal plain decoding's there too.
-FAMILY_CASES = [("eagle3", "tiny_qwen3_moe"), ("eagle", "tiny_gemma3")]
+FAMILY_CASES = [("eagle3", "tiny_qwen3_moe"), ("eagle", "tiny_gemma3"), ("eagle3", "tiny_gpt_oss")]
 SCENARIOS = {
     # one request at a time; prompts of up to 50 tokens prefill in chunks of 16
     1: dict(max_num_seqs=1, max_num_batched_tokens=16),

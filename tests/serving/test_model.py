@@ -25,7 +25,7 @@ from serving.model import Model
 
 
 DENSE = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_llama_rope3"]  # the C layers' families
-TINY = [*DENSE, "tiny_qwen3_moe", "tiny_gemma3"]
+TINY = [*DENSE, "tiny_qwen3_moe", "tiny_gemma3", "tiny_gpt_oss"]
 # Long enough that llama3 rope scaling (original context 64) matters, and that every sequence spans many blocks.
 SEQ_LENS = (90, 75, 83)
 
@@ -71,7 +71,7 @@ class PagedRun:
             start += n
         assert any(t != sorted(t) for t in self.tables)  # really non-contiguous
         self.cache = KVCache(c.num_layers, num_blocks, block_size, c.layer.num_kv_heads, c.layer.head_dim, dtype, "cpu",
-                             c.windows, c.layer.attention_scale)
+                             c.windows, c.layer.attention_scale, model.attention_sinks())
         self.computed = [0] * len(seqs)
 
     def step(self, plan, logits_rows=None, **kwargs):
