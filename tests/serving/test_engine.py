@@ -184,14 +184,20 @@ def test_chunked_prefill_equals_hf(tiny_qwen3, budget):
     assert_no_blocks_held(engine)
 
 
+LONG_TURN = [{"role": "user", "content": "Summarize this: " + " ".join(
+    f"Sentence {i} says that the river {'rose' if i % 3 else 'fell'} by {i % 7} inches." for i in range(60))}]
+
+
 @pytest.mark.slow
-def test_default_target_on_mt_bench_equals_hf_generate():
-    """The real default target, float32, 8 MT-bench first turns x 32 new tokens, batched in the engine; prompt
-    ids from the same chat template. transformers generates all 8 in one left-padded batch; a prompt whose
-    tokens differ there is generated again alone (padding can move float32 logits), and that is the reference."""
-    folder = targets.resolve(targets.DEFAULT_TARGET)
-    messages = [first_turn(row["messages"]) for row in load_prompts("mt-bench", limit=8)]
-    engine = Engine(EngineConfig(targets.DEFAULT_TARGET, dtype="float32", block_size=16, num_blocks=256, max_model_len=1024))
+@pytest.mark.parametrize("target, num_prompts", [(targets.DEFAULT_TARGET, 8), (targets.GEMMA3_TARGET, 3)])
+def test_real_targets_on_mt_bench_equal_hf_generate(target, num_prompts):
+    """The real built-in targets, float32, MT-bench first turns and one turn longer than Gemma 3's 512-key windows x
+    32 new tokens, batched in the engine; prompt ids from the same chat template. transformers generates all in one
+    left-padded batch; a prompt whose tokens differ there is generated again alone (padding can move float32
+    logits), and that is the reference."""
+    folder = targets.resolve(target)
+    messages = [first_turn(row["messages"]) for row in load_prompts("mt-bench", limit=num_prompts)] + [LONG_TURN]
+    engine = Engine(EngineConfig(target, dtype="float32", block_size=16, num_blocks=256, max_model_len=1024))
     outputs = engine.generate(messages, SamplingParams(max_tokens=32))
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
