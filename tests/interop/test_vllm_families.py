@@ -15,9 +15,9 @@ from test_vllm import K, compare, export_for_vllm, ours
 pytestmark = pytest.mark.usefixtures("vllm_available")
 
 
-FAMILIES = {"qwen3": {}, "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
-            "gpt_oss": dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
-                            sliding_window=16)}
+# gpt-oss stays out: vLLM's CPU build serves a tiny gpt-oss head, but its greedy float32 outputs part from
+# transformers' (and this engine's) in one prompt of eight, so drafts cannot be compared verdict for verdict.
+FAMILIES = {"qwen3": {}, "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)}
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

@@ -298,10 +298,10 @@ def test_unsupported_architecture_is_a_clear_error(llama_copy):
 
 def test_unsupported_rope_scaling_is_a_clear_error(llama_copy):
     config = json.loads((llama_copy / "config.json").read_text())
-    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    config["rope_scaling"] = {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 64}
     config.pop("rope_parameters", None)
     (llama_copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"rope_type 'yarn' is not supported"):
+    with pytest.raises(ValueError, match=r"rope_type 'longrope' is not supported \(supported: default, llama3, yarn\)"):
         Model.from_folder(llama_copy)
 
 
