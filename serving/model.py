@@ -125,7 +125,10 @@ class ModelConfig:
         config = read_config(folder)
         architecture = (config.get("architectures") or ["?"])[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"{folder}: architecture {architecture} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(f"{folder}: the engine does not run {architecture} (it runs "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}). Heads for it train all the same: capture the "
+                             "store's hidden states with `draftheads generate --capture transformers` (or vllm) over "
+                             "answers from --endpoint or --answers dataset, and serve the exported head in vLLM")
         theta, scaling = rope_settings(config)
         eos_token_ids, max_position_embeddings = generation_limits(folder)
         is_gemma = config["model_type"] == "gemma3_text"

@@ -292,7 +292,7 @@ def test_unsupported_architecture_is_a_clear_error(llama_copy):
     config = json.loads((llama_copy / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (llama_copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"architecture GPT2LMHeadModel is not supported.*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=r"engine does not run GPT2LMHeadModel \(it runs LlamaForCausalLM.*--capture transformers"):
         Model.from_folder(llama_copy)
 
 

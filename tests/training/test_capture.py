@@ -3,7 +3,7 @@ from transformers and from vLLM hold the same tokens, and hidden states within b
 (each backend computes in float32; the store keeps bfloat16, so two backends whose float32 values straddle a
 rounding boundary differ by one bfloat16 step: torch.testing's bfloat16 tolerance, rtol 1.6e-2).
 
-`auto` takes the engine where it runs the family and transformers elsewhere: a tiny gpt-oss target, which the
+`auto` takes the engine where it runs the family and transformers elsewhere: a tiny DeepSeek-V3 target, which the
 engine does not run, gets a store whose hidden states equal a transformers forward's.
 """
 from __future__ import annotations
@@ -62,9 +62,16 @@ def assert_stores_agree(first: Store, second: Store) -> None:
             torch.testing.assert_close(item["hidden"][key], other["hidden"][key])
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+FAMILIES = {"llama": {}, "qwen3": {}, "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+            "gemma3_text": dict(sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+            "gpt_oss": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                            sliding_window=8)}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def tiny_target(request, tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, tokenizer_from=resolve(DEFAULT_TARGET))
+    return build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, tokenizer_from=resolve(DEFAULT_TARGET),
+                            **FAMILIES[request.param])
 
 
 def test_engine_and_transformers_captures_agree(tiny_target, tmp_path):
@@ -81,10 +88,13 @@ def test_engine_and_transformers_captures_agree_on_the_default_target(tmp_path):
 
 
 def test_auto_captures_a_family_the_engine_does_not_run_with_transformers(tmp_path, monkeypatch):
-    """gpt-oss (attention sinks, a biased router, clamped SwiGLU experts, yarn rope): a store from transformers."""
+    """DeepSeek-V3 (multi-head latent attention, routed and shared experts), which the engine leaves out: a store
+    from transformers, whose hidden states equal a transformers forward's."""
     monkeypatch.setattr("training.data.teacher_forced.find_vllm_python", lambda given: None)  # as where vLLM is not
-    target = build_tiny_model(tmp_path / "gpt-oss", "gpt_oss", tokenizer_from=resolve(DEFAULT_TARGET), head_dim=16,
-                              num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=8)
+    target = build_tiny_model(tmp_path / "deepseek", "deepseek_v3", tokenizer_from=resolve(DEFAULT_TARGET),
+                              n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1,
+                              topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
+                              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8, num_key_value_heads=4)
     store = capture_store(target, tmp_path / "store", "auto")
     assert store.meta["captured_by"] == ["transformers"]
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -97,11 +107,11 @@ def test_auto_captures_a_family_the_engine_does_not_run_with_transformers(tmp_pa
 
 
 def test_auto_prefers_the_engine_then_vllm_then_transformers():
-    assert resolve_capture("auto", "Qwen3MoeForCausalLM", "/venv/bin/python") == "engine"
-    assert resolve_capture("auto", "GptOssForCausalLM", "/venv/bin/python") == "vllm"
-    assert resolve_capture("auto", "GptOssForCausalLM", None) == "transformers"
-    with pytest.raises(ValueError, match="engine does not run GptOssForCausalLM.*--capture transformers"):
-        resolve_capture("engine", "GptOssForCausalLM", None)
+    assert resolve_capture("auto", "GptOssForCausalLM", "/venv/bin/python") == "engine"
+    assert resolve_capture("auto", "DeepseekV3ForCausalLM", "/venv/bin/python") == "vllm"
+    assert resolve_capture("auto", "DeepseekV3ForCausalLM", None) == "transformers"
+    with pytest.raises(ValueError, match="engine does not run DeepseekV3ForCausalLM.*--capture transformers"):
+        resolve_capture("engine", "DeepseekV3ForCausalLM", None)
 
 
 def test_a_capture_backend_other_than_the_engine_needs_answers_from_elsewhere(tmp_path):
