@@ -16,6 +16,8 @@ from heads.layer import LayerConfig, RMSNorm
 from heads.rope import rope_settings
 
 EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+# Families whose RMSNorms scale by (offset + w): their norm weights are stored as w, and loaded as offset + w.
+NORM_OFFSETS = {"gemma3_text": 1.0}
 
 
 class TargetParts(nn.Module):
@@ -89,4 +91,5 @@ def load_target_parts(folder, dtype: torch.dtype = torch.float32, device="cpu",
                 raise ValueError(f"{folder}: {name} has shape {tuple(tensors[name].shape)}, "
                                  f"config.json implies {tuple(param.shape)}")
             param.copy_(tensors[name])
+        parts.norm.weight += NORM_OFFSETS.get(config.get("model_type"), 0.0)
     return parts.to(device=device, dtype=dtype)

@@ -12,6 +12,7 @@ from torch import nn
 from heads.hf_folder import read_config, read_tensors
 from heads.layer import DecoderLayer, LayerConfig, MoeConfig, RMSNorm
 from heads.rope import Rope, local_rope_settings, rope_settings
+from heads.target_parts import NORM_OFFSETS
 from serving.attention import AttentionPath, PagedAttention
 from serving.kernels import FusedRMSNorm, KernelForward, KernelLayer, PackedLinear, for_inference, kernel_layers
 from serving.targets import generation_limits
@@ -145,7 +146,7 @@ class ModelConfig:
             windows=layer_windows(config),
             local_rope=local_rope_settings(config),
             embed_scale=config["hidden_size"] ** 0.5 if is_gemma else 1.0,
-            norm_offset=1.0 if is_gemma else 0.0,
+            norm_offset=NORM_OFFSETS.get(config["model_type"], 0.0),
             model_type=config["model_type"],
         )
 

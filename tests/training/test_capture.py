@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from serving.targets import DEFAULT_TARGET, GEMMA3_TARGET, architecture, build_tiny_model, generation_limits, resolve
@@ -21,7 +22,20 @@ from training.data.generate import GenerateConfig, generate
 from training.data.store import Store
 from training.fit import build_cli
 
+import heads
+from serving.config import EngineConfig
+from serving.engine import Engine
+from serving.request import SamplingParams
+
 ROOT = Path(__file__).resolve().parents[2]
+
+
+class LossLog(Callback):
+    def __init__(self, losses: list[float]):
+        self.losses = losses
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
 
 CONVERSATIONS = [
     {"id": "colors", "messages": [
@@ -170,3 +184,29 @@ def test_the_gemma3_target_gets_a_chat_template_and_its_stores_agree(tmp_path):
         torch.testing.assert_close(item["hidden"]["last"], states[-1][0].to(torch.bfloat16))
         torch.testing.assert_close(item["hidden"]["eagle3"],
                                    torch.cat([states[i][0] for i in (0, 2, 3)], dim=-1).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+def test_a_head_trained_on_a_new_family_s_store_drafts_in_the_engine_without_changing_its_outputs(family, tmp_path):
+    """A brief EAGLE-3 fit on the engine's store of a Gemma 3 or gpt-oss target, then drafting for it in the engine:
+    the loss falls, and speculative greedy outputs equal plain decoding's."""
+    target = build_tiny_model(tmp_path / family, family, tokenizer_from=resolve(DEFAULT_TARGET), **FAMILIES[family])
+    store = capture_store(target, tmp_path / "store", "engine")
+    cli = build_cli(["-c", str(ROOT / "configs" / "eagle3.yaml"), f"--model.init_args.target={target}",
+                     f"--data.store={store.path}", "--model.init_args.aux_layers=[0,2,3]",
+                     "--model.init_args.draft_vocab_size=256", "--model.init_args.learning_rate=1e-2",
+                     "--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.max_steps=12",
+                     "--trainer.max_epochs=-1", "--data.batch_size=2", "--trainer.num_sanity_val_steps=0",
+                     "--trainer.check_val_every_n_epoch=1000", f"--trainer.default_root_dir={tmp_path}"], run=False)
+    losses = []
+    cli.trainer.callbacks.append(LossLog(losses))
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert losses[-1] < losses[0]
+    folder = heads.save(cli.model.head, tmp_path / "head")
+    prompts = [[{"role": "user", "content": c["messages"][0]["content"]}] for c in CONVERSATIONS]
+    plain = Engine(EngineConfig(str(target))).generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    drafted = Engine(EngineConfig(str(target), speculative_config={"method": "eagle3", "model": str(folder),
+                                                                  "num_speculative_tokens": 3}))
+    outputs = drafted.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert drafted.speculator.stats.num_drafts > 0
