@@ -92,7 +92,7 @@ def instrumented(engine: Engine, clock: Clock):
         stack.enter_context(patched(model, "fused", None))  # the layers one call each, so that each part is seen
         for module in model.modules():
             if isinstance(module, PackedLinear):
-                label = "LM head" if module is model.logits_head else "linear layers"
+                label = "LM head" if module is model.packed_lm_head else "linear layers"
                 stack.enter_context(patched(module, "forward", clock.timed(label, module.forward)))
             elif isinstance(module, FusedRMSNorm):
                 stack.enter_context(patched(module, "forward", clock.timed("norms", module.forward)))
@@ -194,7 +194,7 @@ def main() -> None:
         floors = {}
         for w, engine in engines.items():
             floor = bandwidth_floor(engine, {"tokens_per_s": 0})
-            head = engine.model.logits_head.weights()
+            head = engine.model.packed_lm_head.weights()
             head_bytes = head.numel() * head.element_size()
             gbs = floor["copy_bandwidth_gbs"] * 1e9
             floors[w] = {"linear layers": (floor["weight_bytes"] - head_bytes) / gbs * 1e3, "LM head": head_bytes / gbs * 1e3,

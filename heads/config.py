@@ -118,7 +118,12 @@ class HeadConfig:
         return found
 
 
+def is_positive_int(value) -> bool:
+    """An int >= 1 and not a bool (which Python counts as an int): every positive-integer option's test."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def require_positive_int(config, name: str) -> None:
     value = getattr(config, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_positive_int(value):
         raise ValueError(f"{type(config).__name__}.{name} must be a positive integer, got {value!r}")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from heads.config import is_positive_int
 from serving import targets
 from serving.spec_decode.config import SpeculativeConfig
 
@@ -67,7 +68,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is None and name in ("num_blocks", "num_threads"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_positive_int(value):
                 raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 1")
         if not self.kv_cache_memory_gib > 0:
             raise ValueError(f"kv_cache_memory_gib={self.kv_cache_memory_gib} is invalid: it must be > 0")

@@ -222,7 +222,7 @@ class Engine:
             if row < 0 or request.finish_reason:
                 continue
             rows = slice(row, row + 1 + len(request.spec.tree))
-            logits, best = out.logits[rows], run.best[rows]
+            logits, best = out.logits[rows], run.argmax[rows]
             is_decode = request.num_output_tokens > 0
             speculating = self.speculator is not None and self.speculator.can_speculate(request)
             num_before = request.num_tokens

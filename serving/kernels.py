@@ -357,17 +357,17 @@ class KernelForward:
     each (benchmarks/RESULTS.md, round 35). The same kernels in the same order: the same results as the model's layer
     loop (tests/serving/test_model.py), and each row's argmax as kernels.argmax gives it."""
 
-    def __init__(self, layers: nn.ModuleList, embed: nn.Embedding, rope, norm: FusedRMSNorm, logits_head: PackedLinear):
+    def __init__(self, layers: nn.ModuleList, embed: nn.Embedding, rope, norm: FusedRMSNorm, packed_lm_head: PackedLinear):
         self.scratch = layers[0].scratch
         self.run = layers[0].lib.model_forward
-        self.embed, self.rope, self.norm, self.logits_head = embed, rope, norm, logits_head
+        self.embed, self.rope, self.norm, self.packed_lm_head = embed, rope, norm, packed_lm_head
         c = self.scratch.config
         self.hidden_size, self.scale = c.hidden_size, c.attention_scale
         self.args = ForwardArgs()
 
     def model_fields(self) -> None:
         """The model's fields of the arguments, read at each call (a move of the model changes its addresses)."""
-        a, embed, head = self.args, self.embed.weight, self.logits_head
+        a, embed, head = self.args, self.embed.weight, self.packed_lm_head
         a.layers, a.embed, a.vocab = self.scratch.layer_table, embed.data_ptr(), embed.shape[0]
         a.cos_table, a.sin_table, a.max_positions = self.rope.cos.data_ptr(), self.rope.sin.data_ptr(), self.rope.cos.shape[0]
         a.norm, a.eps, a.lm_head = self.norm.weight_ptr, self.norm.eps, head.panels_ptr
@@ -386,7 +386,7 @@ class KernelForward:
         aux = torch.empty(len(taps), rows, size, device="cpu") if taps else None
         hidden = torch.empty(rows, size, device="cpu") if return_hidden else None
         num_logits = rows if logits_rows is None else len(logits_rows)
-        logits = torch.empty(num_logits, self.logits_head.out_features, device="cpu") if num_logits else None
+        logits = torch.empty(num_logits, self.packed_lm_head.out_features, device="cpu") if num_logits else None
         best = torch.empty(num_logits, dtype=torch.long, device="cpu")
         taps_array = (ctypes.c_long * len(taps))(*taps) if taps else None
         self.model_fields()

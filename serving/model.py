@@ -169,7 +169,7 @@ class ModelOutput:
     logits: torch.Tensor | None  # [num_logits_rows, vocab]
     hidden: torch.Tensor | None  # [num_tokens, hidden] after the final norm, when asked
     aux: dict[int, torch.Tensor]  # layer id -> [num_tokens, hidden], the input of that layer
-    best: list[int] | None = None  # each logits row's argmax, where the forward computed it
+    argmax: list[int] | None = None  # each logits row's most likely token, where the forward computed it
 
 
 class Model(nn.Module):
@@ -180,12 +180,14 @@ class Model(nn.Module):
         self.embed = nn.Embedding(c.vocab_size, c.layer.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c.layer, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.layer.hidden_size, c.layer.rms_norm_eps)
+        # the LM head as the checkpoint holds it (the embedding, where tied): the source of the packed copies, the
+        # forward's `packed_lm_head` and each drafter weight dtype's (`drafter_lm_head`)
         self.lm_head = nn.Linear(c.layer.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope = Rope(c.layer.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
         self.local_rope = None if c.local_rope is None else Rope(c.layer.head_dim, c.max_position_embeddings, *c.local_rope)
-        self._packed_lm_heads: dict[torch.dtype, PackedLinear] = {}  # not submodules: made for drafters on demand
+        self._drafter_lm_heads: dict[torch.dtype, PackedLinear] = {}  # not submodules: made for drafters on demand
         self.fused: KernelForward | None = None  # the forward in one C call, where the layers are KernelLayers
 
     @classmethod
@@ -199,18 +201,19 @@ class Model(nn.Module):
         model.to(dtype=dtype).eval().requires_grad_(False)  # the rope tables stay float32
         model.layers = kernel_layers(for_inference(model.layers, weights), model.config.layer)
         model.norm = FusedRMSNorm(model.norm)
-        model.logits_head = PackedLinear(model.lm_head, weights)  # a packed copy for forward; the embedding stays as it is
+        model.packed_lm_head = PackedLinear(model.lm_head, weights)  # a packed copy for forward; the embedding stays as it is
         if isinstance(model.layers[0], KernelLayer) and not any(model.config.windows):  # model_forward has no windows
-            model.fused = KernelForward(model.layers, model.embed, model.rope, model.norm, model.logits_head)
+            model.fused = KernelForward(model.layers, model.embed, model.rope, model.norm, model.packed_lm_head)
         return model
 
-    def packed_lm_head(self, weight_dtype: torch.dtype) -> PackedLinear:
-        """The LM head packed with its weights stored as weight_dtype, for drafters; made once per dtype."""
-        if weight_dtype == self.logits_head.weight_dtype or self.lm_head.weight.dtype != torch.float32:
-            return self.logits_head
-        if weight_dtype not in self._packed_lm_heads:
-            self._packed_lm_heads[weight_dtype] = PackedLinear(self.lm_head, weight_dtype)
-        return self._packed_lm_heads[weight_dtype]
+    def drafter_lm_head(self, weight_dtype: torch.dtype) -> PackedLinear:
+        """The LM head packed with its weights stored as weight_dtype, for drafters: the forward's own where its dtype
+        is that one; else made once per dtype."""
+        if weight_dtype == self.packed_lm_head.weight_dtype or self.lm_head.weight.dtype != torch.float32:
+            return self.packed_lm_head
+        if weight_dtype not in self._drafter_lm_heads:
+            self._drafter_lm_heads[weight_dtype] = PackedLinear(self.lm_head, weight_dtype)
+        return self._drafter_lm_heads[weight_dtype]
 
     def load_safetensors(self, folder: Path):
         shards: dict[str, dict[int, torch.Tensor]] = {}
@@ -280,5 +283,5 @@ class Model(nn.Module):
             selected = hidden if logits_rows is None else hidden[logits_rows]
         else:
             selected = self.norm(hidden if logits_rows is None else hidden[logits_rows])
-        logits = self.logits_head(selected).float() if logits_rows is None or len(logits_rows) else None
+        logits = self.packed_lm_head(selected).float() if logits_rows is None or len(logits_rows) else None
         return ModelOutput(logits, hidden if return_hidden else None, aux)

@@ -34,7 +34,7 @@ class RunOutput:
     """What the target's forward over one batch computed."""
     batch: Batch
     out: ModelOutput  # logits [num_logits_rows, vocab]; hidden and aux rows [num_tokens, hidden] when asked
-    best: list[int]  # each logits row's argmax
+    argmax: list[int]  # each logits row's most likely token
 
 
 class ModelRunner:
@@ -127,5 +127,5 @@ class ModelRunner:
         batch = self.build_batch(scheduled)
         out = self.model(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.meta), batch.logits_rows,
                          return_hidden=return_hidden, aux_layers=aux_layers)
-        best = out.best if out.best is not None else argmax(out.logits) if out.logits is not None else []
-        return RunOutput(batch, out, best)
+        tokens = out.argmax if out.argmax is not None else argmax(out.logits) if out.logits is not None else []
+        return RunOutput(batch, out, tokens)

@@ -91,9 +91,9 @@ class Scheduler:
             num_budget_tokens -= num_new
         return output
 
-    def draft_budgets(self, requests: list[Request], max_drafts: int | Mapping[str, int]) -> dict[str, int]:
-        """How many draft nodes each of `requests` (running, in running order) can carry next step, at most
-        `max_drafts` (one number, or one per request id), in one pass:
+    def draft_room(self, requests: list[Request], max_drafts: int | Mapping[str, int]) -> dict[str, int]:
+        """The room of each of `requests` (running, in running order): how many draft rows it can carry next step, at
+        most `max_drafts` (one number, or one per request id), in one pass:
         those that fit in the token budget and the free blocks left once every running request, with the drafts it
         already holds, is served, each request's grant counted against the next one's. Speculation never preempts
         or delays another request."""
@@ -108,11 +108,11 @@ class Scheduler:
                 cut.add(other.request_id)
             num_spare_tokens -= num_new
             num_spare_blocks -= self.block_manager.num_new_blocks(other, num_new)
-        budgets = {}
+        room = {}
         for request in requests:
             assert request.status is RequestStatus.RUNNING, f"request {request.request_id} is not running"
             if request.request_id in cut:
-                budgets[request.request_id] = 0
+                room[request.request_id] = 0
                 continue
             num_base = request.num_tokens - request.num_computed_tokens
             num_blocks = (len(request.block_ids) + self.block_manager.num_new_blocks(request, num_base)
@@ -120,11 +120,11 @@ class Scheduler:
             num_spare_slots = num_blocks * self.block_manager.block_size - request.num_tokens
             most = max_drafts if isinstance(max_drafts, int) else max_drafts[request.request_id]
             num = max(0, min(most, num_spare_tokens, num_spare_slots, self.max_model_len - request.num_tokens))
-            budgets[request.request_id] = num
+            room[request.request_id] = num
             num_spare_tokens -= num
             num_spare_blocks -= (self.block_manager.num_new_blocks(request, num_base + num)
                                  - self.block_manager.num_new_blocks(request, num_base))
-        return budgets
+        return room
 
     def finish(self, request: Request, reason: str) -> None:
         (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)

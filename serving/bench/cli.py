@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from heads.config import is_positive_int
 from serving.config import HELP as ENGINE_HELP, WEIGHTS, EngineConfig
 from serving.config_file import add_options, merge_options
 from serving.request import SamplingParams
@@ -78,7 +79,7 @@ class BenchConfig:
                 raise ValueError(f"{name}=[] is invalid: give one value or several")
         for name, value in [("num_prompts", self.num_prompts), ("max_new_tokens", self.max_new_tokens),
                             *(("concurrency", c) for c in self.concurrency), ("block_size", self.block_size)]:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_positive_int(value):
                 raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 1")
         if self.baseline not in BASELINES:
             raise ValueError(f"baseline={self.baseline!r} is invalid: choose hf, or leave it out for none")

@@ -159,7 +159,7 @@ def bandwidth_floor(engine, plain_row) -> dict:
     256 MB buffer on the same threads: a copy's (bytes read + written), as the floor was first stated, and reading
     alone (a sum), which is all a step does with its weights; on this project's 2-core machines reading alone ran at
     0.6-1.05x the copy's counted rate in the same minute."""
-    read = [engine.model.layers, engine.model.norm, engine.model.logits_head]  # of the embedding, one row per token
+    read = [engine.model.layers, engine.model.norm, engine.model.packed_lm_head]  # of the embedding, one row per token
     tensors = {id(t): t for module in read for t in [*module.parameters(), *module.buffers()]}
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     # written first: pages never touched would all read as the one zero page, far faster than memory

@@ -39,7 +39,7 @@ def load_head(ctx, config):
         token_map = token_map.to(runner.device)
         lm_head = PackedLinear(lm_head_rows(model.lm_head, token_map), weight_dtype)
     else:
-        lm_head = model.packed_lm_head(weight_dtype)
+        lm_head = model.drafter_lm_head(weight_dtype)
     parts.embed, parts.norm, parts.lm_head = model.embed, model.norm, lm_head
     head = head.bind_target(parts).to(runner.device, runner.dtype).eval().requires_grad_(False)
     head = for_inference(head, weight_dtype)

@@ -11,6 +11,15 @@ the others. Structured-output requests speculate (serving/spec_decode/grammar.py
 grammar allows, the tokens it forces are drafted too (up to num_speculative_tokens rows beyond the drafter's), and
 every verified row's law is masked by the grammar state after its path. With `adaptive`,
 serving/spec_decode/adaptive.py chooses each request's tree within those caps.
+
+`propose` runs five steps in order: budgets -> reserve -> draft -> constrain -> trim. Its sizes, all counted in rows
+a request's verify step adds after its newest token (tree nodes, grammar-forced rows, lookahead rows):
+- max rows: the most the config lets a request verify (max_draft_nodes, plus num_speculative_tokens grammar rows);
+- room: what the scheduler can give it next step within max rows (token budget, free blocks, context);
+- cap: a DraftBudget of the room's nodes (at most max_draft_nodes) and the depth its max_tokens leaves;
+- budget: the DraftBudget it drafts within: its cap, or what the adaptive policy chooses inside it;
+- reserved: the rows whose blocks are allocated for it (the budget's nodes, plus grammar rows within its room);
+  after drafting, the blocks past its tree are trimmed.
 """
 from __future__ import annotations
 
@@ -153,40 +162,59 @@ class Speculator:
         """Draft trees for every running request that has just emitted a token and can be speculated for, unless more
         than disable_by_batch_size requests are running; each as large as the config and the step's room allow, or as
         the adaptive policy chooses within that."""
-        scheduler, config = self.scheduler, self.config
-        limit = config.disable_by_batch_size
-        if limit is not None and len(scheduler.running) > limit:
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(self.scheduler.running) > limit:
             return
-        ready = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1 and self.can_speculate(r)]
-        # rows a request may verify at most: the drafter's, and for grammar drafts a chain's more
-        most = {r.request_id: config.max_draft_nodes + (config.num_speculative_tokens if self.grammar_drafts(r) else 0)
-                for r in ready}
-        grants = scheduler.draft_budgets(ready, most) if ready else {}
-        limits = {}
+        ready = [r for r in self.scheduler.running
+                 if r.num_computed_tokens == r.num_tokens - 1 and self.can_speculate(r)]
+        budgets, room = self.budgets(ready)
+        reserved = self.reserve(ready, budgets, room)
+        requests = [r for r in ready if r.request_id in reserved]
+        if not requests:
+            return
+        trees = self.draft(step, requests, budgets)
+        for request in requests:
+            budget, num_reserved = budgets[request.request_id], reserved[request.request_id]
+            tree = trees.get(request.request_id, DraftTree()).prefix(budget.num_nodes, budget.depth)
+            request.spec.tree = self.constrain(request, tree, budget, num_reserved)
+            self.trim(request, num_reserved)
+
+    def max_rows(self, request: Request) -> int:
+        return self.config.max_draft_nodes + (self.config.num_speculative_tokens if self.grammar_drafts(request) else 0)
+
+    def budgets(self, ready: list[Request]) -> tuple[dict[str, DraftBudget], dict[str, int]]:
+        """(the budget of each ready request that drafts, every ready request's room)."""
+        config = self.config
+        room = self.scheduler.draft_room(ready, {r.request_id: self.max_rows(r) for r in ready}) if ready else {}
+        caps = {}
         for request in ready:
             depth = min(config.num_speculative_tokens, request.params.max_tokens - request.num_output_tokens - 1)
-            if grants[request.request_id] > 0 and depth > 0:
-                limits[request.request_id] = DraftBudget(min(grants[request.request_id], config.max_draft_nodes), depth)
-        if self.policy and limits:
-            limits = self.policy.choose(scheduler, ready, limits, prior(self.stats))
-        budgets, rows, requests = {}, {}, []
+            if room[request.request_id] > 0 and depth > 0:
+                caps[request.request_id] = DraftBudget(min(room[request.request_id], config.max_draft_nodes), depth)
+        if self.policy and caps:
+            return self.policy.choose(self.scheduler, ready, caps, prior(self.stats)), room
+        return caps, room
+
+    def reserve(self, ready: list[Request], budgets: dict[str, DraftBudget], room: dict[str, int]) -> dict[str, int]:
+        """Allocates each budgeted request's rows, in running order; returns the rows reserved per request. When the
+        pool is overcommitted (someone will be preempted next step) a request gets no drafts."""
+        reserved = {}
         for request in ready:
-            budget = limits.get(request.request_id)
+            budget = budgets.get(request.request_id)
             if not budget:
                 continue
             num_rows = budget.num_nodes
             if self.grammar_drafts(request):
-                num_rows = min(grants[request.request_id], num_rows + budget.depth)
-            # Reserve the blocks. When the pool is overcommitted (someone will be preempted next step) the request
-            # gets no drafts.
+                num_rows = min(room[request.request_id], num_rows + budget.depth)
             if self.block_manager.allocate_slots(request, 1 + num_rows):
-                budgets[request.request_id], rows[request.request_id] = budget, num_rows
-                requests.append(request)
-        if not requests:
-            return
+                reserved[request.request_id] = num_rows
+        return reserved
+
+    def draft(self, step: StepOutputs, requests: list[Request], budgets: dict[str, DraftBudget]) -> dict[str, DraftTree]:
+        """The drafter's trees for `requests`, after its catch-up over their kept tokens. The drafting call's cost,
+        what choosing depths changes, counts the catch-up too: only steps that draft pay it."""
+        budgets = {r.request_id: budgets[r.request_id] for r in requests}
         ctx = dataclasses.replace(self.ctx, step=step)
-        # The drafting call's cost, what choosing depths changes, counts the head's catch-up over the requests' kept
-        # tokens too: only steps that draft pay it.
         start = time.perf_counter()
         num_caught_up = self.drafter.catch_up(ctx, requests)
         drafting = time.perf_counter()
@@ -196,14 +224,19 @@ class Speculator:
                 self.policy.draft_cost.add_catch_up(num_caught_up, drafting - start)
             self.policy.draft_cost.add(max(b.depth for b in budgets.values()), sum(b.num_nodes for b in budgets.values()),
                                        time.perf_counter() - drafting)
-        for request in requests:
-            budget, num_rows = budgets[request.request_id], rows[request.request_id]
-            tree = trees.get(request.request_id, DraftTree()).prefix(budget.num_nodes, budget.depth)
-            if request.grammar is not None:
-                tree, num_invalid = constrain(self.grammars, request.grammar, tree, num_rows, budget.depth,
-                                              self.grammar_drafts(request))
-                if num_invalid:
-                    self.record_invalid(request, num_invalid)
-            request.spec.tree = tree
-            if tree.num_rows < num_rows:
-                self.block_manager.trim(request, request.num_tokens + tree.num_rows)
+        return trees
+
+    def constrain(self, request: Request, tree: DraftTree, budget: DraftBudget, num_reserved: int) -> DraftTree:
+        """The tree cut to what the request's grammar allows, with the tokens it forces where those are drafted."""
+        if request.grammar is None:
+            return tree
+        tree, num_invalid = constrain(self.grammars, request.grammar, tree, num_reserved, budget.depth,
+                                      self.grammar_drafts(request))
+        if num_invalid:
+            self.record_invalid(request, num_invalid)
+        return tree
+
+    def trim(self, request: Request, num_reserved: int) -> None:
+        """Gives back the reserved blocks past the request's tree."""
+        if request.spec.tree.num_rows < num_reserved:
+            self.block_manager.trim(request, request.num_tokens + request.spec.tree.num_rows)

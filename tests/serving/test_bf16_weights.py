@@ -90,7 +90,7 @@ def test_speculation_reproduces_plain_greedy_with_bf16_weights(drafter, concurre
                                                               tmp_path_factory):
     engine = bf16_engine(tiny_llama, SPECS[drafter](tiny_llama, tmp_path_factory.mktemp("heads"), noisy_llama),
                          **SCENARIOS[concurrency])
-    assert engine.model.logits_head.weight_dtype == torch.bfloat16
+    assert engine.model.packed_lm_head.weight_dtype == torch.bfloat16
     outputs = engine.generate(PROMPTS, greedy(MAX_TOKENS))
     assert [o.token_ids for o in outputs] == plain_bf16(tiny_llama)
     assert_pool_idle(engine)

@@ -495,8 +495,8 @@ def test_a_head_that_skips_steps_catches_up_when_it_next_drafts(kind, tiny_llama
     head_dir = random_head_dir(kind, tiny_llama, heads_root)
     engine = make_engine(tiny_llama, spec_config(kind, head_dir), max_num_seqs=4)
     assert engine.block_size == 4
-    grant = engine.scheduler.draft_budgets
-    engine.scheduler.draft_budgets = lambda requests, most: {
+    grant = engine.scheduler.draft_room
+    engine.scheduler.draft_room = lambda requests, most: {
         rid: n if r.num_output_tokens % 16 == 1 else 0 for r, (rid, n) in zip(requests, grant(requests, most).items())}
     proposals = record_proposals(engine)
     a = engine.add_request(PROMPTS[3], greedy(24))  # 18 prompt tokens
@@ -539,8 +539,8 @@ def test_heads_that_draft_now_and_then_share_blocks_through_preemption_as_the_de
     head_dir = random_head_dir(kind, tiny_llama, heads_root)
     prompts = PROMPTS[2:6] + [p[:13] + tail for p, tail in zip(PROMPTS[2:6], random_prompts((3, 9, 6, 12), seed=46))]
     engine = make_engine(tiny_llama, spec_config(kind, head_dir), **SCENARIOS[8])
-    grant = engine.scheduler.draft_budgets
-    engine.scheduler.draft_budgets = lambda requests, most: {
+    grant = engine.scheduler.draft_room
+    engine.scheduler.draft_room = lambda requests, most: {
         rid: n if r.num_output_tokens % 5 == 1 else 0 for r, (rid, n) in zip(requests, grant(requests, most).items())}
     drafter = engine.speculator.drafter
     taken = []
@@ -565,7 +565,7 @@ def test_a_prompt_is_shared_while_its_request_does_not_draft(kind, tiny_llama, h
     decode as plain decoding does."""
     head_dir = random_head_dir(kind, tiny_llama, heads_root)
     engine = make_engine(tiny_llama, spec_config(kind, head_dir), max_num_seqs=4)
-    engine.scheduler.draft_budgets = lambda requests, most: {r.request_id: 0 for r in requests}
+    engine.scheduler.draft_room = lambda requests, most: {r.request_id: 0 for r in requests}
     drafter = engine.speculator.drafter
     num_head_calls = []
     head_forward = drafter._forward

@@ -349,7 +349,7 @@ def test_forward_in_one_call_equals_the_layer_loop(fixture, weights, request):
         fused, looped = outs
         assert torch.equal(fused.logits, looped.logits)
         one_call = len(calls) > num_calls  # prefill chunks of 20 and 17 rows take the loop
-        assert fused.best == (fused.logits.argmax(-1).tolist() if one_call else None) and looped.best is None
+        assert fused.argmax == (fused.logits.argmax(-1).tolist() if one_call else None) and looped.argmax is None
         assert (fused.hidden is None) == (looped.hidden is None)
         assert fused.hidden is None or torch.equal(fused.hidden, looped.hidden)
         assert sorted(fused.aux) == sorted(looped.aux) == [0, 1, num_layers - 1]
@@ -363,7 +363,7 @@ def test_forward_in_one_call_equals_the_layer_loop(fixture, weights, request):
         run.step([(0, 3), (1, 2)])
         early.append(run.step([(0, 1), (1, 1)], num_layers=2)[0])
     model.fused = fused_forward
-    assert torch.equal(early[0].logits, early[1].logits) and early[0].best == early[1].logits.argmax(-1).tolist()
+    assert torch.equal(early[0].logits, early[1].logits) and early[0].argmax == early[1].logits.argmax(-1).tolist()
     # the prefill chunks of 20 and 17 rows take the loop; the short steps each take one call, over their layers
     assert calls == [num_layers] * 5 + [2]
 

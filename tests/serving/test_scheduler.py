@@ -140,13 +140,13 @@ def test_admission_that_cannot_allocate_is_undone():
 
 
 def budget_of(scheduler, request, max_drafts):
-    """draft_budgets for one request alone."""
-    budgets = scheduler.draft_budgets([request], max_drafts)
+    """draft_room for one request alone."""
+    budgets = scheduler.draft_room([request], max_drafts)
     assert list(budgets) == [request.request_id]
     return budgets[request.request_id]
 
 
-def test_draft_budgets_leave_room_for_every_running_request():
+def test_draft_room_leave_room_for_every_running_request():
     manager = BlockManager(num_blocks=6, block_size=4)
     scheduler = Scheduler(manager, max_model_len=24, max_num_batched_tokens=8)
     first, second = make_request("first", [1, 2, 3]), make_request("second", [4, 5, 6])
@@ -158,8 +158,8 @@ def test_draft_budgets_leave_room_for_every_running_request():
     assert budget_of(scheduler, first, 3) == 3
     assert budget_of(scheduler, first, 10) == 6  # budget 8 minus second's token and first's own
     # in one call the grants share the budget in running order: first takes the 6 spare tokens, second gets none
-    assert scheduler.draft_budgets([first, second], 10) == {"first": 6, "second": 0}
-    assert scheduler.draft_budgets([first, second], 3) == {"first": 3, "second": 3}
+    assert scheduler.draft_room([first, second], 10) == {"first": 6, "second": 0}
+    assert scheduler.draft_room([first, second], 3) == {"first": 3, "second": 3}
     first.spec_token_ids = [0] * 6
     assert budget_of(scheduler, second, 5) == 0  # the budget is spent
     first.spec_token_ids = [0] * 2
@@ -173,8 +173,8 @@ def test_draft_budgets_leave_room_for_every_running_request():
     assert budget_of(tight, first, 10) == 4  # first's block is full: one block left, four slots
     assert budget_of(tight, second, 10) == 4  # alone, second could take that block too
     # together, first's grant takes the last block: second's block is full, so it gets nothing
-    assert tight.draft_budgets([first, second], 10) == {"first": 4, "second": 0}
-    assert tight.draft_budgets([first, second], 2) == {"first": 2, "second": 0}  # a part of the block is the block
+    assert tight.draft_room([first, second], 10) == {"first": 4, "second": 0}
+    assert tight.draft_room([first, second], 2) == {"first": 2, "second": 0}  # a part of the block is the block
     first.spec_token_ids = [0] * 4
     assert budget_of(tight, second, 10) == 0
     assert budget_of(tight, first, 10) == 4  # a tree first already holds is replaced by the new one: not counted
@@ -183,7 +183,7 @@ def test_draft_budgets_leave_room_for_every_running_request():
     assert output.preempted == [] and output.scheduled == [(first, 5), (second, 1)]
 
 
-def test_draft_budgets_respect_max_model_len_and_prefill_chunks():
+def test_draft_room_respect_max_model_len_and_prefill_chunks():
     manager = BlockManager(num_blocks=16, block_size=4)
     scheduler = Scheduler(manager, max_model_len=10, max_num_batched_tokens=4)
     request = make_request("a", list(range(8)))
@@ -289,7 +289,7 @@ def test_random_engine_run_ends_with_every_block_free(block_size, speculate):
 
         if speculate:
             ready = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
-            budgets = scheduler.draft_budgets(ready, rng.randint(0, 4)) if ready else {}
+            budgets = scheduler.draft_room(ready, rng.randint(0, 4)) if ready else {}
             for request in ready:
                 num_drafts = rng.randint(0, budgets[request.request_id])
                 request.spec_token_ids = [rng.randrange(4) for _ in range(num_drafts)]
