@@ -2,7 +2,7 @@
 whole batch to maximise the tokens the next step is expected to emit per second it is expected to take.
 
 A request drafted to depth j is expected to emit 1 + S_1 + ... + S_j tokens, where S_d = c_1 * ... * c_d is its
-survival to depth d and c_i its conditional acceptance at depth i (DESIGN.md, "Measuring acceptance"), estimated from
+survival to depth d and c_i its conditional acceptance at depth i (docs/design.md, "Measuring acceptance"), estimated from
 its own verify steps with older steps weighing less (`Estimate`), around a prior: the drafter's conditional
 acceptance over every request so far, itself drawn toward PRIOR at depth 1 and toward 1 deeper as if PRIOR_TRIES
 tries had found it (`prior`), so that the first steps, before anything was verified, neither draft everything nor

@@ -1,4 +1,4 @@
-"""Acceptance metrics (DESIGN.md "Measuring acceptance"): `AcceptanceStats.record` / `merge` on hand-made
+"""Acceptance metrics (docs/design.md, "Measuring acceptance"): `AcceptanceStats.record` / `merge` on hand-made
 steps, then the real engine driven by stub drafters with a known accept pattern (never, always, the first
 two), whose per-request and engine-level counts must equal what the step schedule implies by hand.
 
@@ -68,7 +68,7 @@ def test_record_counts_per_position_by_hand():
 
 
 def test_survival_is_vllms_per_position_rate(tiny_llama):
-    """DESIGN.md: survival is `accepted_i / steps`, "vLLM's per-position definition", which vLLM computes as
+    """docs/design.md: survival is `accepted_i / steps`, "vLLM's per-position definition", which vLLM computes as
     spec_decode_num_accepted_tokens_per_pos[i] / spec_decode_num_drafts: over steps that carried drafts. A
     verify step without drafts (nothing proposed, or max_tokens leaves no room) has no position to survive."""
     # the same steps with and without a draft-less one: survival must not change
@@ -206,7 +206,7 @@ def schedule(pattern: str, max_tokens: int, k: int) -> list[tuple[int, int, int]
 
 
 def expected_summary(steps, k) -> dict:
-    """The counts and ratios of DESIGN.md, from the step list, without AcceptanceStats."""
+    """The counts and ratios of docs/design.md, from the step list, without AcceptanceStats."""
     proposed = [sum(d > i for d, _, _ in steps) for i in range(k)]
     reached = [sum(d > i and a >= i for d, a, _ in steps) for i in range(k)]
     accepted = [sum(a > i for _, a, _ in steps) for i in range(k)]
