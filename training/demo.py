@@ -38,8 +38,8 @@ from pathlib import Path
 KINDS = ("medusa", "eagle", "eagle3", "mtp", "peagle", "dflash")
 # What `make demo` trains and benches within its 30 minutes: the feature-free baseline, the best chain head and the
 # two that draft a block per forward. EAGLE-1 and MTP draft as EAGLE-3 does (autoregressively, from the target's
-# features); in the six-kind demo EAGLE-1 measured within 0.08 tau of EAGLE-3 in every row and MTP below it
-# (benchmarks/RESULTS.md, "make demo with six kinds"). --full and --kinds train them too.
+# features); with all six kinds trained EAGLE-1 measured within 0.08 tau of EAGLE-3 in every row and MTP below
+# it. --full and --kinds train them too.
 DEMO_KINDS = ("medusa", "eagle3", "peagle", "dflash")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # What the demo trains: configs/<kind>.yaml with configs/demo/<kind>.yaml laid over it (the recipe for a store of a
@@ -202,7 +202,7 @@ def fit(args, kind: str, store: Path, token_map: Path) -> Path:
 def fit_precision() -> str:
     """bf16-mixed where bfloat16 matrix products run natively (a CUDA GPU that has them, a CPU with AVX512-BF16 or
     AMX), 32-true elsewhere, where bfloat16 is emulated and slower. On this project's AVX512-BF16 CPU an EAGLE-1
-    epoch of the demo took 30-36 s instead of 46, and every kind's held-out accuracy was the same (README)."""
+    epoch of the demo took 30-36 s instead of 46, and every kind's held-out accuracy was the same (docs/training.md)."""
     import torch
 
     if torch.cuda.is_available():
@@ -269,7 +269,7 @@ def bench(args, heads: dict) -> dict:
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k,
                                   confidence_threshold=CONFIDENCE_THRESHOLD, suffix_first=True)
                 for kind, folder in heads.items() if kind in SUFFIX_FIRST_KINDS]
-    if args.full:  # the adaptive policy beside the fixed settings, at every concurrency (README, adaptive)
+    if args.full:  # the adaptive policy beside the fixed settings, at every concurrency (docs/methods/adaptive.md)
         configs += [SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=True)]
         configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k, adaptive=True,
                                       confidence_threshold=CONFIDENCE_THRESHOLD, prompt_lookup_first=True)
