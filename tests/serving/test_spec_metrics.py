@@ -12,7 +12,6 @@ path [0 .. a - 1].
 from __future__ import annotations
 
 import pytest
-import torch
 
 from serving.drafters.base import DraftBudget, Drafter
 from serving.config import EngineConfig
@@ -20,6 +19,8 @@ from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.spec_decode.metrics import AcceptanceStats
 from serving.spec_decode.tree import DraftTree
+
+from engine_helpers import random_prompts
 
 VOCAB = 256
 
@@ -244,11 +245,6 @@ def assert_summary(actual: dict, expected: dict):
     assert set(actual) == set(expected)
     for key, value in expected.items():
         assert actual[key] == pytest.approx(value), key
-
-
-def random_prompts(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 def run(folder, pattern, prompts, max_tokens, k, block_size=16):
