@@ -251,29 +251,37 @@ def bench_prompts(args):
     return {name: ([first_turn(r["messages"]) for r in rs], [r["category"] for r in rs]) for name, rs in sets.items() if rs}
 
 
-def bench(args, heads: dict) -> dict:
-    from serving.config import EngineConfig
-    from serving.engine import Engine
-    from serving.bench.report import write_report
+def bench_configs(heads: dict, full: bool) -> list:
+    """The speculative configs the demo benches over its heads (kind -> head folder), in the bench's order;
+    configs/demo/bench.yaml lists them for the default kinds."""
     from serving.spec_decode.config import SpeculativeConfig
-    from serving.bench.sweep import Setting, run_settings
 
     k = NUM_SPECULATIVE_TOKENS
     configs = [SpeculativeConfig(method="ngram", num_speculative_tokens=k), SpeculativeConfig(method="suffix")]
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k) for kind, folder in heads.items()]
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k, **TREE)
-                for kind, folder in heads.items() if args.full or kind in TREE_KINDS]
+                for kind, folder in heads.items() if full or kind in TREE_KINDS]
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k,
                                   confidence_threshold=CONFIDENCE_THRESHOLD, prompt_lookup_first=True)
                 for kind, folder in heads.items()]
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k,
                                   confidence_threshold=CONFIDENCE_THRESHOLD, suffix_first=True)
                 for kind, folder in heads.items() if kind in SUFFIX_FIRST_KINDS]
-    if args.full:  # the adaptive policy beside the fixed settings, at every concurrency (docs/methods/adaptive.md)
+    if full:  # the adaptive policy beside the fixed settings, at every concurrency (docs/methods/adaptive.md)
         configs += [SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=True)]
         configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k, adaptive=True,
                                       confidence_threshold=CONFIDENCE_THRESHOLD, prompt_lookup_first=True)
                     for kind, folder in heads.items()]
+    return configs
+
+
+def bench(args, heads: dict) -> dict:
+    from serving.config import EngineConfig
+    from serving.engine import Engine
+    from serving.bench.report import write_report
+    from serving.bench.sweep import Setting, run_settings
+
+    configs = bench_configs(heads, args.full)
     engine = Engine(EngineConfig(args.target, max_num_seqs=16, device=args.device))
     pairs = [(0.0, 1)] + ([(0.0, 4), (0.0, 16), (0.7, 1), (0.7, 4), (0.7, 16)] if args.full else [])
     prompt_sets = bench_prompts(args)

@@ -121,3 +121,17 @@ def test_every_command_help_ends_with_an_example(capsys):
         lines = capsys.readouterr().out.strip().splitlines()
         assert lines[-1] == f"example: {EXAMPLES[name]}", name
         assert EXAMPLES[name].startswith(f"draftheads {name} ")
+
+
+def test_demo_bench_config_lists_the_demos_rows(capsys):
+    """configs/demo/bench.yaml is the MT-bench half of the demo's bench: the same configs, in the same order, as
+    training/demo.py benches over the demo's heads (so `draftheads bench -c configs/demo/bench.yaml` reproduces
+    the README's table)."""
+    from serving.spec_decode.config import SpeculativeConfig
+    from training import demo
+
+    bench = yaml.safe_load((ROOT / "configs" / "demo" / "bench.yaml").read_text())
+    listed = [SpeculativeConfig.from_json(c) for c in bench["speculative_config"]]
+    demo_configs = demo.bench_configs({kind: f"runs/{kind}/heads/best" for kind in demo.DEMO_KINDS}, full=False)
+    assert listed == demo_configs
+    assert (bench["num_prompts"], bench["max_new_tokens"]) == (8, demo.parse_args([]).bench_new_tokens)
