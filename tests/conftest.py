@@ -16,7 +16,7 @@ from serving.targets import build_tiny_model
 # Markers by where a test lives (pyproject.toml registers them; `make test-fast` leaves them out): whole folders, the
 # training files whose tests fit heads through Lightning, and the statistical checks of sampled laws by name.
 FOLDER_MARKS = {"interop": "interop", "e2e": "e2e"}
-FIT_FILES = {"test_fit.py", "test_resume.py", "test_ddp.py", "test_recipes.py", "test_configs.py"}
+FIT_FILES = {"test_fit.py", "test_resume.py", "test_ddp.py", "test_recipes.py", "test_configs.py", "test_modules.py"}
 LAW = re.compile(r"keeps?_the_(masked_)?target_law|sampled_law_is|frequencies_follow")
 
 

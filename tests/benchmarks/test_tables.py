@@ -33,6 +33,7 @@ def test_machine_names_the_cpu_and_its_kernel_flags():
     assert "cores, flags:" in machine()
 
 
+@pytest.mark.e2e  # a bench run through python -m benchmarks
 def test_a_table_run_is_stamped(tmp_path, capsys):
     assert main(["engine-vs-transformers", "--target", "debug", "--num-prompts", "1", "--max-new-tokens", "4"],
                 out=tmp_path) == 0
