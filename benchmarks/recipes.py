@@ -103,13 +103,13 @@ def published_overrides(kind: str, args, num_steps: int) -> list[str]:
     return our_overrides(kind, args) + recipe.overrides() + warmup
 
 
-def steps_per_epoch(args) -> int:
-    """Optimizer steps per epoch at the demo's batch size and length (one per batch)."""
+def steps_per_epoch(args, kind: str) -> int:
+    """Optimizer steps per epoch at the demo's batch size and length for the kind (one per batch)."""
     from training.data.datamodule import DraftDataModule
 
-    settings = dict(zip(demo.RECIPE[::2], demo.RECIPE[1::2]))
+    settings = demo.demo_config(kind)["data"]
     data = DraftDataModule(str(Path(args.store).resolve()), target=args.target,
-                           batch_size=int(settings["--data.batch_size"]), max_length=int(settings["--data.max_length"]))
+                           batch_size=settings["batch_size"], max_length=settings["max_length"])
     data.setup("fit")
     return len(data.train_dataloader())
 
@@ -135,12 +135,12 @@ def calibrate(kind: str, args, out: Path) -> dict[str, float]:
 
 def fit_kind(kind: str, args, out: Path, num_batches: int) -> list[dict]:
     """Our recipe, then (where one is published) the published one at our fit cost."""
-    epochs = args.epochs or demo.EPOCHS[kind]
+    epochs = args.epochs or demo.demo_epochs(kind)
     our_steps = epochs * num_batches
     rows = []
     print(f"\n==> {kind}: ours, {epochs} epochs ({our_steps} steps)", flush=True)
     ours = run_fit(kind, args, our_overrides(kind, args) + ["--trainer.max_epochs", str(epochs)], out / f"{kind}-ours")
-    rows.append({"kind": kind, "recipe": "ours", "source": f"configs/{kind}.yaml + demo RECIPE", "epochs": epochs,
+    rows.append({"kind": kind, "recipe": "ours", "source": f"configs/{kind}.yaml + configs/demo/{kind}.yaml", "epochs": epochs,
                  **ours, **head_metrics(ours["head"])})
     if kind not in PUBLISHED:
         return rows
@@ -175,8 +175,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
 
     def fit(out: Path) -> dict:
-        num_batches = steps_per_epoch(args)
-        rows = [row for kind in args.kinds.split(",") for row in fit_kind(kind, args, out, num_batches)]
+        num_batches = {kind: steps_per_epoch(args, kind) for kind in args.kinds.split(",")}
+        rows = [row for kind, batches in num_batches.items() for row in fit_kind(kind, args, out, batches)]
         for row in rows:
             row.pop("step_ends"), row.pop("cpu_step_ends", None)
         return {"steps_per_epoch": num_batches, "rows": rows}

@@ -43,5 +43,6 @@ def add_options(parser: argparse.ArgumentParser, config_class, helps: dict, type
         if isinstance(default, tuple):
             default = ",".join(default)
         shown = "" if default is MISSING or default is None else f" (default: {default})"
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=types.get(name, str), default=argparse.SUPPRESS,
+        flags = ["-c", "--config"] if name == "config" else [f"--{name.replace('_', '-')}"]  # -c as fit's
+        parser.add_argument(*flags, dest=name, type=types.get(name, str), default=argparse.SUPPRESS,
                             help=help + shown, **(extra or {}).get(name, {}))

@@ -354,7 +354,7 @@ class KernelForward:
     the C kernel (AttentionPath.KERNEL): embedding, rope rows, every layer, the aux taps, the final norm, the LM head
     and each logits row's argmax. Around the layers' one call the forward made some ten torch and kernel calls more,
     and after the weights have streamed through the caches the first Python and torch calls of a step cost 20-80 us
-    each (benchmarks/RESULTS.md, round 35). The same kernels in the same order: the same results as the model's layer
+    each (docs/benchmarks/engine.md). The same kernels in the same order: the same results as the model's layer
     loop (tests/serving/test_model.py), and each row's argmax as kernels.argmax gives it."""
 
     def __init__(self, layers: nn.ModuleList, embed: nn.Embedding, rope, norm: FusedRMSNorm, packed_lm_head: PackedLinear):

@@ -70,7 +70,7 @@ class ModelRunner:
         """A request whose chunk reaches the end of its tokens needs logits for its last 1 + drafts rows (the
         target's next token after its last real token, and one per node of its draft tree). Node i of the tree
         computes in the slot after the real tokens and nodes 0 .. i - 1, at position (newest token's) + its depth,
-        and sees the real tokens and its path (DESIGN.md, "Trees"). Lookahead rows follow the nodes, each in the next
+        and sees the real tokens and its path (docs/design.md, "Trees"). Lookahead rows follow the nodes, each in the next
         slot at its offset, seeing the real tokens and the lookahead rows it names; the logits of the last
         `num_outputs` of them follow the request's verify rows."""
         ids, positions, logits_rows, logits_start, token_start = [], [], [], [], []

@@ -6,11 +6,30 @@ rope theta 10000; see `serving.targets.build_tiny_model`.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
 
 from serving.targets import build_tiny_model
+
+# Markers by where a test lives (pyproject.toml registers them; `make test-fast` leaves them out): whole folders, the
+# training files whose tests fit heads through Lightning, and the statistical checks of sampled laws by name.
+FOLDER_MARKS = {"interop": "interop", "e2e": "e2e"}
+FIT_FILES = {"test_fit.py", "test_resume.py", "test_ddp.py", "test_recipes.py", "test_configs.py", "test_modules.py"}
+LAW = re.compile(r"keeps?_the_(masked_)?target_law|sampled_law_is|frequencies_follow")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        path = item.path
+        folder = path.parent.name
+        if folder in FOLDER_MARKS:
+            item.add_marker(FOLDER_MARKS[folder])
+        if folder == "training" and path.name in FIT_FILES:
+            item.add_marker("fit")
+        if LAW.search(item.name):
+            item.add_marker("law")
 
 LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",

@@ -22,9 +22,32 @@ COMMANDS = {
     "import": ("training.import_head", "read a published or exported EAGLE-1, EAGLE-3 or Medusa head into a head folder"),
 }
 
+# Each command's --help ends with one of these, a command that runs as written after `make demo` (or with the
+# store and heads it names).
+EXAMPLES = {
+    "info": "draftheads info --target smollm2-135m-instruct",
+    "prompts": "draftheads prompts --source mt-bench --limit 3",
+    "bench": "draftheads bench -c configs/bench.yaml --num-prompts 2",
+    "serve": "draftheads serve --port 8000 --speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'",
+    "bench-serve": "draftheads bench-serve --endpoint http://127.0.0.1:8000 --prompts mt-bench --num-prompts 8",
+    "generate": "draftheads generate -c configs/generate.yaml --num-prompts 64",
+    "token-map": "draftheads token-map --store data/demo-smollm2-135m-instruct --size 4096 --out runs/token_map-4096.pt",
+    "fit": "draftheads fit -c configs/eagle3.yaml -c configs/demo/eagle3.yaml",
+    "validate": "draftheads validate -c configs/eagle3.yaml --ckpt_path last",
+    "export": "draftheads export runs/eagle3/heads/best --format vllm --out exported/eagle3",
+    "import": "draftheads import exported/eagle3 --format eagle3 --out heads/eagle3",
+}
+
 
 class DocHelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """For a subcommand whose description is its module's docstring, laid out as written, with the defaults shown."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """The defaults shown, the description filled to the terminal, the example kept on one line to copy."""
+
+    def _fill_text(self, text, width, indent):
+        return indent + text if text.startswith("example: ") else super()._fill_text(text, width, indent)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         command = partial(module.main, name, rest)
     else:
         sub = argparse.ArgumentParser(prog=f"draftheads {name}", description=COMMANDS[name][1],
-                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                      formatter_class=HelpFormatter)
         module.add_arguments(sub)
+        sub.epilog = f"example: {EXAMPLES[name]}"
         command = partial(module.run, sub.parse_args(rest))
     try:
         return command() or 0

@@ -38,25 +38,21 @@ from pathlib import Path
 KINDS = ("medusa", "eagle", "eagle3", "mtp", "peagle", "dflash")
 # What `make demo` trains and benches within its 30 minutes: the feature-free baseline, the best chain head and the
 # two that draft a block per forward. EAGLE-1 and MTP draft as EAGLE-3 does (autoregressively, from the target's
-# features); in the six-kind demo EAGLE-1 measured within 0.08 tau of EAGLE-3 in every row and MTP below it
-# (benchmarks/RESULTS.md, "make demo with six kinds"). --full and --kinds train them too.
+# features); with all six kinds trained EAGLE-1 measured within 0.08 tau of EAGLE-3 in every row and MTP below
+# it. --full and --kinds train them too.
 DEMO_KINDS = ("medusa", "eagle3", "peagle", "dflash")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+# What the demo trains: configs/<kind>.yaml with configs/demo/<kind>.yaml laid over it (the recipe for a store of a
+# few hundred examples: batch 2, short warmup, the epochs below, the store's 4,096 most frequent answer tokens), and
+# the store configs/demo/generate.yaml writes; `draftheads fit -c configs/<kind>.yaml -c configs/demo/<kind>.yaml`
+# trains the same head.
+DEMO_CONFIGS = CONFIGS / "demo"
 NUM_SPECULATIVE_TOKENS = 4
-# The configs' settings, changed for a store of a few hundred examples: small batches and a short warmup give the
-# heads steps to learn from, and shorter examples bound the memory of the logits (the configs' batch 8 x 2048
-# tokens peaked at 21.6 GiB).
-RECIPE = ["--data.batch_size", "2", "--data.max_length", "1024", "--model.init_args.warmup_steps", "10"]
-# Every head drafts over the store's DRAFT_VOCAB_SIZE most frequent answer tokens (EAGLE-3 by training so, the
-# others through a token map): each draft step then reads a twelfth of the LM head. The demo's store holds ~5,300
-# distinct answer tokens, 97.8% of its answer tokens among the 4,096 most frequent; on a 448-prompt store these
-# covered 98% of a held-out split's answer tokens that 8,192 cover.
+# The token map configs/demo/<kind>.yaml name (runs/token_map-4096.pt): every head drafts over the store's
+# DRAFT_VOCAB_SIZE most frequent answer tokens (EAGLE-3 and P-EAGLE by training so, the others through the map), so
+# each draft step reads a twelfth of the LM head. The demo's store holds ~5,300 distinct answer tokens, 97.8% of its
+# answer tokens among the 4,096 most frequent.
 DRAFT_VOCAB_SIZE = 4096
-# Held-out accuracy still climbs after 2 epochs on a store this small (EAGLE-1's first draft: 0.32 / 0.36 / 0.37
-# after 2 / 4 / 6). MTP and EAGLE-3 get 3 to keep the demo within 30 minutes (an MTP epoch takes ~1.7x an EAGLE-1
-# one). EAGLE-3 unrolls 2 training-time-test steps instead of 7: on the demo's store, held-out val/tau_walk and fit
-# time were 1.34 / 250 s at 4 steps x 2 epochs, 1.38 / 358 s at 3 x 3, 1.375 / 235 s at 2 x 3, 1.39 / 308 s at 2 x 4.
-EPOCHS = {"medusa": 4, "eagle": 4, "eagle3": 3, "mtp": 3, "peagle": 3, "dflash": 3}
 # Each head is benched three times: a chain always drafting k=4 (the goal's setting); EAGLE-2's dynamic tree over
 # the same 4 depths (TREE: the 8 most likely children of the 8 best nodes at each depth, the 15 best nodes kept,
 # the setting that raised tau most on MT-bench); and a chain after prompt lookup first, which drafts where the answer
@@ -74,27 +70,35 @@ SUFFIX_FIRST_KINDS = ("eagle3",)
 # The online run's arrivals: about one request per 1.3 s of a request's decoding alone, so that requests overlap.
 SERVE_RATE = 0.75
 CONFIDENCE_THRESHOLD = 0.1
-KIND_RECIPE = {"eagle3": ["--model.init_args.num_steps", "2", "--model.init_args.draft_vocab_size", str(DRAFT_VOCAB_SIZE)],
-               "peagle": ["--model.init_args.num_depths", str(NUM_SPECULATIVE_TOKENS),
-                          "--model.init_args.draft_vocab_size", str(DRAFT_VOCAB_SIZE)],
-               "dflash": ["--model.init_args.block_size", str(NUM_SPECULATIVE_TOKENS + 1)]}
+
+
+def demo_config(name: str) -> dict:
+    """configs/demo/<name>.yaml's keys: `generate`, or a head kind's recipe."""
+    import yaml
+
+    return yaml.safe_load((DEMO_CONFIGS / f"{name}.yaml").read_text())
+
+
+def demo_epochs(kind: str) -> int:
+    return demo_config(kind)["trainer"]["max_epochs"]
 
 
 def parse_args(argv=None):
     from serving.targets import DEFAULT_TARGET
 
+    store = demo_config("generate")
     p = argparse.ArgumentParser(prog="python -m training.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--num-prompts", type=int, default=int(os.environ.get("DEMO_PROMPTS", 768)),
+    p.add_argument("--num-prompts", type=int, default=int(os.environ.get("DEMO_PROMPTS", store["num_prompts"])),
                    help="ShareGPT train prompts the target answers for training data")
-    p.add_argument("--max-model-len", type=int, default=640,
+    p.add_argument("--max-model-len", type=int, default=store["max_model_len"],
                    help="prompt + answer tokens at most while generating; longer prompts are skipped, so that most "
                         "training tokens are answer tokens, the ones with a loss")
-    p.add_argument("--max-new-tokens", type=int, default=int(os.environ.get("DEMO_NEW_TOKENS", 128)))
+    p.add_argument("--max-new-tokens", type=int, default=int(os.environ.get("DEMO_NEW_TOKENS", store["max_new_tokens"])))
     epochs = os.environ.get("DEMO_EPOCHS")
     p.add_argument("--epochs", type=int, default=int(epochs) if epochs else None,
-                   help="training epochs of every head (default: " + ", ".join(f"{k} {n}" for k, n in EPOCHS.items()) + ")")
+                   help="training epochs of every head (default: configs/demo/<kind>.yaml's trainer.max_epochs)")
     p.add_argument("--bench-mt-bench", type=int, default=None,
                    help="MT-bench first turns, one per category in turn (default 8; 80 with --full); 0 with "
                         "--bench-humaneval 0 skips the bench")
@@ -111,7 +115,7 @@ def parse_args(argv=None):
                    help="where the report goes (bench.json, bench.md, acceptance.png, summary.json, summary.md, "
                         "speedup_vs_concurrency.png; with --full in DIR/full), and each setting's result as it ends (in "
                         "settings/ there: a rerun with the same options reuses it, delete it to measure again)")
-    p.add_argument("--concurrency", type=int, default=64,
+    p.add_argument("--concurrency", type=int, default=store["concurrency"],
                    help="conversations answered at once while generating (the answers are the same at any concurrency, "
                         "stored in another order; 64 wrote them 3-8%% faster than 32)")
     p.add_argument("--device", default="auto",
@@ -160,34 +164,36 @@ def generate(args) -> Path:
     out = Path(args.data) / f"demo-{args.target.replace('/', '_')}"
     t = stage(f"generate: {args.num_prompts} ShareGPT prompts x {args.max_new_tokens} tokens -> {out} (resumes)")
     run_generate(GenerateConfig.from_options(dict(
-        target=args.target, prompts="sharegpt", num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-        layers="last,eagle3", turns="first", concurrency=args.concurrency, max_model_len=args.max_model_len,
+        config=str(DEMO_CONFIGS / "generate.yaml"), target=args.target, num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens, concurrency=args.concurrency, max_model_len=args.max_model_len,
         device=args.device, out=str(out))))
     print(f"generate took {time.perf_counter() - t:.0f} s")
     return out
 
 
 def fit(args, kind: str, store: Path, token_map: Path) -> Path:
-    from serving.spec_decode.config import TAKES_TOKEN_MAP
     from training.fit import main as fit_main
 
-    config = CONFIGS / f"{kind}.yaml"
+    configs = [CONFIGS / f"{kind}.yaml", DEMO_CONFIGS / f"{kind}.yaml"]
     root = Path("runs") / kind  # where configs/<kind>.yaml puts its run, checkpoints and head folders
     head = root / "heads" / "best"
     meta = json.loads((store / "meta.json").read_text())
-    recipe = (RECIPE + ["--trainer.precision", fit_precision()] + KIND_RECIPE.get(kind, [])
-              + (["--model.init_args.token_map", str(token_map)] if kind in TAKES_TOKEN_MAP else []))
-    epochs = args.epochs or EPOCHS[kind]
-    settings = {"kind": kind, "target": args.target, "store": str(store), "counts": meta["counts"], "epochs": epochs,
-                "recipe": recipe,
-                "config": hashlib.sha256(config.read_bytes()).hexdigest()[:12]}
+    # The store and the token map are the ones this run wrote (another target's with --target); the precision is
+    # the machine's.
+    overrides = ["--data.store", str(store), "--trainer.precision", fit_precision()]
+    if "token_map" in demo_config(kind)["model"]["init_args"]:
+        overrides += ["--model.init_args.token_map", str(token_map)]
+    if args.epochs:
+        overrides += ["--trainer.max_epochs", str(args.epochs)]
+    settings = {"kind": kind, "target": args.target, "store": str(store), "counts": meta["counts"],
+                "overrides": overrides, "configs": [hashlib.sha256(c.read_bytes()).hexdigest()[:12] for c in configs]}
     stamp = root / "demo-stamp.json"
     if head.exists() and stamp.exists() and json.loads(stamp.read_text()) == settings:
         stage(f"fit {kind}: reusing {head} (same store and settings)")
         return head
-    t = stage(f"fit {kind}: {epochs} epochs on {store}")
-    fit_main("fit", ["-c", str(config), "--model.init_args.target", args.target, "--data.store", str(store),
-                     "--trainer.max_epochs", str(epochs), *recipe])
+    t = stage(f"fit {kind}: {' + '.join(str(c.relative_to(CONFIGS.parent)) for c in configs)} on {store}")
+    fit_main("fit", [arg for config in configs for arg in ("-c", str(config))]
+             + ["--model.init_args.target", args.target, *overrides])
     stamp.write_text(json.dumps(settings))
     print(f"fit {kind} took {time.perf_counter() - t:.0f} s")
     return head
@@ -196,7 +202,7 @@ def fit(args, kind: str, store: Path, token_map: Path) -> Path:
 def fit_precision() -> str:
     """bf16-mixed where bfloat16 matrix products run natively (a CUDA GPU that has them, a CPU with AVX512-BF16 or
     AMX), 32-true elsewhere, where bfloat16 is emulated and slower. On this project's AVX512-BF16 CPU an EAGLE-1
-    epoch of the demo took 30-36 s instead of 46, and every kind's held-out accuracy was the same (README)."""
+    epoch of the demo took 30-36 s instead of 46, and every kind's held-out accuracy was the same (docs/training.md)."""
     import torch
 
     if torch.cuda.is_available():
@@ -245,29 +251,37 @@ def bench_prompts(args):
     return {name: ([first_turn(r["messages"]) for r in rs], [r["category"] for r in rs]) for name, rs in sets.items() if rs}
 
 
-def bench(args, heads: dict) -> dict:
-    from serving.config import EngineConfig
-    from serving.engine import Engine
-    from serving.bench.report import write_report
+def bench_configs(heads: dict, full: bool) -> list:
+    """The speculative configs the demo benches over its heads (kind -> head folder), in the bench's order;
+    configs/demo/bench.yaml lists them for the default kinds."""
     from serving.spec_decode.config import SpeculativeConfig
-    from serving.bench.sweep import Setting, run_settings
 
     k = NUM_SPECULATIVE_TOKENS
     configs = [SpeculativeConfig(method="ngram", num_speculative_tokens=k), SpeculativeConfig(method="suffix")]
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k) for kind, folder in heads.items()]
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k, **TREE)
-                for kind, folder in heads.items() if args.full or kind in TREE_KINDS]
+                for kind, folder in heads.items() if full or kind in TREE_KINDS]
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k,
                                   confidence_threshold=CONFIDENCE_THRESHOLD, prompt_lookup_first=True)
                 for kind, folder in heads.items()]
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k,
                                   confidence_threshold=CONFIDENCE_THRESHOLD, suffix_first=True)
                 for kind, folder in heads.items() if kind in SUFFIX_FIRST_KINDS]
-    if args.full:  # the adaptive policy beside the fixed settings, at every concurrency (README, adaptive)
+    if full:  # the adaptive policy beside the fixed settings, at every concurrency (docs/methods/adaptive.md)
         configs += [SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=True)]
         configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k, adaptive=True,
                                       confidence_threshold=CONFIDENCE_THRESHOLD, prompt_lookup_first=True)
                     for kind, folder in heads.items()]
+    return configs
+
+
+def bench(args, heads: dict) -> dict:
+    from serving.config import EngineConfig
+    from serving.engine import Engine
+    from serving.bench.report import write_report
+    from serving.bench.sweep import Setting, run_settings
+
+    configs = bench_configs(heads, args.full)
     engine = Engine(EngineConfig(args.target, max_num_seqs=16, device=args.device))
     pairs = [(0.0, 1)] + ([(0.0, 4), (0.0, 16), (0.7, 1), (0.7, 4), (0.7, 16)] if args.full else [])
     prompt_sets = bench_prompts(args)

@@ -69,6 +69,14 @@ class DraftParser(LightningArgumentParser):
 
 
 class DraftCLI(LightningCLI):
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs) -> LightningArgumentParser:
+        from training.cli import EXAMPLES
+
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand in EXAMPLES:  # draftheads runs fit and validate only
+            parser.epilog = f"example: {EXAMPLES[subcommand]}"
+        return parser
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.init_args.target", "data.target")
 

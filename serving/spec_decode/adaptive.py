@@ -2,7 +2,7 @@
 whole batch to maximise the tokens the next step is expected to emit per second it is expected to take.
 
 A request drafted to depth j is expected to emit 1 + S_1 + ... + S_j tokens, where S_d = c_1 * ... * c_d is its
-survival to depth d and c_i its conditional acceptance at depth i (DESIGN.md, "Measuring acceptance"), estimated from
+survival to depth d and c_i its conditional acceptance at depth i (docs/design.md, "Measuring acceptance"), estimated from
 its own verify steps with older steps weighing less (`Estimate`), around a prior: the drafter's conditional
 acceptance over every request so far, itself drawn toward PRIOR at depth 1 and toward 1 deeper as if PRIOR_TRIES
 tries had found it (`prior`), so that the first steps, before anything was verified, neither draft everything nor
@@ -15,7 +15,7 @@ engine's own work per step, learned from the steps it times: `overhead_s`), plus
 whole step, prefill chunks included, plus one drafting call (`DraftCost`). Prefill chunks are left out of the
 step's rate: they are owed whatever is drafted, and a rate diluted by a long chunk makes a few draft rows beside it
 look nearly free, so that every decoding request would draft deep (and a head catch up over its whole prompt) in
-the very steps where drafting pays least (benchmarks/RESULTS.md, "Adaptive speculation, round 24").
+the very steps where drafting pays least (docs/benchmarks/adaptive.md).
 Each further depth of each request is one candidate, worth its survival per added row; candidates are taken best
 first (never depth j + 1 before depth j), and the prefix with the most tokens per second wins, the empty prefix (no
 drafts) among them. A tree setting drafts `num_nodes[j]` nodes at depth j: the config's num_draft_tokens - 1 scaled
@@ -28,7 +28,7 @@ before they are verified, and its calibrated probability of a path is a better e
 path's survival than any history. A node repays its row when that survival is at least the step's rate (tokens per
 second) times what one more row costs, so each budget carries that as `min_log_survival` and the head keeps no node
 below it (drafters/confidence.py, the confidence cut). A request's few recent verify steps are noise beside the head's
-calibrated probability of the draft in hand (benchmarks/RESULTS.md, "Adaptive speculation, round 23").
+calibrated probability of the draft in hand.
 """
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ class AdaptivePolicy:
         its prediction and measure go to the summary, and what it took beyond the table's forward to the learned
         overhead, unless it computed a prefill chunk: the table prices a chunk's attention at its measured context,
         above most prompts', which would pull the overhead below what decode steps, where drafting is chosen, take
-        (benchmarks/RESULTS.md, "Adaptive speculation", rounds 23 and 24: predicted against measured step time)."""
+        (docs/benchmarks/adaptive.md: predicted against measured step time)."""
         totals = self.timings[next(b for b in ROW_BUCKETS if num_rows <= b)]
         forward = self.step_cost.predict(num_rows, num_seqs, num_logits_rows)
         totals[0] += 1
@@ -194,8 +194,7 @@ class AdaptivePolicy:
 def prior(stats) -> list[float]:
     """The drafter's conditional acceptance per depth over every request so far (serving.spec_decode.metrics.AcceptanceStats),
     drawn toward PRIOR at depth 1 and toward 1 deeper, as if found in PRIOR_TRIES further tries: once a draft was
-    right the next one is right more often (conditional acceptance grows with depth: benchmarks/RESULTS.md,
-    "Adaptive speculation, round 23", "Prior"), and a depth tried too seldom to tell must be tried to be learnt;
+    right the next one is right more often (conditional acceptance grows with depth), and a depth tried too seldom to tell must be tried to be learnt;
     its cost is bounded by the survival to the depth before."""
     return [(p["accepted"] + (PRIOR if p["position"] == 1 else 1.0) * PRIOR_TRIES) / (p["reached"] + PRIOR_TRIES)
             for p in stats.per_position()]

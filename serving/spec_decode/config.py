@@ -61,7 +61,7 @@ class SpeculativeConfig:
     # Jacobi window's width W, the n-gram size N (the window keeps N - 1 levels; candidates are N - 1 tokens after the
     # newest one) and the most candidates G verified per step. Defaults: the paper's setting for its smallest models
     # (Llama-2-7B: W 15, N 5, G 15, also llama.cpp's example); each step computes (W - 1) + (N - 2) W window rows
-    # and up to G (N - 1) candidate nodes, so on a few CPU cores small W and G pay (benchmarks/RESULTS.md).
+    # and up to G (N - 1) candidate nodes, so on a few CPU cores small W and G pay (docs/benchmarks/suffix-lookahead.md).
     window: int | None = None
     ngram: int | None = None
     max_candidates: int | None = None

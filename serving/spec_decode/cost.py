@@ -6,9 +6,8 @@ with f piecewise linear through times measured at engine start over the rows of 
 (a draft tree, less its further logits rows: the linear layers, which dominate, cost the same for any shape of the
 same rows; past LONG_ROWS a prefill chunk, which is what steps of that many rows are), per_logits_row the difference
 between a chunk with logits on every row and one with a single row of logits (the vocabulary projection, which a
-verify row pays and a prefill row does not; benchmarks/RESULTS.md, "Adaptive speculation, round 24", has its
-share of a row), and per_seq fitted on one row for each of several sequences (the extra attention and bookkeeping
-a sequence brings). A verify step computes logits on every row, a prefill chunk on its last row at most.
+verify row pays and a prefill row does not), and per_seq fitted on one row for each of several sequences (the
+extra attention and bookkeeping a sequence brings). A verify step computes logits on every row, a prefill chunk on its last row at most.
 Each time is the fastest of a few interleaved repeats, and no more than any larger step's: another process on the
 same cores only ever slows a run.
 The context is fixed at measurement (`context`): on the CPU attention over a few hundred tokens is a small part of

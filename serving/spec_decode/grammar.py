@@ -7,7 +7,7 @@ the way up, so a tree needs no copies of the matcher and leaves it as it found i
   them; a consume and a rollback per node kept; with grammar drafts, one forced-token query at the newest token and
   one per leaf of the drafter's tree;
 - `row_masks` (when verifying): n + 1 bitmasks (one per verified row), n consumes and n rollbacks.
-What that costs beside a step is measured in benchmarks/RESULTS.md (issue 43).
+What that costs beside a step: docs/benchmarks/structured-outputs.md.
 
 Forbidden drafts: a node whose token its parent's state forbids is cut with its subtree before the tree is
 scheduled, so it is never verified nor counted as proposed; the nodes cut are the step's `num_invalid_spec_tokens`.

@@ -1,4 +1,4 @@
-"""Acceptance counts, as DESIGN.md "Measuring acceptance" defines them.
+"""Acceptance counts, as docs/design.md ("Measuring acceptance") defines them.
 
 Positions are tree depths. For every verify step whose tree reaches depth d, positions 1..d: `proposed_i` (the
 tree reaches depth i), `reached_i` (the accepted path reached depth i - 1 at a node with children, so depth i was

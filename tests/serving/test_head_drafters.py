@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import pytest
 import torch
@@ -40,13 +41,15 @@ import heads
 from heads.attention import DenseCausalAttention, sdpa_gqa
 from serving import targets
 from serving.drafters.base import DraftBudget
-from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.spec_decode.config import SpeculativeConfig
 from serving.spec_decode.speculator import Speculator
 from serving.spec_decode.tree import DraftTree
 from serving.targets import build_tiny_model
+
+import engine_helpers
+from engine_helpers import assert_pool_idle, greedy
 
 K = 3  # drafts per step everywhere
 VOCAB = 256  # the conftest targets' vocabulary
@@ -60,39 +63,20 @@ KINDS = ("medusa", "eagle", "eagle3", "mtp")
 
 
 def random_prompts(lengths, seed, vocab=VOCAB):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    return engine_helpers.random_prompts(lengths, seed, vocab, low=3)
 
 
-def greedy(max_tokens):
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-
-
-def make_engine(folder, spec=None, **kwargs) -> Engine:
-    settings = dict(block_size=4, num_blocks=256, max_model_len=128)
-    settings.update(kwargs)
-    return Engine(EngineConfig(str(folder), speculative_config=spec, **settings))
+# a small block size, so that prompts and drafts cross block boundaries
+make_engine = partial(engine_helpers.make_engine, block_size=4, num_blocks=256, max_model_len=128)
 
 
 def spec_config(kind, head_dir, k=K):
     return {"method": kind, "model": str(head_dir), "num_speculative_tokens": k}
 
 
-_PLAIN: dict = {}
-
-
 def plain_outputs(folder, prompts, max_tokens) -> list[list[int]]:
     """Greedy outputs of the engine without speculation, roomy pool, default token budget; memoized."""
-    key = (str(folder), tuple(map(tuple, prompts)), max_tokens)
-    if key not in _PLAIN:
-        _PLAIN[key] = [o.token_ids for o in make_engine(folder).generate(prompts, greedy(max_tokens))]
-    return _PLAIN[key]
-
-
-def assert_pool_idle(engine):
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    return engine_helpers.plain_outputs(folder, prompts, greedy(max_tokens), block_size=4, num_blocks=256)
 
 
 def target_parts(folder):

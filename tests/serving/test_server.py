@@ -331,6 +331,7 @@ def test_bench_serve_command_writes_its_report(server, prompts_file, tmp_path, c
     assert "is not a URL" in capsys.readouterr().err
 
 
+@pytest.mark.e2e  # two server processes and a load run
 def test_serve_and_bench_starts_measures_and_stops_both_servers(target, prompts_file, tmp_path):
     """The function `make demo` calls: the real command twice, speculative and plain."""
     report = serve_and_bench(str(target), {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -343,6 +344,7 @@ def test_serve_and_bench_starts_measures_and_stops_both_servers(target, prompts_
     assert report["ratios"]["output_throughput"] > 0 and (tmp_path / "latency.png").is_file()
 
 
+@pytest.mark.e2e  # a server process, stopped mid-run
 def test_sigterm_mid_run_exits_zero_without_traceback(target):
     """The real command: requests too long to finish in the shutdown timeout are in flight when SIGTERM comes."""
     timeout = 2.0

@@ -25,14 +25,15 @@ from transformers import AutoModelForCausalLM
 
 from serving.attention import KVCache, PagedAttention, PagedMetadata
 from serving.drafters.base import Drafter
-from serving.config import EngineConfig
-from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.sampler import target_probs
 from serving.spec_decode.config import SpeculativeConfig
 from serving.spec_decode.tree import DraftTree
 from serving.spec_decode.verify import verify_greedy, verify_sampled
 from serving.targets import build_tiny_model
+
+import engine_helpers
+from engine_helpers import assert_pool_idle, make_engine, random_prompts
 
 VOCAB = 256
 LENGTHS = (3, 7, 12, 18, 25, 33, 41, 50)  # 8 prompts of different lengths
@@ -41,37 +42,9 @@ LENGTHS = (3, 7, 12, 18, 25, 33, 41, 50)  # 8 prompts of different lengths
 # ---- helpers -----------------------------------------------------------------------------------------
 
 
-def random_prompts(lengths, seed, vocab=VOCAB):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def make_engine(folder, spec=None, *, block_size=16, num_blocks=None, max_model_len=128, **kwargs) -> Engine:
-    if num_blocks is None:
-        num_blocks = -(-4096 // block_size)
-    return Engine(EngineConfig(str(folder), block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
-                  speculative_config=spec, **kwargs))
-
-
-_PLAIN: dict = {}
-
-
 def plain_outputs(folder, prompts, params) -> list[list[int]]:
     """Greedy (or seeded) outputs of the engine without speculation; memoized."""
-    params_list = params if isinstance(params, list) else [params] * len(prompts)
-    key = (str(folder), tuple(map(tuple, prompts)), tuple(repr(p) for p in params_list))
-    if key not in _PLAIN:
-        engine = make_engine(folder, max_model_len=256)
-        _PLAIN[key] = [o.token_ids for o in engine.generate(prompts, params_list)]
-    return _PLAIN[key]
-
-
-def assert_pool_idle(engine):
-    """Every request finished: no block is held, rollback and draft reservations leaked nothing."""
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-    assert not any(bm.ref_counts)
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    return engine_helpers.plain_outputs(folder, prompts, params, max_model_len=256)
 
 
 class OracleStub(Drafter):

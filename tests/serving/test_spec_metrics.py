@@ -1,4 +1,4 @@
-"""Acceptance metrics (DESIGN.md "Measuring acceptance"): `AcceptanceStats.record` / `merge` on hand-made
+"""Acceptance metrics (docs/design.md, "Measuring acceptance"): `AcceptanceStats.record` / `merge` on hand-made
 steps, then the real engine driven by stub drafters with a known accept pattern (never, always, the first
 two), whose per-request and engine-level counts must equal what the step schedule implies by hand.
 
@@ -12,7 +12,6 @@ path [0 .. a - 1].
 from __future__ import annotations
 
 import pytest
-import torch
 
 from serving.drafters.base import DraftBudget, Drafter
 from serving.config import EngineConfig
@@ -20,6 +19,8 @@ from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.spec_decode.metrics import AcceptanceStats
 from serving.spec_decode.tree import DraftTree
+
+from engine_helpers import random_prompts
 
 VOCAB = 256
 
@@ -68,7 +69,7 @@ def test_record_counts_per_position_by_hand():
 
 
 def test_survival_is_vllms_per_position_rate(tiny_llama):
-    """DESIGN.md: survival is `accepted_i / steps`, "vLLM's per-position definition", which vLLM computes as
+    """docs/design.md: survival is `accepted_i / steps`, "vLLM's per-position definition", which vLLM computes as
     spec_decode_num_accepted_tokens_per_pos[i] / spec_decode_num_drafts: over steps that carried drafts. A
     verify step without drafts (nothing proposed, or max_tokens leaves no room) has no position to survive."""
     # the same steps with and without a draft-less one: survival must not change
@@ -206,7 +207,7 @@ def schedule(pattern: str, max_tokens: int, k: int) -> list[tuple[int, int, int]
 
 
 def expected_summary(steps, k) -> dict:
-    """The counts and ratios of DESIGN.md, from the step list, without AcceptanceStats."""
+    """The counts and ratios of docs/design.md, from the step list, without AcceptanceStats."""
     proposed = [sum(d > i for d, _, _ in steps) for i in range(k)]
     reached = [sum(d > i and a >= i for d, a, _ in steps) for i in range(k)]
     accepted = [sum(a > i for _, a, _ in steps) for i in range(k)]
@@ -244,11 +245,6 @@ def assert_summary(actual: dict, expected: dict):
     assert set(actual) == set(expected)
     for key, value in expected.items():
         assert actual[key] == pytest.approx(value), key
-
-
-def random_prompts(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 def run(folder, pattern, prompts, max_tokens, k, block_size=16):

@@ -175,6 +175,7 @@ def test_loss_mask_of_all_turns_is_exactly_the_answers_in_the_chat_templates_ren
     assert num_checked >= 2
 
 
+@pytest.mark.e2e  # a generate process, killed and rerun
 def test_killed_run_resumes_to_the_uninterrupted_store(tmp_path):
     prompts = write_prompts(tmp_path / "prompts.jsonl", [{"id": f"p{i}", "prompt": f"Count to {i}."} for i in range(8)])
     options = ["--target", "debug", "--prompts", str(prompts), "--max-new-tokens", "32", "--concurrency", "1",

@@ -7,7 +7,7 @@ target's own tokens, and chain verification of k drafts then emits on average
 
     tau = 1 + sum_{i=1..k} prod_{j<=i} acc_j
 
-tokens per step (DESIGN.md, "Measuring acceptance"). That formula scores a chain from every answer position alike;
+tokens per step (docs/design.md, "Measuring acceptance"). That formula scores a chain from every answer position alike;
 the engine starts each chain where the previous one ended (a + 1 tokens on after a accepted drafts), which falls
 on harder positions more often. tau_walk follows the engine: along each example, a chain at the first anchor
 whose first label is an answer token, then at the anchor a + 1 further, emitted tokens over chains. On answers
