@@ -13,7 +13,6 @@ import time
 import torch
 
 from serving.config import EngineConfig
-from serving.drafters.base import PooledDrafter
 from serving.engine import Engine
 from serving.bench.prompts import first_turn, load_prompts
 from serving.request import SamplingParams
@@ -65,8 +64,7 @@ def main() -> None:
     drafters = [Timer() for _ in configs]
     for speculator, drafter in zip(speculators, drafters):
         if speculator:
-            pooled = isinstance(speculator.drafter, PooledDrafter)  # its catch-up runs before propose
-            for name in ("observe", "catch_up", "propose") if pooled else ("observe", "propose"):
+            for name in ("observe", "catch_up", "propose"):  # the catch-up runs before propose
                 drafter.wrap(speculator.drafter, name)
         engine.use_speculator(speculator)
         engine.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up
