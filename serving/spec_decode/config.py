@@ -77,7 +77,7 @@ class SpeculativeConfig:
     # num_speculative_tokens and num_draft_tokens) wherever its tree's score, the tokens its frequencies expect
     # accepted, is at least suffix_first_min_score, and by the head elsewhere: Arctic Inference's hybrid rule,
     # whose threshold is the head's draft length; 1 here, above what a head trained on little data expects from a
-    # step (serving/drafters/suffix_first.py).
+    # step (serving/drafters/fallback.py).
     suffix_first: bool = False
     suffix_first_min_score: float = 1.0
     # any method: no drafts in a step where more than this many requests are running (as vLLM's): past a few

@@ -1,4 +1,4 @@
-"""Suffix decoding (serving/drafters/suffix_tree.py, suffix.py, suffix_first.py).
+"""Suffix decoding (serving/drafters/suffix_tree.py, suffix.py, fallback.py).
 
 1. The suffix tree against brute force: after random sequences are appended in random pieces (and some removed),
    every node's count is the number of occurrences of its path (at most max_depth tokens) in the sequences held, and
