@@ -18,11 +18,11 @@ from transformers import AutoTokenizer
 from serving.engine import Engine
 from serving.model import ModelConfig
 from serving.request import SamplingParams
-from training.data.answers import DatasetAnswers, EndpointAnswers
+from training.data.answers import DatasetAnswers, EndpointAnswers, FailureLimits
 from training.data.endpoint import Endpoint
 from training.data.store import HIDDEN_DTYPE, StoreWriter, tensor_keys
 
-OUTCOMES = ("too long", "dropped", "unanswered")
+OUTCOMES = ("too long", "dropped", "unanswered", "failed")
 
 
 class Capture:
@@ -74,6 +74,7 @@ class TeacherForcedGeneration:
         skipped = writer.done_ids | set(self.answer_ids["dropped"])
         self.todo = [row for row in rows if row["id"] not in skipped]
         self.outcomes = Counter()
+        self.failures: dict[str, str] = {}  # conversation id -> why the endpoint did not answer it; a rerun asks again
         self.num_answer_tokens = 0
         self.elapsed_s = 0.0
 
@@ -98,7 +99,8 @@ class TeacherForcedGeneration:
             source = EndpointAnswers(self.endpoint, self.todo, tokenizer, model.eos_token_ids,
                                      max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                      top_p=config.top_p, seed=config.seed, max_len=max_len,
-                                     concurrency=config.endpoint_concurrency)
+                                     concurrency=config.endpoint_concurrency,
+                                     limits=FailureLimits(config.endpoint_failure_share, config.endpoint_failures_in_a_row))
         engine = None
         if self.keys:
             engine = config.engine(self.folder, self.aux_layers, capture_hidden=True, max_model_len=max_len + 1)
@@ -122,6 +124,7 @@ class TeacherForcedGeneration:
                 self.elapsed_s = time.perf_counter() - start
         finally:
             source.close()
+            self.failures = source.failures
             bar.close()
             self._note()
         if source.error is not None:
