@@ -3,7 +3,8 @@
 Every field a body may carry is declared; any other is refused by name (`extra="forbid"`), so a client never
 believes a sampling option took effect when it did not. Beside OpenAI's fields they take vLLM's extra sampling
 fields (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos) and return_token_ids. `user` is accepted and
-ignored: it only labels the caller. Ranges are checked once, by SamplingParams.
+ignored: it only labels the caller. Ranges are checked once, by SamplingParams. `n` samples run as n sequences; with
+a seed, sample i draws from seed + i, as vLLM's do.
 
 Structured outputs: OpenAI's `response_format` ({"type": "text"}, {"type": "json_object"}, {"type": "json_schema",
 "json_schema": {"name", "schema", "strict"}}) and vLLM's `structured_outputs` (json, json_object, regex, choice,
@@ -12,11 +13,12 @@ A bad schema or grammar is a 400 naming it (the compile error in the message).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.request import SamplingParams
+from serving.request import MAX_TOP_LOGPROBS, SamplingParams
 from serving.structured_output import StructuredOutputs
 
 
@@ -121,8 +123,8 @@ class SamplingFields(StrictModel):
     grammar_drafts: bool | None = None  # ours: draft the tokens the grammar forces (default on with a grammar)
 
     def check(self) -> None:
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported: this server returns one choice per request (n=1)", "n")
+        if self.n < 1:
+            raise APIError(400, f"n={self.n} is invalid: ask for at least one choice", "n")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
         if self.return_token_ids and self.stream:
@@ -144,7 +146,14 @@ class SamplingFields(StrictModel):
             return self.response_format.structured_outputs(), "response_format"
         return None, None
 
-    def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
+    def samples(self, max_tokens: int, logprobs: bool, top_logprobs: int) -> list[SamplingParams]:
+        """The n samples' params: the same but for the seed, seed + i for sample i where a seed is given."""
+        params = self.sampling_params(max_tokens, logprobs, top_logprobs)
+        if params.seed is None:
+            return [params] * self.n
+        return [dataclasses.replace(params, seed=(params.seed + i) % 2**64) for i in range(self.n)]
+
+    def sampling_params(self, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
         structured, structured_field = self.structured()
         try:
             structured = None if structured is None else StructuredOutputs.from_dict(structured)
@@ -156,6 +165,7 @@ class SamplingFields(StrictModel):
                 top_k=0 if self.top_k == -1 else self.top_k, min_p=self.min_p, seed=self.seed,
                 repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias, logprobs=logprobs,
+                top_logprobs=top_logprobs,
                 stop=self.stop or None, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 structured_outputs=structured, grammar_drafts=self.grammar_drafts)
         except ValueError as error:
@@ -173,9 +183,11 @@ class ChatCompletionRequest(SamplingFields):
         super().check()
         if not self.messages:
             raise APIError(400, "messages is empty: give at least one message", "messages")
-        if self.top_logprobs:
-            raise APIError(400, f"top_logprobs={self.top_logprobs} is not supported: only the sampled token's "
-                                "logprob is returned (logprobs: true, top_logprobs: 0)", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs={self.top_logprobs} is invalid: ask for 0 to {MAX_TOP_LOGPROBS}",
+                           "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
@@ -191,9 +203,9 @@ class CompletionRequest(SamplingFields):
 
     def check(self) -> None:
         super().check()
-        if self.logprobs:
-            raise APIError(400, f"logprobs={self.logprobs} is not supported: only the sampled token's logprob is "
-                                "returned (logprobs: 0)", "logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"logprobs={self.logprobs} is invalid: ask for 0 to {MAX_TOP_LOGPROBS} alternatives",
+                           "logprobs")
         if self.echo:
             raise APIError(400, "echo is not supported", "echo")
         if not self.prompt:

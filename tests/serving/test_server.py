@@ -197,8 +197,9 @@ BAD_REQUESTS = [  # (path, body (raw bytes are sent as they are), status, words 
     ("/v1/chat/completions", chat(top_p=0), 400, "top_p=0.0 is invalid", "top_p"),
     ("/v1/chat/completions", chat(top_p=1.5), 400, "top_p=1.5 is invalid", "top_p"),
     ("/v1/chat/completions", chat(best_of=2), 400, "unknown field 'best_of'", "best_of"),
-    ("/v1/chat/completions", chat(n=2), 400, "n=2 is not supported", "n"),
-    ("/v1/chat/completions", chat(top_logprobs=3), 400, "top_logprobs=3 is not supported", "top_logprobs"),
+    ("/v1/chat/completions", chat(n=0), 400, "n=0 is invalid", "n"),
+    ("/v1/chat/completions", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs=21 is invalid", "top_logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs=21 is invalid", "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": [100] * 300}, 400,
      "the prompt has 300 tokens but max_model_len is 256", "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [100] * 100, "max_tokens": 200}, 400,
@@ -219,8 +220,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, off
             assert words in error["message"], (body, error)
             assert set(error) == {"message", "type", "param", "code"}
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="n=3 is not supported"):
-        client.chat.completions.create(model=MODEL, messages=PROMPTS[0], n=3)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
+        client.chat.completions.create(model=MODEL, messages=PROMPTS[0], top_logprobs=2)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="davinci", prompt="hi")
     answer = client.chat.completions.create(model=MODEL, messages=PROMPTS[3], max_tokens=MAX_TOKENS[3], temperature=0)
@@ -246,7 +247,7 @@ def test_stop_strings_logprobs_and_token_prompts_match_the_engine(server, offlin
                                                    logprobs=True)
     content = with_logprobs.choices[0].logprobs.content
     assert len(content) == with_logprobs.usage.completion_tokens == 16 and all(t.logprob <= 0 for t in content)
-    assert with_logprobs.usage.model_extra["speculative"]["spec_decode_num_drafts"] == 0  # served plain
+    assert with_logprobs.usage.model_extra["speculative"]["spec_decode_num_drafts"] > 0  # speculated
 
     ids = [17, 923, 4411, 88, 2045, 301]
     text = client.completions.create(model=MODEL, prompt=ids, max_tokens=20, temperature=0).choices[0].text
@@ -254,6 +255,127 @@ def test_stop_strings_logprobs_and_token_prompts_match_the_engine(server, offlin
     seeded = [client.completions.create(model=MODEL, prompt="Once upon", max_tokens=12, temperature=0.8, seed=5)
               .choices[0].text for _ in range(2)]
     assert seeded[0] == seeded[1]
+
+
+def test_top_logprobs_speculate_and_are_plain_decodings_streamed_and_whole(server, offline):
+    """The logprobs are the target's at the verified rows: those plain decoding gives, alternatives included."""
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    expected = offline(PROMPTS[9], 20, temperature=0, logprobs=True, top_logprobs=3)
+    tokenizer = client_tokenizer(server)
+    whole = client.chat.completions.create(model=MODEL, messages=PROMPTS[9], max_tokens=20, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    streamed = client.chat.completions.create(model=MODEL, messages=PROMPTS[9], max_tokens=20, temperature=0,
+                                              logprobs=True, top_logprobs=3, stream=True,
+                                              stream_options={"include_usage": True})
+    chunks = list(streamed)
+    streamed_content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    for content in (whole.choices[0].logprobs.content, streamed_content):
+        assert [t.token for t in content] == [tokenizer.decode([t]) for t in expected.token_ids]
+        torch.testing.assert_close(torch.tensor([t.logprob for t in content]), torch.tensor(expected.logprobs),
+                                   atol=1e-4, rtol=1e-4)
+        assert [[a.token for a in t.top_logprobs] for t in content] == [
+            [tokenizer.decode([a]) for a, _ in row] for row in expected.top_logprobs]
+        torch.testing.assert_close(torch.tensor([[a.logprob for a in t.top_logprobs] for t in content]),
+                                   torch.tensor([[lp for _, lp in row] for row in expected.top_logprobs]),
+                                   atol=1e-4, rtol=1e-4)
+    for usage in (whole.usage, chunks[-1].usage):
+        assert usage.model_extra["speculative"]["spec_decode_num_drafts"] > 0
+
+    completion = client.completions.create(model=MODEL, prompt=expected.prompt_token_ids, max_tokens=20,
+                                           temperature=0, logprobs=2).choices[0]
+    assert completion.text == expected.text
+    torch.testing.assert_close(torch.tensor(completion.logprobs.token_logprobs), torch.tensor(expected.logprobs),
+                               atol=1e-4, rtol=1e-4)
+    for alternatives, token, row in zip(completion.logprobs.top_logprobs, completion.logprobs.tokens,
+                                        expected.top_logprobs):
+        assert set(alternatives) == {token} | {tokenizer.decode([a]) for a, _ in row[:2]}
+
+
+def client_tokenizer(server):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(server[1].engine.folder)
+
+
+def test_n_samples_share_the_prompt_and_each_is_a_request_of_its_own(server, offline):
+    """n=2: each choice is what one request gives (greedy: plain decoding's; seeded: seed + i's), the siblings read
+    the prompt's blocks from the prefix cache, usage sums the samples and lists each one's acceptance."""
+    url, loop = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    cached = {}
+    engine = loop.engine
+    output = engine.output
+
+    def spy(request):
+        cached[request.request_id] = request.num_cached_tokens
+        return output(request)
+
+    engine.output = spy
+    try:
+        expected = offline(PROMPTS[10], 24, temperature=0)
+        whole = client.chat.completions.create(model=MODEL, messages=PROMPTS[10], max_tokens=24, temperature=0, n=2)
+        assert [c.index for c in whole.choices] == [0, 1]
+        assert [c.message.content for c in whole.choices] == [expected.text] * 2
+        usage = whole.usage
+        assert usage.prompt_tokens == len(expected.prompt_token_ids)
+        assert usage.completion_tokens == 2 * len(expected.token_ids)
+        spec = usage.model_extra["speculative"]
+        assert len(spec["samples"]) == 2 and spec["spec_decode_num_drafts"] == sum(
+            s["spec_decode_num_drafts"] for s in spec["samples"]) > 0
+        block_size = engine.block_size
+        assert cached[f"{whole.id}-1"] == len(expected.prompt_token_ids) // block_size * block_size > 0
+
+        streamed = client.chat.completions.create(model=MODEL, messages=PROMPTS[10], max_tokens=24, temperature=0,
+                                                  n=2, stream=True, stream_options={"include_usage": True})
+        texts, finish_reasons, usage = ["", ""], [None, None], None
+        for chunk in streamed:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+                finish_reasons[choice.index] = choice.finish_reason or finish_reasons[choice.index]
+        assert texts == [expected.text] * 2 and finish_reasons == [expected.finish_reason] * 2
+        assert usage.completion_tokens == 2 * len(expected.token_ids)
+
+        pair = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0.9,
+                                         seed=11, n=2)
+        alone = [client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0.9,
+                                           seed=seed).choices[0].text for seed in (11, 12)]
+        assert [c.text for c in pair.choices] == alone and alone[0] != alone[1]
+    finally:
+        del engine.output
+    assert engine_state(loop)[1:] == (0, False)
+
+
+def test_n_samples_with_a_drafter_keep_the_target_law(v8_target, tmp_path_factory):
+    """n samples of one request, each speculating with a sampling drafter: every position's law is the target's
+    (total variation within the noise floor of 3,000 draws)."""
+    from test_spec import exact_marginals, tv
+    from transformers import AutoModelForCausalLM
+
+    draft = targets.build_tiny_model(tmp_path_factory.mktemp("v8_draft_n"), "llama", seed=1, vocab_size=8,
+                                     initializer_range=0.3)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2, "draft_temperature": 1.0}
+    engine = Engine(EngineConfig(str(v8_target), block_size=4, num_blocks=2048, max_model_len=64, max_num_seqs=128,
+                                 max_num_batched_tokens=4096, speculative_config=spec))
+    prompt, depth, n, num_requests = [3, 5, 1, 7, 2, 2, 6, 0, 4], 4, 150, 20
+    with running(build_app(engine, MODEL)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        answers = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=depth, temperature=1.0, n=n,
+                                             seed=i * n, extra_body={"ignore_eos": True, "return_token_ids": True})
+                   for i in range(num_requests)]
+    tokens = torch.tensor([c.model_extra["token_ids"] for a in answers for c in a.choices])
+    assert tokens.shape == (n * num_requests, depth)
+    spec_usage = [a.usage.model_extra["speculative"] for a in answers]
+    assert all(len(s["samples"]) == n for s in spec_usage)
+    accepted = sum(s["spec_decode_num_accepted_tokens"] for s in spec_usage)
+    assert 0 < accepted < sum(s["spec_decode_num_draft_tokens"] for s in spec_usage)
+    hf = AutoModelForCausalLM.from_pretrained(v8_target, dtype=torch.float32).eval()
+    laws = exact_marginals(hf, prompt, SamplingParams(temperature=1.0, max_tokens=depth), depth)
+    distances = [tv(torch.bincount(tokens[:, j], minlength=8), laws[j]) for j in range(depth)]
+    # seeded noise over 3,000 draws is ~0.015; a wrong law reaches ~0.08
+    assert max(distances) < 0.05, f"TV per generated position {distances}"
+    assert float(laws[0].max()) > 0.2
 
 
 def test_detokenizer_deltas_add_up_to_the_final_text():
