@@ -369,13 +369,14 @@ def _max_model_len(asked, model_max: int) -> int:
     return asked
 
 
-def encode(tokenizer, prompt, folder: Path) -> list[int]:
+def encode(tokenizer, prompt, folder: Path, tools: list[dict] | None = None) -> list[int]:
     """A prompt as token ids: token ids as they are, a string tokenized without special tokens, chat messages rendered by
-    the target's chat template. `folder` names the target in errors."""
+    the target's chat template (with `tools`, OpenAI's function definitions, where given). `folder` names the target
+    in errors."""
     if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
         if tokenizer is None or not tokenizer.chat_template:
             raise ValueError(f"target {folder} has no chat template: pass a string or token ids")
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(list(prompt), tools=tools, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
     if isinstance(prompt, str):
         if tokenizer is None:

@@ -26,6 +26,7 @@ from serving.server.detokenizer import Detokenizer
 from serving.server.loop import Accepted, EngineLoop, Failed, Finished, Stream, Tokens
 from serving.server.metrics import ServerMetrics
 from serving.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, parse
+from serving.server.tools import ToolCalls, tool_call_parser
 from serving.spec_decode.metrics import AcceptanceStats
 
 log = logging.getLogger(__name__)
@@ -78,14 +79,19 @@ class OpenAIServer:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(engine.folder)
+        self.tool_call_parser = tool_call_parser(self.tokenizer.chat_template if self.tokenizer else None)
 
     # ---- routes -------------------------------------------------------------------------------------
 
     async def chat(self, request: Request):
         body = parse(ChatCompletionRequest, await _json(request))
         self._check_model(body.model)
-        prompt_ids = self._encode([message.to_engine() for message in body.messages])
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        prompt_ids = self._encode([message.to_engine() for message in body.messages], tools)
         reply = Reply(self.model_name, chat=True, with_token_ids=body.return_token_ids)
+        if body.tool_mode != "none":
+            reply.tool_calls = [ToolCalls(body.tool_mode, body.tool_choice, self.tool_call_parser)
+                                for _ in range(body.n)]
         return await self._serve(request, body, prompt_ids, reply, body.logprobs, body.top_logprobs or 0)
 
     async def completions(self, request: Request):
@@ -117,10 +123,10 @@ class OpenAIServer:
             raise APIError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
-    def _encode(self, prompt) -> list[int]:
+    def _encode(self, prompt, tools: list[dict] | None = None) -> list[int]:
         """The engine's own rendering (serving.engine.encode), run with this thread's tokenizer."""
         try:
-            return encode(self.tokenizer, prompt, self.engine.folder)
+            return encode(self.tokenizer, prompt, self.engine.folder, tools)
         except ValueError as error:
             raise APIError(400, str(error), "messages" if isinstance(prompt, list) and prompt else "prompt") from None
 
@@ -206,17 +212,22 @@ class OpenAIServer:
                 detokenizer = detokenizers[index]
                 if isinstance(event, Tokens):
                     text = detokenizer.add(event.token_ids) if detokenizer else ""
+                    text, calls = reply.tool_calls[index].delta(text) if reply.tool_calls else (text, [])
                     logprobs = reply.logprobs(self.tokenizer, event.token_ids, event.logprobs, event.top_logprobs)
-                    if text or logprobs:
-                        yield _sse(reply.chunk(text=text, logprobs=logprobs, index=index))
+                    if text or logprobs or calls:
+                        yield _sse(reply.chunk(text=text, logprobs=logprobs, index=index, tool_calls=calls))
                 elif isinstance(event, Finished):
                     outputs[index] = event.output
-                    text = ""
+                    text, calls, finish_reason = "", [], event.output.finish_reason
                     if detokenizer:
                         text = detokenizer.add(event.token_ids) + detokenizer.finish(event.output.text)
+                    if reply.tool_calls:
+                        text, calls = reply.tool_calls[index].delta(text)
+                        rest, calls_left, finish_reason = reply.tool_calls[index].finish(finish_reason)
+                        text, calls = text + rest, calls + calls_left
                     logprobs = reply.logprobs(self.tokenizer, event.token_ids, event.logprobs, event.top_logprobs)
-                    yield _sse(reply.chunk(text=text, finish_reason=event.output.finish_reason, logprobs=logprobs,
-                                           index=index))
+                    yield _sse(reply.chunk(text=text, finish_reason=finish_reason, logprobs=logprobs, index=index,
+                                           tool_calls=calls))
                 elif isinstance(event, Failed):
                     failed = True
                     yield _sse(APIError(event.status, event.message).body())
@@ -277,6 +288,7 @@ class Reply:
     def __init__(self, model: str, chat: bool, with_token_ids: bool = False):
         self.model, self.chat, self.with_token_ids = model, chat, with_token_ids
         self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.tool_calls: list[ToolCalls] | None = None  # per choice, when the request reads tool calls
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
@@ -289,7 +301,11 @@ class Reply:
         for index, (output, output_logprobs) in enumerate(zip(outputs, logprobs)):
             choice = {"index": index, "logprobs": output_logprobs, "finish_reason": output.finish_reason}
             text = output.text
-            choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            if self.tool_calls:
+                content, calls, choice["finish_reason"] = self.tool_calls[index].whole(text, output.finish_reason)
+                choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            else:
+                choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
             if self.with_token_ids:  # vLLM's layout: the answer's ids (a stop token included) in the choice
                 choice["token_ids"] = list(output.token_ids)
             choices.append(choice)
@@ -300,10 +316,12 @@ class Reply:
         return {**self._envelope(self.object, choices), "prompt_token_ids": prompt_token_ids, "usage": usage}
 
     def chunk(self, text: str, finish_reason: str | None = None, logprobs=None, role: str | None = None,
-              index: int = 0) -> dict:
+              index: int = 0, tool_calls: list[dict] | None = None) -> dict:
         choice = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.chat:
             choice["delta"] = {"role": role, "content": text} if role else ({"content": text} if text else {})
+            if tool_calls:
+                choice["delta"]["tool_calls"] = tool_calls
         else:
             choice["text"] = text
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])

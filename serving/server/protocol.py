@@ -14,6 +14,7 @@ A bad schema or grammar is a 400 naming it (the compile error in the message).
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,14 +49,66 @@ class ContentPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(StrictModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None  # an assistant turn that called tools may have none
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def to_engine(self) -> dict:
-        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": self.role, "content": content}
+        """The message as chat templates read it (Hugging Face's layout: a call's arguments as an object)."""
+        content = self.content if isinstance(self.content, str) or self.content is None else "".join(
+            part.text for part in self.content)
+        message = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionDefinition(StrictModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none means any object
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JSONSchemaFormat(StrictModel):
@@ -178,9 +231,40 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are given
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: "required" calls one tool
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required or named: OpenAI's default is auto with tools and none without."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def structured(self) -> tuple[dict | None, str | None]:
+        """A named tool's arguments, or "required"'s list of calls, constrained by the tools' schemas."""
+        if self.tool_mode not in ("named", "required"):
+            return super().structured()
+        if self.response_format is not None and self.response_format.type != "text" \
+                or self.structured_outputs is not None:
+            raise APIError(400, f"tool_choice {self.tool_mode!r} constrains the answer to tool calls: drop "
+                                "response_format or structured_outputs", "tool_choice")
+        from serving.server.tools import tool_call_schema
+
+        return {"json": tool_call_schema(self.tools, self.tool_choice, self.parallel_tool_calls),
+                "disable_any_whitespace": True}, "tools"
 
     def check(self) -> None:
         super().check()
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise APIError(400, f"tool_choice {self.tool_mode!r} needs tools: give the functions in tools",
+                           "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
+                tool.function.name for tool in self.tools}:
+            raise APIError(400, f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
+                                f"among the tools ({', '.join(tool.function.name for tool in self.tools)})",
+                           "tool_choice")
         if not self.messages:
             raise APIError(400, "messages is empty: give at least one message", "messages")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:

@@ -378,6 +378,140 @@ def test_n_samples_with_a_drafter_keep_the_target_law(v8_target, tmp_path_factor
     assert float(laws[0].max()) > 0.2
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                     "unit": {"type": "string", "enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def streamed_tool_calls(stream) -> tuple[dict, str, object]:
+    """{index: (id, name, arguments joined)} of a streamed choice 0, its finish reason and the usage."""
+    calls, finish_reason, usage = {}, None, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            finish_reason = choice.finish_reason or finish_reason
+            for call in choice.delta.tool_calls or []:
+                known = calls.setdefault(call.index, [call.id, call.function.name, ""])
+                known[2] += call.function.arguments or ""
+    return {i: tuple(c) for i, c in calls.items()}, finish_reason, usage
+
+
+def test_named_and_required_tools_are_structured_outputs_that_speculate(server, offline):
+    """A named function's arguments and "required"'s calls are the schema-constrained answers plain decoding gives,
+    in OpenAI's shape, whole and streamed, with drafts verified."""
+    from serving.server.tools import tool_call_schema
+    from serving.server.protocol import NamedToolChoice, Tool
+
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "What is the weather in the capital of Italy?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    arguments = offline(messages, 48, temperature=0, structured_outputs={"json": WEATHER["function"]["parameters"],
+                                                                         "disable_any_whitespace": True})
+    assert arguments.finish_reason == "stop" and json.loads(arguments.text)["city"] in ("Paris", "Rome", "Oslo")
+    whole = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=named,
+                                           max_tokens=48, temperature=0)
+    choice = whole.choices[0]
+    [call] = choice.message.tool_calls
+    assert (call.type, call.function.name, call.function.arguments) == ("function", "get_weather", arguments.text)
+    assert call.id and choice.finish_reason == "stop" and not choice.message.content
+    assert whole.usage.model_extra["speculative"]["spec_decode_num_draft_tokens"] > 0
+    calls, finish_reason, _ = streamed_tool_calls(client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=named, max_tokens=48, temperature=0,
+        stream=True))
+    assert list(calls) == [0] and calls[0][1:] == ("get_weather", arguments.text) and finish_reason == "stop"
+
+    tools = [Tool.model_validate(WEATHER), Tool.model_validate(TIME)]
+    expected = offline(messages, 96, temperature=0, structured_outputs={
+        "json": tool_call_schema(tools, "required", False), "disable_any_whitespace": True})
+    assert expected.finish_reason == "stop"
+    expected_calls = [(c["name"], c["parameters"]) for c in json.loads(expected.text)]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
+                                           tool_choice="required", parallel_tool_calls=False, max_tokens=96,
+                                           temperature=0)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and expected_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == expected_calls
+    calls, finish_reason, _ = streamed_tool_calls(client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
+        max_tokens=96, temperature=0, stream=True))
+    assert [(name, json.loads(arguments)) for _, name, arguments in calls.values()] == expected_calls
+    assert finish_reason == "tool_calls"
+    assert NamedToolChoice.model_validate(named).function.name == "get_weather"
+
+    # a template that writes no calls this server can read: "auto" is refused, "none" answers as without tools
+    with pytest.raises(openai.BadRequestError, match='tool_choice "auto" needs a tool-call parser'):
+        client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+    plain = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=12, temperature=0).choices[0]
+    assert plain.message.content == offline(messages, 12, temperature=0).text and not plain.message.tool_calls
+    with pytest.raises(openai.BadRequestError, match="'get_date', which is not among the tools"):
+        client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "get_date"}})
+
+
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these functions:\n<tools>\n{%- for tool in tools %}\n"
+    "{{ tool | tojson }}{%- endfor %}\n</tools>\nCall one as <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call><|im_end|>\n{%- endif %}\n"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{%- for call in message.tool_calls or [] %}<tool_call>\n"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}\n</tool_call>{%- endfor %}"
+    "<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+def test_auto_tools_are_rendered_and_read_by_the_hermes_parser(target, speculative_config, tmp_path):
+    """A chat template with <tool_call> tags gets vLLM's hermes parser: the tools and earlier calls are rendered by
+    the template, and calls in the answer come back in OpenAI's shape, whole and streamed."""
+    import shutil
+    from transformers import AutoTokenizer
+
+    from serving.server.tools import ToolCalls, tool_call_parser
+
+    folder = tmp_path / "hermes"
+    shutil.copytree(target, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    assert tool_call_parser(HERMES_TEMPLATE) == "hermes" and tool_call_parser(None) is None
+
+    engine = Engine(EngineConfig(str(folder), max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS,
+                                 speculative_config=speculative_config))
+    messages = [{"role": "user", "content": "Weather in Rome?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call-1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": json.dumps({"city": "Rome", "unit": "C"})}}]},
+                {"role": "tool", "tool_call_id": "call-1", "content": "21 degrees"}]
+    rendered = tokenizer.apply_chat_template(
+        [{**m, "content": m["content"] or ""} | ({"tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
+            c["function"]["arguments"])}} for c in m["tool_calls"]]} if "tool_calls" in m else {}) for m in messages],
+        tools=[WEATHER], add_generation_prompt=True, tokenize=False)
+    assert '"get_weather"' in rendered and '<tool_call>\n{"name": "get_weather"' in rendered
+    expected = engine.generate([tokenizer.encode(rendered, add_special_tokens=False)],
+                               SamplingParams(max_tokens=12))[0]
+    with running(build_app(engine, MODEL)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=12,
+                                                temperature=0)
+    assert answer.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert answer.choices[0].message.content == expected.text and not answer.choices[0].message.tool_calls
+
+    text = 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "F"}}\n</tool_call>'
+    content, calls, finish_reason = ToolCalls("auto", None, "hermes").whole(text, "stop")
+    assert content == "Let me look." and finish_reason == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "F"})]
+    streaming = ToolCalls("auto", None, "hermes")
+    pieces = [streaming.delta(text[i:i + 3])[0] for i in range(0, len(text), 3)]
+    rest, calls, finish_reason = streaming.finish("stop")
+    assert "".join(pieces) + rest == "Let me look." and finish_reason == "tool_calls" and len(calls) == 1
+    assert ToolCalls("auto", None, "hermes").whole("No call here <tool", "length") == ("No call here <tool", [],
+                                                                                      "length")
+
+
 def test_detokenizer_deltas_add_up_to_the_final_text():
     from transformers import AutoTokenizer
 
