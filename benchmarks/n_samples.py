@@ -48,13 +48,15 @@ async def run_setting(url: str, setting: str, prompts, n: int, max_tokens: int) 
                 usages += await asyncio.gather(*(ask(client, messages, 1, 1000 * i + j, max_tokens) for j in range(n)))
             else:  # n different prompts at once, each prompt's turn starting a group
                 group = [prompts[(i + j) % len(prompts)] for j in range(n)]
-                usages += await asyncio.gather(*(ask(client, m, 1, 1000 * i + j, max_tokens) for j, m in enumerate(group)))
+                usages += await asyncio.gather(*(ask(client, m, 1, 1000 * i + j, max_tokens)
+                                                 for j, m in enumerate(group)))
         elapsed = time.perf_counter() - start
     stats = AcceptanceStats()
     for usage in usages:
         if "speculative" in usage:
             stats.merge(AcceptanceStats.from_dict(usage["speculative"]))
-    return {"tok_s": sum(u["completion_tokens"] for u in usages) / elapsed, "tau": stats.tau if stats.num_steps else None}
+    return {"tok_s": sum(u["completion_tokens"] for u in usages) / elapsed,
+            "tau": stats.tau if stats.num_steps else None}
 
 
 def main() -> None:

@@ -88,7 +88,7 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], k: int) -> tuple[list[
     temperature, as vLLM's default raw_logprobs). Returns each token's logprob, and the k likeliest tokens of each
     row with theirs, likeliest first."""
     logprobs = torch.log_softmax(rows.float(), -1)
-    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    chosen = logprobs[torch.arange(len(tokens), device=rows.device), torch.tensor(tokens, device=rows.device)].tolist()
     if not k:
         return chosen, [[] for _ in tokens]
     values, ids = logprobs.topk(k, -1)

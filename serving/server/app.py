@@ -303,7 +303,8 @@ class Reply:
             text = output.text
             if self.tool_calls:
                 content, calls, choice["finish_reason"] = self.tool_calls[index].whole(text, output.finish_reason)
-                choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                choice["message"] = {"role": "assistant", "content": content,
+                                     **({"tool_calls": calls} if calls else {})}
             else:
                 choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
             if self.with_token_ids:  # vLLM's layout: the answer's ids (a stop token included) in the choice

@@ -5,12 +5,11 @@ never touched from two threads.
 Between steps the loop empties the inbox, so a request joins the running batch at the next step after it arrives
 (continuous batching); with nothing in flight it sleeps on the inbox. The samples of one request (OpenAI's n) are
 sequences of their own over the same prompt: the first joins at once, the others once the first has computed its
-prompt, whose full blocks the prefix cache then shares with them (no prompt is computed twice). After each step every in-flight request's
-stream gets the tokens emitted to it since the last step; a finished request's last ones come with its
-RequestOutput. A step that
-raises fails every request in flight (they are aborted, their clients get a 500) and the loop goes on serving.
-Draining (on SIGTERM) refuses new requests and gives those in flight until a deadline, then fails them with a 503,
-so every response still ends properly.
+prompt, whose full blocks the prefix cache then shares with them (no prompt is computed twice). After each step
+every in-flight request's stream gets the tokens emitted to it since the last step; a finished request's last ones
+come with its RequestOutput. A step that raises fails every request in flight (they are aborted, their clients get
+a 500) and the loop goes on serving. Draining (on SIGTERM) refuses new requests and gives those in flight until a
+deadline, then fails them with a 503, so every response still ends properly.
 """
 from __future__ import annotations
 

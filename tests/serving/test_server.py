@@ -378,7 +378,8 @@ def test_n_samples_with_a_drafter_keep_the_target_law(v8_target, tmp_path_factor
     assert float(laws[0].max()) > 0.2
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
                                      "unit": {"type": "string", "enum": ["C", "F"]}},
     "required": ["city", "unit"], "additionalProperties": False}}}
@@ -485,10 +486,12 @@ def test_auto_tools_are_rendered_and_read_by_the_hermes_parser(target, speculati
                 {"role": "assistant", "content": None, "tool_calls": [{"id": "call-1", "type": "function", "function": {
                     "name": "get_weather", "arguments": json.dumps({"city": "Rome", "unit": "C"})}}]},
                 {"role": "tool", "tool_call_id": "call-1", "content": "21 degrees"}]
-    rendered = tokenizer.apply_chat_template(
-        [{**m, "content": m["content"] or ""} | ({"tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
-            c["function"]["arguments"])}} for c in m["tool_calls"]]} if "tool_calls" in m else {}) for m in messages],
-        tools=[WEATHER], add_generation_prompt=True, tokenize=False)
+    as_template_reads = [  # Hugging Face's layout: content a string, a call's arguments an object
+        {**m, "content": m["content"] or ""} | ({"tool_calls": [
+            {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+            for c in m["tool_calls"]]} if "tool_calls" in m else {}) for m in messages]
+    rendered = tokenizer.apply_chat_template(as_template_reads, tools=[WEATHER], add_generation_prompt=True,
+                                             tokenize=False)
     assert '"get_weather"' in rendered and '<tool_call>\n{"name": "get_weather"' in rendered
     expected = engine.generate([tokenizer.encode(rendered, add_special_tokens=False)],
                                SamplingParams(max_tokens=12))[0]

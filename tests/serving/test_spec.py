@@ -480,7 +480,8 @@ def test_requests_needing_history_decode_plainly_beside_speculating_ones(tiny_ll
             assert out.logprobs is not None and len(out.logprobs) == 30
             torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
         if ref.top_logprobs is not None:
-            assert [[t for t, _ in row] for row in out.top_logprobs] == [[t for t, _ in row] for row in ref.top_logprobs]
+            ids = [[t for t, _ in row] for row in out.top_logprobs]
+            assert ids == [[t for t, _ in row] for row in ref.top_logprobs]
             torch.testing.assert_close(torch.tensor([[lp for _, lp in row] for row in out.top_logprobs]),
                                        torch.tensor([[lp for _, lp in row] for row in ref.top_logprobs]),
                                        atol=1e-4, rtol=1e-4)

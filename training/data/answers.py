@@ -10,7 +10,8 @@
 
 Both yield (conversation id, outcome) pairs, an outcome being an example or why there is none: "too long" (the
 prompt does not fit in max_model_len, or in the endpoint's context), "dropped" (see above), "unanswered" (the dataset
-has no answer to the first turn) or "failed" (the endpoint refused the request, or failed it past its retries). Multi-turn conversations are laid out as generate.py lays out the target's own: ids concatenated turn by turn.
+has no answer to the first turn) or "failed" (the endpoint refused the request, or failed it past its retries).
+Multi-turn conversations are laid out as generate.py lays out the target's own: ids concatenated turn by turn.
 """
 from __future__ import annotations
 

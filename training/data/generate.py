@@ -404,7 +404,8 @@ def run(args: argparse.Namespace) -> int:
           f"{summary['num_answer_tokens']} answer tokens, {summary['num_bytes'] / 2**20:.1f} MiB on disk, "
           f"{summary['bytes_per_token_per_layer']:.0f} bytes per token per layer")
     print(f"this run: {summary['num_new_examples']} examples, {summary['num_new_answer_tokens']} answer tokens in {summary['elapsed_s']:.1f} s "
-          f"({summary['answer_tokens_per_s']:.1f} tok/s); {summary['num_skipped']} prompts longer than max_model_len skipped")
+          f"({summary['answer_tokens_per_s']:.1f} tok/s); {summary['num_skipped']} prompts longer than max_model_len "
+          "(or the endpoint's context) skipped")
     if "answer_ids" in summary:
         ids = summary["answer_ids"]
         print(f"answers in the store: {ids['num_token_ids']} as the endpoint's token ids, {ids['num_from_text']} as text "

@@ -100,7 +100,8 @@ class TeacherForcedGeneration:
                                      max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                      top_p=config.top_p, seed=config.seed, max_len=max_len,
                                      concurrency=config.endpoint_concurrency,
-                                     limits=FailureLimits(config.endpoint_failure_share, config.endpoint_failures_in_a_row))
+                                     limits=FailureLimits(config.endpoint_failure_share,
+                                                          config.endpoint_failures_in_a_row))
         engine = None
         if self.keys:
             engine = config.engine(self.folder, self.aux_layers, capture_hidden=True, max_model_len=max_len + 1)
