@@ -20,9 +20,10 @@ from serving.drafters.context import StepOutputs
 from serving.model import Model
 from serving.model_runner import ModelRunner, RunOutput
 from serving.request import Request, RequestOutput, SamplingParams
-from serving.sampler import make_generator, next_token
+from serving.sampler import make_generator, next_token, token_logprobs
 from serving.scheduler import Scheduler
 from serving.spec_decode.config import SpeculativeConfig
+from serving.spec_decode.grammar import row_masks
 from serving.spec_decode.speculator import Speculator
 from serving.structured_output import Grammars, mask_logits
 
@@ -227,16 +228,20 @@ class Engine:
             speculating = self.speculator is not None and self.speculator.can_speculate(request)
             num_before = request.num_tokens
             if speculating and request.spec.tree.num_rows:
+                tree = request.spec.tree
+                if request.params.logprobs and request.grammar is not None:  # before verify and _append move on
+                    logits = mask_logits(logits, row_masks(self.grammars, request.grammar, tree))
                 tree, path, tokens = self.speculator.verify(request, logits, best)
-                self._append(request, tokens, [None] * len(tokens))
+                # emitted token d came from the row of the path's node d - 1 (row 0: the newest token's)
+                self._append(request, tokens, logits[[0] + [1 + node for node in path]])
                 accepted_paths[request.request_id] = path
                 if is_decode:
                     self.speculator.record(request, tree, path, request.num_tokens - num_before)
             else:  # plain decoding, or a speculated step with no drafts
                 if request.grammar is not None:
                     logits, best = mask_logits(logits[:1], self.grammars.bitmask(request.grammar)), [None]
-                token, logprob = next_token(logits[0], request, request.generator, best[0])
-                self._append(request, [token], [logprob])
+                token = next_token(logits[0], request, request.generator, best[0])
+                self._append(request, [token], logits[:1])
                 if speculating and is_decode:  # counted as a verify step
                     self.speculator.record_undrafted(request, request.num_tokens - num_before)
         return accepted_paths
@@ -262,15 +267,18 @@ class Engine:
         if self.speculator and len(request.block_hashes) > num_before:
             self.speculator.registered(request, num_before)
 
-    def _append(self, request: Request, tokens: list[int], logprobs: list) -> None:
-        """Appends emitted tokens, stopping at the first that ends the request."""
+    def _append(self, request: Request, tokens: list[int], rows: torch.Tensor) -> None:
+        """Appends emitted tokens, stopping at the first that ends the request. rows: [len(tokens), vocab] the
+        target's logits each token was emitted from (its logprobs are read there, when asked)."""
         p = request.params
         if request.first_token_time is None:
             request.first_token_time = time.perf_counter()
-        for token, logprob in zip(tokens, logprobs):
+        logprobs, top = token_logprobs(rows, tokens, p.top_logprobs) if p.logprobs else ([], [])
+        for i, token in enumerate(tokens):
             request.token_ids.append(token)
-            if logprob is not None:
-                request.logprobs.append(logprob)
+            if p.logprobs:
+                request.logprobs.append(logprobs[i])
+                request.top_logprobs.append(top[i])
             if request.grammar is not None and not request.grammar.consume_token(token):
                 raise RuntimeError(f"request {request.request_id} emitted token {token}, which its grammar forbids: "
                                    f"{request.grammar.get_error()}")
@@ -310,7 +318,8 @@ class Engine:
             metrics["spec"] = request.spec.stats.to_dict()
         output = RequestOutput(request.request_id, request.token_ids[:request.num_prompt_tokens], request.output_token_ids,
                                text, request.finish_reason, request.is_finished,
-                               request.logprobs if request.params.logprobs else None, metrics)
+                               request.logprobs if request.params.logprobs else None, metrics=metrics,
+                               top_logprobs=request.top_logprobs if request.params.top_logprobs else None)
         if self.capture_hidden and request.is_finished:
             output.hidden = torch.cat([hidden for hidden, _ in request.captured])
             output.aux = {layer: torch.cat([aux[layer] for _, aux in request.captured]) for layer in self.aux_layers}
@@ -360,13 +369,14 @@ def _max_model_len(asked, model_max: int) -> int:
     return asked
 
 
-def encode(tokenizer, prompt, folder: Path) -> list[int]:
+def encode(tokenizer, prompt, folder: Path, tools: list[dict] | None = None) -> list[int]:
     """A prompt as token ids: token ids as they are, a string tokenized without special tokens, chat messages rendered by
-    the target's chat template. `folder` names the target in errors."""
+    the target's chat template (with `tools`, OpenAI's function definitions, where given). `folder` names the target
+    in errors."""
     if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
         if tokenizer is None or not tokenizer.chat_template:
             raise ValueError(f"target {folder} has no chat template: pass a string or token ids")
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(list(prompt), tools=tools, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
     if isinstance(prompt, str):
         if tokenizer is None:

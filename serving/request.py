@@ -10,6 +10,8 @@ from serving.spec_decode.metrics import AcceptanceStats
 from serving.spec_decode.tree import DraftTree
 from serving.structured_output import StructuredOutputs
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token at most, vLLM's default max_logprobs
+
 
 @dataclass
 class SamplingParams:
@@ -23,7 +25,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    # each emitted token's logprob under the target's distribution at its row (the grammar's mask applied, before
+    # penalties, biases and temperature: vLLM's raw_logprobs), and the top_logprobs most likely tokens there
     logprobs: bool = False
+    top_logprobs: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -67,6 +72,10 @@ class SamplingParams:
                 self.logit_bias = {int(token): float(bias) for token, bias in dict(self.logit_bias).items()}
             except (TypeError, ValueError):
                 bad("logit_bias", self.logit_bias, "a mapping of integer token ids to float biases")
+        if not integer(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            bad("top_logprobs", self.top_logprobs, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs and not self.logprobs:
+            bad("top_logprobs", self.top_logprobs, "0 unless logprobs is true")
         if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "a list of integer token ids")
         if isinstance(self.structured_outputs, dict):
@@ -87,13 +96,13 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """Penalties, biases and logprobs make a step depend on more than the target's distribution."""
+        """Penalties and biases make a step depend on more than the target's distribution (logprobs do not: they
+        read the target's row, whatever drew the token)."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or bool(self.logit_bias)
-            or self.logprobs
         )
 
 
@@ -144,6 +153,7 @@ class Request:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []  # per emitted token: (token, logprob), likeliest first
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -186,6 +196,7 @@ class RequestOutput:
     finish_reason: str | None
     finished: bool
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # with params.top_logprobs
     metrics: dict = field(default_factory=dict)  # timings, and acceptance counts when speculating
     hidden: object = None  # [prompt + output tokens, hidden] final hidden states (after the final norm), when captured
     aux: dict = field(default_factory=dict)  # layer id -> [prompt + output tokens, hidden], the input of that layer

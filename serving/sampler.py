@@ -72,15 +72,24 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor | float) -> int:
 
 
 def next_token(logits: torch.Tensor, request: Request, generator: torch.Generator | None,
-               argmax: int | None = None) -> tuple[int, float | None]:
-    """One token for one request from its logits row [vocab]; also its logprob when asked. `argmax`: the row's
-    argmax when the caller computed it for the whole batch at once."""
+               argmax: int | None = None) -> int:
+    """One token for one request from its logits row [vocab]. `argmax`: the row's argmax when the caller computed
+    it for the whole batch at once."""
     p = request.params
     if p.needs_history:
         logits, argmax = apply_penalties(logits, request), None
     if p.is_greedy:
-        token = int(logits.argmax()) if argmax is None else argmax
-    else:
-        token = sample(target_probs(logits[None], p)[0], generator)
-    logprob = float(torch.log_softmax(logits, -1)[token]) if p.logprobs else None
-    return token, logprob
+        return int(logits.argmax()) if argmax is None else argmax
+    return sample(target_probs(logits[None], p)[0], generator)
+
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """rows: [len(tokens), vocab] the target's logits at the rows that emitted `tokens` (before penalties, biases and
+    temperature, as vLLM's default raw_logprobs). Returns each token's logprob, and the k likeliest tokens of each
+    row with theirs, likeliest first."""
+    logprobs = torch.log_softmax(rows.float(), -1)
+    chosen = logprobs[torch.arange(len(tokens), device=rows.device), torch.tensor(tokens, device=rows.device)].tolist()
+    if not k:
+        return chosen, [[] for _ in tokens]
+    values, ids = logprobs.topk(k, -1)
+    return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

@@ -5,7 +5,8 @@ A handler parses and checks the body (serving.server.protocol), renders the prom
 (the engine's belongs to the engine thread), refuses what the context cannot hold, and queues the request. It
 answers only once the engine accepted the request, so every refusal is an HTTP status with OpenAI's error object.
 A client that goes away (a closed stream, or a dropped connection while waiting for a whole answer) aborts its
-request, which frees its blocks at the next step boundary.
+request, which frees its blocks at the next step boundary. A request for n choices runs n sequences (the loop adds
+them so that they share the prompt's blocks); their events are merged into one answer, choice i from sequence i.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from serving.server.detokenizer import Detokenizer
 from serving.server.loop import Accepted, EngineLoop, Failed, Finished, Stream, Tokens
 from serving.server.metrics import ServerMetrics
 from serving.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, parse
+from serving.server.tools import ToolCalls, tool_call_parser
 from serving.spec_decode.metrics import AcceptanceStats
 
 log = logging.getLogger(__name__)
@@ -77,22 +79,27 @@ class OpenAIServer:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(engine.folder)
+        self.tool_call_parser = tool_call_parser(self.tokenizer.chat_template if self.tokenizer else None)
 
     # ---- routes -------------------------------------------------------------------------------------
 
     async def chat(self, request: Request):
         body = parse(ChatCompletionRequest, await _json(request))
         self._check_model(body.model)
-        prompt_ids = self._encode([message.to_engine() for message in body.messages])
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        prompt_ids = self._encode([message.to_engine() for message in body.messages], tools)
         reply = Reply(self.model_name, chat=True, with_token_ids=body.return_token_ids)
-        return await self._serve(request, body, prompt_ids, reply, body.logprobs)
+        if body.tool_mode != "none":
+            reply.tool_calls = [ToolCalls(body.tool_mode, body.tool_choice, self.tool_call_parser)
+                                for _ in range(body.n)]
+        return await self._serve(request, body, prompt_ids, reply, body.logprobs, body.top_logprobs or 0)
 
     async def completions(self, request: Request):
         body = parse(CompletionRequest, await _json(request))
         self._check_model(body.model)
         prompt_ids = self._encode(body.prompt)
         reply = Reply(self.model_name, chat=False, with_token_ids=body.return_token_ids)
-        return await self._serve(request, body, prompt_ids, reply, body.logprobs == 0)
+        return await self._serve(request, body, prompt_ids, reply, body.logprobs is not None, body.logprobs or 0)
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
@@ -116,10 +123,10 @@ class OpenAIServer:
             raise APIError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
-    def _encode(self, prompt) -> list[int]:
+    def _encode(self, prompt, tools: list[dict] | None = None) -> list[int]:
         """The engine's own rendering (serving.engine.encode), run with this thread's tokenizer."""
         try:
-            return encode(self.tokenizer, prompt, self.engine.folder)
+            return encode(self.tokenizer, prompt, self.engine.folder, tools)
         except ValueError as error:
             raise APIError(400, str(error), "messages" if isinstance(prompt, list) and prompt else "prompt") from None
 
@@ -142,88 +149,136 @@ class OpenAIServer:
         return asked
 
     async def _serve(self, request: Request, body: SamplingFields, prompt_ids: list[int], reply: "Reply",
-                     logprobs: bool):
-        params = body.sampling_params(self._max_tokens(body, len(prompt_ids)), logprobs)
-        stream = self.loop.submit(prompt_ids, params, reply.request_id)
+                     logprobs: bool, top_logprobs: int):
+        samples = body.samples(self._max_tokens(body, len(prompt_ids)), logprobs, top_logprobs)
+        ids = [reply.request_id] if len(samples) == 1 else [f"{reply.request_id}-{i}" for i in range(len(samples))]
+        streams = self.loop.submit(prompt_ids, list(zip(ids, samples)))
         try:
-            first = await stream.get()
+            first = await streams[0].get()
         except asyncio.CancelledError:
-            self.loop.abort(reply.request_id)
+            self._abort(ids)
             raise
         if isinstance(first, Failed):
+            self._abort(ids[1:])
             raise APIError(first.status, first.message)
         assert isinstance(first, Accepted), first
         usage = Usage(first.num_prompt_tokens, self.engine.speculator is not None)
-        detokenizer = Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        events = Samples(streams)
         if body.stream:
-            return StreamingResponse(self._events(stream, reply, detokenizer, usage, body.include_usage),
+            detokenizers = [Detokenizer(self.tokenizer, samples[0].stop) if self.tokenizer is not None else None
+                            for _ in samples]
+            return StreamingResponse(self._events(events, ids, reply, detokenizers, usage, body.include_usage),
                                      media_type="text/event-stream")
-        return await self._whole(request, stream, reply, usage)
+        return await self._whole(request, events, ids, reply, usage)
 
-    async def _whole(self, request: Request, stream: Stream, reply: "Reply", usage: "Usage"):
-        done = False
+    def _abort(self, ids: list[str]) -> None:
+        for request_id in ids:
+            self.loop.abort(request_id)
+
+    async def _whole(self, request: Request, events: "Samples", ids: list[str], reply: "Reply", usage: "Usage"):
+        outputs: dict[int, object] = {}
         try:
-            while True:
+            while len(outputs) < len(ids):
                 try:
-                    event = await asyncio.wait_for(stream.get(), DISCONNECT_POLL_S)
+                    index, event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
                 except TimeoutError:
                     if await request.is_disconnected():
                         return Response(status_code=499)
                     continue
                 if isinstance(event, Failed):
-                    done = True
                     raise APIError(event.status, event.message)
                 if isinstance(event, Finished):
-                    done = True
-                    output = event.output
-                    logprobs = reply.logprobs(self.tokenizer, output.token_ids, output.logprobs)
-                    return reply.whole(output, logprobs, usage.of(output))
+                    outputs[index] = event.output
+            outputs = [outputs[i] for i in range(len(ids))]
+            logprobs = [reply.logprobs(self.tokenizer, o.token_ids, o.logprobs, o.top_logprobs) for o in outputs]
+            return reply.whole(outputs, logprobs, usage.of(outputs))
         finally:
-            if not done:
-                self.loop.abort(stream.request_id)
+            events.close()
+            if len(outputs) < len(ids):
+                self._abort(ids)
 
-    async def _events(self, stream: Stream, reply: "Reply", detokenizer: Detokenizer | None, usage: "Usage",
-                      include_usage: bool):
-        """Server-sent events: OpenAI's chunks, the last one with the finish reason, usage if asked, then [DONE]."""
-        done = False
+    async def _events(self, events: "Samples", ids: list[str], reply: "Reply", detokenizers: list,
+                      usage: "Usage", include_usage: bool):
+        """Server-sent events: OpenAI's chunks, each choice's last with its finish reason, usage if asked, then
+        [DONE]."""
+        outputs: dict[int, object] = {}
+        failed = False
         try:
             if reply.chat:
-                yield _sse(reply.chunk(role="assistant", text=""))
-            while not done:
-                event = await stream.get()
+                for index in range(len(ids)):
+                    yield _sse(reply.chunk(role="assistant", text="", index=index))
+            while len(outputs) < len(ids) and not failed:
+                index, event = await events.get()
+                detokenizer = detokenizers[index]
                 if isinstance(event, Tokens):
                     text = detokenizer.add(event.token_ids) if detokenizer else ""
-                    logprobs = reply.logprobs(self.tokenizer, event.token_ids, event.logprobs)
-                    if text or logprobs:
-                        yield _sse(reply.chunk(text=text, logprobs=logprobs))
+                    text, calls = reply.tool_calls[index].delta(text) if reply.tool_calls else (text, [])
+                    logprobs = reply.logprobs(self.tokenizer, event.token_ids, event.logprobs, event.top_logprobs)
+                    if text or logprobs or calls:
+                        yield _sse(reply.chunk(text=text, logprobs=logprobs, index=index, tool_calls=calls))
                 elif isinstance(event, Finished):
-                    done = True
-                    text = ""
+                    outputs[index] = event.output
+                    text, calls, finish_reason = "", [], event.output.finish_reason
                     if detokenizer:
                         text = detokenizer.add(event.token_ids) + detokenizer.finish(event.output.text)
-                    logprobs = reply.logprobs(self.tokenizer, event.token_ids, event.logprobs)
-                    yield _sse(reply.chunk(text=text, finish_reason=event.output.finish_reason, logprobs=logprobs))
-                    if include_usage:
-                        yield _sse(reply.usage_chunk(usage.of(event.output)))
+                    if reply.tool_calls:
+                        text, calls = reply.tool_calls[index].delta(text)
+                        rest, calls_left, finish_reason = reply.tool_calls[index].finish(finish_reason)
+                        text, calls = text + rest, calls + calls_left
+                    logprobs = reply.logprobs(self.tokenizer, event.token_ids, event.logprobs, event.top_logprobs)
+                    yield _sse(reply.chunk(text=text, finish_reason=finish_reason, logprobs=logprobs, index=index,
+                                           tool_calls=calls))
                 elif isinstance(event, Failed):
-                    done = True
+                    failed = True
                     yield _sse(APIError(event.status, event.message).body())
+            if include_usage and not failed:
+                yield _sse(reply.usage_chunk(usage.of([outputs[i] for i in range(len(ids))])))
             yield "data: [DONE]\n\n"
         finally:
-            if not done:  # the client went away (starlette cancels the stream) or the server is stopping
-                self.loop.abort(stream.request_id)
+            events.close()
+            if len(outputs) < len(ids):  # the client went away (starlette cancels the stream), the server is
+                self._abort(ids)  # stopping, or a sample failed: the others stop too
+
+
+class Samples:
+    """The events of a request's samples (one stream each) as (index, event), in the order they come."""
+
+    def __init__(self, streams: list[Stream]):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks = [asyncio.create_task(self._pump(index, stream)) for index, stream in enumerate(streams)]
+
+    async def _pump(self, index: int, stream: Stream) -> None:
+        while True:
+            event = await stream.get()
+            if not isinstance(event, Accepted):
+                self.queue.put_nowait((index, event))
+            if isinstance(event, (Finished, Failed)):
+                return
+
+    async def get(self):
+        return await self.queue.get()
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
 
 
 class Usage:
     def __init__(self, num_prompt_tokens: int, speculating: bool):
         self.num_prompt_tokens, self.speculating = num_prompt_tokens, speculating
 
-    def of(self, output) -> dict:
-        num_completion = len(output.token_ids)
+    def of(self, outputs: list) -> dict:
+        """The prompt once, the samples' completions summed; acceptance summed over the samples, and per sample in
+        `speculative.samples` when there are several."""
+        num_completion = sum(len(output.token_ids) for output in outputs)
         usage = {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": num_completion,
                  "total_tokens": self.num_prompt_tokens + num_completion}
-        if self.speculating:  # a request served plain (logprobs) reports zero drafts
-            usage["speculative"] = output.metrics.get("spec") or AcceptanceStats().to_dict()
+        if self.speculating:  # a request served plain (penalties) reports zero drafts
+            per_sample = [output.metrics.get("spec") or AcceptanceStats().to_dict() for output in outputs]
+            total = AcceptanceStats()
+            for stats in per_sample:
+                total.merge(AcceptanceStats.from_dict(stats))
+            usage["speculative"] = per_sample[0] if len(outputs) == 1 else {**total.to_dict(), "samples": per_sample}
         return usage
 
 
@@ -233,6 +288,7 @@ class Reply:
     def __init__(self, model: str, chat: bool, with_token_ids: bool = False):
         self.model, self.chat, self.with_token_ids = model, chat, with_token_ids
         self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.tool_calls: list[ToolCalls] | None = None  # per choice, when the request reads tool calls
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
@@ -240,21 +296,33 @@ class Reply:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def whole(self, output, logprobs, usage: dict) -> dict:
-        choice = {"index": 0, "logprobs": logprobs, "finish_reason": output.finish_reason}
-        text = output.text
-        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+    def whole(self, outputs: list, logprobs: list, usage: dict) -> dict:
+        choices = []
+        for index, (output, output_logprobs) in enumerate(zip(outputs, logprobs)):
+            choice = {"index": index, "logprobs": output_logprobs, "finish_reason": output.finish_reason}
+            text = output.text
+            if self.tool_calls:
+                content, calls, choice["finish_reason"] = self.tool_calls[index].whole(text, output.finish_reason)
+                choice["message"] = {"role": "assistant", "content": content,
+                                     **({"tool_calls": calls} if calls else {})}
+            else:
+                choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            if self.with_token_ids:  # vLLM's layout: the answer's ids (a stop token included) in the choice
+                choice["token_ids"] = list(output.token_ids)
+            choices.append(choice)
         if not self.with_token_ids:
-            return {**self._envelope(self.object, [choice]), "usage": usage}
-        # vLLM's layout: the answer's ids (a stop token included) in the choice, the prompt's beside the choices
-        choice["token_ids"] = list(output.token_ids)
-        prompt_token_ids = list(output.prompt_token_ids)
-        return {**self._envelope(self.object, [choice]), "prompt_token_ids": prompt_token_ids, "usage": usage}
+            return {**self._envelope(self.object, choices), "usage": usage}
+        # vLLM's layout: the prompt's ids beside the choices
+        prompt_token_ids = list(outputs[0].prompt_token_ids)
+        return {**self._envelope(self.object, choices), "prompt_token_ids": prompt_token_ids, "usage": usage}
 
-    def chunk(self, text: str, finish_reason: str | None = None, logprobs=None, role: str | None = None) -> dict:
-        choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+    def chunk(self, text: str, finish_reason: str | None = None, logprobs=None, role: str | None = None,
+              index: int = 0, tool_calls: list[dict] | None = None) -> dict:
+        choice = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.chat:
             choice["delta"] = {"role": role, "content": text} if role else ({"content": text} if text else {})
+            if tool_calls:
+                choice["delta"]["tool_calls"] = tool_calls
         else:
             choice["text"] = text
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
@@ -262,16 +330,26 @@ class Reply:
     def usage_chunk(self, usage: dict) -> dict:
         return {**self._envelope("chat.completion.chunk" if self.chat else "text_completion", []), "usage": usage}
 
-    def logprobs(self, tokenizer, token_ids: list[int], logprobs: list[float] | None):
-        """OpenAI's logprobs object for these tokens (the sampled tokens' only), or None when not asked."""
+    def logprobs(self, tokenizer, token_ids: list[int], logprobs: list[float] | None,
+                 top: list[list[tuple[int, float]]] | None):
+        """OpenAI's logprobs object for these tokens, with each one's most likely alternatives where asked (`top`);
+        None when no logprobs were asked."""
         if logprobs is None:
             return None
-        tokens = [tokenizer.decode([t]) if tokenizer is not None else str(t) for t in token_ids]
+        decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
+        tokens = [decode(t) for t in token_ids]
+        top = top or [[] for _ in token_ids]
         if self.chat:
-            return {"content": [{"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
-                                for token, logprob in zip(tokens, logprobs)]}
+            return {"content": [
+                {"token": token, "logprob": logprob, "bytes": list(token.encode()),
+                 "top_logprobs": [{"token": decode(t), "logprob": lp, "bytes": list(decode(t).encode())}
+                                  for t, lp in alternatives]}
+                for token, logprob, alternatives in zip(tokens, logprobs, top)]}
         offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+        # the completions API's alternatives: the sampled token's and the most likely ones' logprobs by text, as vLLM's
+        tops = [{**{decode(t): lp for t, lp in alternatives}, token: logprob}
+                for token, logprob, alternatives in zip(tokens, logprobs, top)] if any(top) else None
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": tops, "text_offset": offsets}
 
 
 async def _json(request: Request):

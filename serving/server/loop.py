@@ -3,12 +3,13 @@ reach it only through an inbox (new requests, aborts, calls) and per-request str
 never touched from two threads.
 
 Between steps the loop empties the inbox, so a request joins the running batch at the next step after it arrives
-(continuous batching); with nothing in flight it sleeps on the inbox. After each step every in-flight request's
-stream gets the tokens emitted to it since the last step; a finished request's last ones come with its
-RequestOutput. A step that
-raises fails every request in flight (they are aborted, their clients get a 500) and the loop goes on serving.
-Draining (on SIGTERM) refuses new requests and gives those in flight until a deadline, then fails them with a 503,
-so every response still ends properly.
+(continuous batching); with nothing in flight it sleeps on the inbox. The samples of one request (OpenAI's n) are
+sequences of their own over the same prompt: the first joins at once, the others once the first has computed its
+prompt, whose full blocks the prefix cache then shares with them (no prompt is computed twice). After each step
+every in-flight request's stream gets the tokens emitted to it since the last step; a finished request's last ones
+come with its RequestOutput. A step that raises fails every request in flight (they are aborted, their clients get
+a 500) and the loop goes on serving. Draining (on SIGTERM) refuses new requests and gives those in flight until a
+deadline, then fails them with a 503, so every response still ends properly.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class Accepted:
 class Tokens:
     token_ids: list[int]
     logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Finished:
     output: RequestOutput
     token_ids: list[int]  # emitted in the last step, not sent before
     logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
 
 
 @dataclass
@@ -78,6 +81,7 @@ class EngineLoop:
         self.metrics = metrics
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, Stream] = {}
+        self.siblings: dict[str, tuple[list[int], list]] = {}  # first sample's id -> (prompt, [(stream, params)])
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         # OpenMP's thread count is per calling thread: the engine thread takes the one set where the engine was built.
         self.num_threads = torch.get_num_threads()
@@ -90,15 +94,20 @@ class EngineLoop:
     def start(self) -> None:
         self.thread.start()
 
-    def submit(self, prompt, params: SamplingParams, request_id: str) -> Stream:
-        """Queues a request (token ids, text or chat messages); its stream first says Accepted or Failed."""
-        stream = Stream(request_id, asyncio.get_running_loop())
+    def submit(self, prompt_ids: list[int], samples: list[tuple[str, SamplingParams]]) -> list[Stream]:
+        """Queues a request's samples, (request id, params) each, over one prompt; each stream first says Accepted or
+        Failed."""
+        streams = [Stream(request_id, asyncio.get_running_loop()) for request_id, _ in samples]
         with self._lock:
             if self.closed:
-                stream.put(Failed(503, "the server is shutting down"))
+                for stream in streams:
+                    stream.put(Failed(503, "the server is shutting down"))
             else:
-                self.inbox.put(("add", stream, prompt, params))
-        return stream
+                self.inbox.put(("add", streams[0], prompt_ids, samples[0][1]))
+                if len(samples) > 1:
+                    self.inbox.put(("siblings", samples[0][0], prompt_ids,
+                                    [(stream, params) for stream, (_, params) in zip(streams[1:], samples[1:])]))
+        return streams
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
@@ -131,7 +140,8 @@ class EngineLoop:
     def _run(self) -> None:
         torch.set_num_threads(self.num_threads)
         try:
-            while self._take_inbox(wait=not self.engine.has_unfinished()):
+            while self._take_inbox(wait=not self.engine.has_unfinished() and not self.siblings):
+                self._add_siblings()
                 if self.drain_deadline is not None and time.perf_counter() >= self.drain_deadline and self.streams:
                     self._fail_all(503, "the server shut down before this request finished")
                 if not self.engine.has_unfinished():
@@ -159,10 +169,15 @@ class EngineLoop:
                 return False
             if kind == "add":
                 self._add(*item[1:])
+            elif kind == "siblings":
+                self.siblings[item[1]] = (item[2], item[3])
             elif kind == "drain":
                 self.drain_deadline = min(item[1], self.drain_deadline or item[1])
             elif kind == "abort":
                 self.streams.pop(item[1], None)
+                self.siblings.pop(item[1], None)
+                for _, waiting in self.siblings.values():
+                    waiting[:] = [(stream, params) for stream, params in waiting if stream.request_id != item[1]]
                 self.engine.abort(item[1])
             elif kind == "call":
                 function, future = item[1:]
@@ -173,6 +188,16 @@ class EngineLoop:
         if items and self.metrics:
             self.metrics.update_engine(self.engine)
         return True
+
+    def _add_siblings(self) -> None:
+        """Adds the other samples of each request whose first sample has computed its prompt (or left)."""
+        for first_id, (prompt_ids, waiting) in list(self.siblings.items()):
+            first = self.engine.requests.get(first_id)
+            if first is not None and first.num_computed_tokens < first.num_prompt_tokens:
+                continue
+            del self.siblings[first_id]
+            for stream, params in waiting:
+                self._add(stream, prompt_ids, params)
 
     def _add(self, stream: Stream, prompt, params: SamplingParams) -> None:
         if self.drain_deadline is not None:
@@ -204,19 +229,21 @@ class EngineLoop:
             if output is not None:
                 new = output.token_ids[stream.num_sent:]
                 logprobs = output.logprobs[stream.num_sent:] if output.logprobs is not None else None
+                top = output.top_logprobs[stream.num_sent:] if output.top_logprobs is not None else None
             else:
                 request = self.engine.requests[request_id]
                 new = request.token_ids[request.num_prompt_tokens + stream.num_sent:]
                 logprobs = request.logprobs[stream.num_sent:] if request.params.logprobs else None
+                top = request.top_logprobs[stream.num_sent:] if request.params.top_logprobs else None
             if new:
                 num_emitted += len(new)
                 stream.num_sent += len(new)
                 self._observe_tokens(stream, now)
                 if output is None:
-                    events.append((stream, Tokens(new, logprobs)))
+                    events.append((stream, Tokens(new, logprobs, top)))
             if output is not None:
                 del self.streams[request_id]
-                events.append((stream, Finished(output, new, logprobs)))
+                events.append((stream, Finished(output, new, logprobs, top)))
                 if self.metrics:
                     self.metrics.of(self.metrics.e2e_request_latency).observe(now - stream.arrival_time)
                     self.metrics.of(self.metrics.request_success, finished_reason=output.finish_reason).inc()
@@ -245,6 +272,9 @@ class EngineLoop:
                 return
             if item[0] == "add":
                 item[1].put(Failed(503, "the server is shutting down"))
+            elif item[0] == "siblings":
+                for stream, _ in item[3]:
+                    stream.put(Failed(503, "the server is shutting down"))
             elif item[0] == "call":
                 item[2].set_exception(RuntimeError("the engine loop has stopped"))
 
@@ -254,5 +284,9 @@ class EngineLoop:
         for stream in self.streams.values():
             stream.put(Failed(status, message))
         self.streams.clear()
+        for _, waiting in self.siblings.values():
+            for stream, _ in waiting:
+                stream.put(Failed(status, message))
+        self.siblings.clear()
         if self.metrics:
             self.metrics.update_engine(self.engine)

@@ -3,7 +3,8 @@
 Every field a body may carry is declared; any other is refused by name (`extra="forbid"`), so a client never
 believes a sampling option took effect when it did not. Beside OpenAI's fields they take vLLM's extra sampling
 fields (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos) and return_token_ids. `user` is accepted and
-ignored: it only labels the caller. Ranges are checked once, by SamplingParams.
+ignored: it only labels the caller. Ranges are checked once, by SamplingParams. `n` samples run as n sequences; with
+a seed, sample i draws from seed + i, as vLLM's do.
 
 Structured outputs: OpenAI's `response_format` ({"type": "text"}, {"type": "json_object"}, {"type": "json_schema",
 "json_schema": {"name", "schema", "strict"}}) and vLLM's `structured_outputs` (json, json_object, regex, choice,
@@ -12,11 +13,13 @@ A bad schema or grammar is a 400 naming it (the compile error in the message).
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.request import SamplingParams
+from serving.request import MAX_TOP_LOGPROBS, SamplingParams
 from serving.structured_output import StructuredOutputs
 
 
@@ -46,14 +49,66 @@ class ContentPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(StrictModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None  # an assistant turn that called tools may have none
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def to_engine(self) -> dict:
-        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": self.role, "content": content}
+        """The message as chat templates read it (Hugging Face's layout: a call's arguments as an object)."""
+        content = self.content if isinstance(self.content, str) or self.content is None else "".join(
+            part.text for part in self.content)
+        message = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionDefinition(StrictModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none means any object
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JSONSchemaFormat(StrictModel):
@@ -121,8 +176,8 @@ class SamplingFields(StrictModel):
     grammar_drafts: bool | None = None  # ours: draft the tokens the grammar forces (default on with a grammar)
 
     def check(self) -> None:
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported: this server returns one choice per request (n=1)", "n")
+        if self.n < 1:
+            raise APIError(400, f"n={self.n} is invalid: ask for at least one choice", "n")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
         if self.return_token_ids and self.stream:
@@ -144,7 +199,14 @@ class SamplingFields(StrictModel):
             return self.response_format.structured_outputs(), "response_format"
         return None, None
 
-    def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
+    def samples(self, max_tokens: int, logprobs: bool, top_logprobs: int) -> list[SamplingParams]:
+        """The n samples' params: the same but for the seed, seed + i for sample i where a seed is given."""
+        params = self.sampling_params(max_tokens, logprobs, top_logprobs)
+        if params.seed is None:
+            return [params] * self.n
+        return [dataclasses.replace(params, seed=(params.seed + i) % 2**64) for i in range(self.n)]
+
+    def sampling_params(self, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
         structured, structured_field = self.structured()
         try:
             structured = None if structured is None else StructuredOutputs.from_dict(structured)
@@ -156,6 +218,7 @@ class SamplingFields(StrictModel):
                 top_k=0 if self.top_k == -1 else self.top_k, min_p=self.min_p, seed=self.seed,
                 repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias, logprobs=logprobs,
+                top_logprobs=top_logprobs,
                 stop=self.stop or None, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 structured_outputs=structured, grammar_drafts=self.grammar_drafts)
         except ValueError as error:
@@ -168,14 +231,47 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are given
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: "required" calls one tool
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required or named: OpenAI's default is auto with tools and none without."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def structured(self) -> tuple[dict | None, str | None]:
+        """A named tool's arguments, or "required"'s list of calls, constrained by the tools' schemas."""
+        if self.tool_mode not in ("named", "required"):
+            return super().structured()
+        if self.response_format is not None and self.response_format.type != "text" \
+                or self.structured_outputs is not None:
+            raise APIError(400, f"tool_choice {self.tool_mode!r} constrains the answer to tool calls: drop "
+                                "response_format or structured_outputs", "tool_choice")
+        from serving.server.tools import tool_call_schema
+
+        return {"json": tool_call_schema(self.tools, self.tool_choice, self.parallel_tool_calls),
+                "disable_any_whitespace": True}, "tools"
 
     def check(self) -> None:
         super().check()
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise APIError(400, f"tool_choice {self.tool_mode!r} needs tools: give the functions in tools",
+                           "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
+                tool.function.name for tool in self.tools}:
+            raise APIError(400, f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
+                                f"among the tools ({', '.join(tool.function.name for tool in self.tools)})",
+                           "tool_choice")
         if not self.messages:
             raise APIError(400, "messages is empty: give at least one message", "messages")
-        if self.top_logprobs:
-            raise APIError(400, f"top_logprobs={self.top_logprobs} is not supported: only the sampled token's "
-                                "logprob is returned (logprobs: true, top_logprobs: 0)", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs={self.top_logprobs} is invalid: ask for 0 to {MAX_TOP_LOGPROBS}",
+                           "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
@@ -191,9 +287,9 @@ class CompletionRequest(SamplingFields):
 
     def check(self) -> None:
         super().check()
-        if self.logprobs:
-            raise APIError(400, f"logprobs={self.logprobs} is not supported: only the sampled token's logprob is "
-                                "returned (logprobs: 0)", "logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"logprobs={self.logprobs} is invalid: ask for 0 to {MAX_TOP_LOGPROBS} alternatives",
+                           "logprobs")
         if self.echo:
             raise APIError(400, "echo is not supported", "echo")
         if not self.prompt:

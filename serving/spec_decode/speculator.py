@@ -6,7 +6,7 @@ nodes are overwritten later. Node i of a tree computed in the slot of position (
 at depth d belongs in the slot of position (newest) + d, so each accepted node off that slot has its K/V copied
 there (none for a chain, whose node i is at depth i + 1). Trees are capped so that they fit in the token budget, the
 free blocks, max_tokens and the context: speculation never causes a preemption. Requests whose sampling depends on
-more than the target's distribution (penalties, biases, logprobs) get no drafts and decode one token per step beside
+more than the target's distribution (penalties, biases) get no drafts and decode one token per step beside
 the others. Structured-output requests speculate (serving/spec_decode/grammar.py): their drafts are cut to what the
 grammar allows, the tokens it forces are drafted too (up to num_speculative_tokens rows beyond the drafter's), and
 every verified row's law is masked by the grammar state after its path. With `adaptive`,
@@ -85,8 +85,8 @@ class Speculator:
     @staticmethod
     def can_speculate(request: Request) -> bool:
         """Whether a request's tokens can be drafted for exactly: its law at a row depends only on the target's
-        logits there and, for structured outputs, on the grammar state of the row's path; penalties, biases and
-        logprobs (`needs_history`) decode plainly."""
+        logits there and, for structured outputs, on the grammar state of the row's path; penalties and biases
+        (`needs_history`) decode plainly. Logprobs are read from the verified rows, the target's own."""
         return not request.params.needs_history
 
     def grammar_drafts(self, request: Request) -> bool:

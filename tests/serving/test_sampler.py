@@ -16,7 +16,8 @@ from transformers.generation.logits_process import (
 )
 
 from serving.request import Request, SamplingParams
-from serving.sampler import apply_penalties, inverse_cdf, make_generator, next_token, sample, target_probs
+from serving.sampler import (apply_penalties, inverse_cdf, make_generator, next_token, sample, target_probs,
+                             token_logprobs)
 
 
 # probabilities 0.1, 0.2, 0.3, 0.4 at temperature 1
@@ -195,14 +196,23 @@ def test_all_penalties_together():
 
 def test_greedy_next_token_is_the_argmax_after_penalties():
     request = make_request([0], [4], repetition_penalty=10.0)  # 4.0 -> 0.4 and 2.0 -> 0.2: 5 (1.0) wins
-    token, logprob = next_token(BASE, request, None)
-    assert token == 5 and logprob is None
+    assert next_token(BASE, request, None) == 5
     plain = make_request([0], [4])
-    assert next_token(BASE, plain, None) == (4, None)
+    assert next_token(BASE, plain, None) == 4
     biased = make_request([0], [4], logit_bias={3: 10.0}, logprobs=True)
-    token, logprob = next_token(BASE, biased, None)
-    assert token == 3
-    assert logprob == pytest.approx(float(torch.log_softmax(apply_penalties(BASE, biased), -1)[3]))
+    assert next_token(BASE, biased, None) == 3
+
+
+def test_token_logprobs_are_the_raw_rows_and_their_likeliest_tokens():
+    """As vLLM's default raw_logprobs: the row's log-softmax, before penalties, biases and temperature."""
+    rows = torch.stack([BASE, BASE.flip(0)])
+    logprobs, top = token_logprobs(rows, [3, 0], 2)
+    expected = torch.log_softmax(rows, -1)
+    assert logprobs == pytest.approx([float(expected[0, 3]), float(expected[1, 0])])
+    order = expected.argsort(-1, descending=True)[:, :2]
+    assert [[t for t, _ in alternatives] for alternatives in top] == order.tolist()
+    assert [lp for _, lp in top[0]] == pytest.approx(expected[0, order[0]].tolist())
+    assert token_logprobs(rows, [3, 0], 0)[1] == [[], []]
 
 
 def test_seeded_sampling_is_reproducible_and_seeds_differ():
@@ -211,7 +221,7 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ():
 
     def draw(seed, n=20):
         generator = make_generator(seed)
-        return [next_token(logits, request, generator)[0] for _ in range(n)]
+        return [next_token(logits, request, generator) for _ in range(n)]
 
     assert draw(7) == draw(7)
     assert draw(7) != draw(8)
@@ -222,7 +232,7 @@ def test_top_k_one_sampling_is_greedy():
     logits = torch.randn(300, generator=torch.Generator().manual_seed(3))
     request = make_request([0], [], temperature=1.5, top_k=1)
     generator = make_generator(0)
-    assert {next_token(logits, request, generator)[0] for _ in range(20)} == {int(logits.argmax())}
+    assert {next_token(logits, request, generator) for _ in range(20)} == {int(logits.argmax())}
 
 
 def test_sampled_frequencies_follow_target_probs():

@@ -197,8 +197,9 @@ BAD_REQUESTS = [  # (path, body (raw bytes are sent as they are), status, words 
     ("/v1/chat/completions", chat(top_p=0), 400, "top_p=0.0 is invalid", "top_p"),
     ("/v1/chat/completions", chat(top_p=1.5), 400, "top_p=1.5 is invalid", "top_p"),
     ("/v1/chat/completions", chat(best_of=2), 400, "unknown field 'best_of'", "best_of"),
-    ("/v1/chat/completions", chat(n=2), 400, "n=2 is not supported", "n"),
-    ("/v1/chat/completions", chat(top_logprobs=3), 400, "top_logprobs=3 is not supported", "top_logprobs"),
+    ("/v1/chat/completions", chat(n=0), 400, "n=0 is invalid", "n"),
+    ("/v1/chat/completions", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs=21 is invalid", "top_logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs=21 is invalid", "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": [100] * 300}, 400,
      "the prompt has 300 tokens but max_model_len is 256", "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [100] * 100, "max_tokens": 200}, 400,
@@ -219,8 +220,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, off
             assert words in error["message"], (body, error)
             assert set(error) == {"message", "type", "param", "code"}
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="n=3 is not supported"):
-        client.chat.completions.create(model=MODEL, messages=PROMPTS[0], n=3)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
+        client.chat.completions.create(model=MODEL, messages=PROMPTS[0], top_logprobs=2)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="davinci", prompt="hi")
     answer = client.chat.completions.create(model=MODEL, messages=PROMPTS[3], max_tokens=MAX_TOKENS[3], temperature=0)
@@ -246,7 +247,7 @@ def test_stop_strings_logprobs_and_token_prompts_match_the_engine(server, offlin
                                                    logprobs=True)
     content = with_logprobs.choices[0].logprobs.content
     assert len(content) == with_logprobs.usage.completion_tokens == 16 and all(t.logprob <= 0 for t in content)
-    assert with_logprobs.usage.model_extra["speculative"]["spec_decode_num_drafts"] == 0  # served plain
+    assert with_logprobs.usage.model_extra["speculative"]["spec_decode_num_drafts"] > 0  # speculated
 
     ids = [17, 923, 4411, 88, 2045, 301]
     text = client.completions.create(model=MODEL, prompt=ids, max_tokens=20, temperature=0).choices[0].text
@@ -254,6 +255,264 @@ def test_stop_strings_logprobs_and_token_prompts_match_the_engine(server, offlin
     seeded = [client.completions.create(model=MODEL, prompt="Once upon", max_tokens=12, temperature=0.8, seed=5)
               .choices[0].text for _ in range(2)]
     assert seeded[0] == seeded[1]
+
+
+def test_top_logprobs_speculate_and_are_plain_decodings_streamed_and_whole(server, offline):
+    """The logprobs are the target's at the verified rows: those plain decoding gives, alternatives included."""
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    expected = offline(PROMPTS[9], 20, temperature=0, logprobs=True, top_logprobs=3)
+    tokenizer = client_tokenizer(server)
+    whole = client.chat.completions.create(model=MODEL, messages=PROMPTS[9], max_tokens=20, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    streamed = client.chat.completions.create(model=MODEL, messages=PROMPTS[9], max_tokens=20, temperature=0,
+                                              logprobs=True, top_logprobs=3, stream=True,
+                                              stream_options={"include_usage": True})
+    chunks = list(streamed)
+    streamed_content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    for content in (whole.choices[0].logprobs.content, streamed_content):
+        assert [t.token for t in content] == [tokenizer.decode([t]) for t in expected.token_ids]
+        torch.testing.assert_close(torch.tensor([t.logprob for t in content]), torch.tensor(expected.logprobs),
+                                   atol=1e-4, rtol=1e-4)
+        assert [[a.token for a in t.top_logprobs] for t in content] == [
+            [tokenizer.decode([a]) for a, _ in row] for row in expected.top_logprobs]
+        torch.testing.assert_close(torch.tensor([[a.logprob for a in t.top_logprobs] for t in content]),
+                                   torch.tensor([[lp for _, lp in row] for row in expected.top_logprobs]),
+                                   atol=1e-4, rtol=1e-4)
+    for usage in (whole.usage, chunks[-1].usage):
+        assert usage.model_extra["speculative"]["spec_decode_num_drafts"] > 0
+
+    completion = client.completions.create(model=MODEL, prompt=expected.prompt_token_ids, max_tokens=20,
+                                           temperature=0, logprobs=2).choices[0]
+    assert completion.text == expected.text
+    torch.testing.assert_close(torch.tensor(completion.logprobs.token_logprobs), torch.tensor(expected.logprobs),
+                               atol=1e-4, rtol=1e-4)
+    for alternatives, token, row in zip(completion.logprobs.top_logprobs, completion.logprobs.tokens,
+                                        expected.top_logprobs):
+        assert set(alternatives) == {token} | {tokenizer.decode([a]) for a, _ in row[:2]}
+
+
+def client_tokenizer(server):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(server[1].engine.folder)
+
+
+def test_n_samples_share_the_prompt_and_each_is_a_request_of_its_own(server, offline):
+    """n=2: each choice is what one request gives (greedy: plain decoding's; seeded: seed + i's), the siblings read
+    the prompt's blocks from the prefix cache, usage sums the samples and lists each one's acceptance."""
+    url, loop = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    cached = {}
+    engine = loop.engine
+    output = engine.output
+
+    def spy(request):
+        cached[request.request_id] = request.num_cached_tokens
+        return output(request)
+
+    engine.output = spy
+    try:
+        expected = offline(PROMPTS[10], 24, temperature=0)
+        whole = client.chat.completions.create(model=MODEL, messages=PROMPTS[10], max_tokens=24, temperature=0, n=2)
+        assert [c.index for c in whole.choices] == [0, 1]
+        assert [c.message.content for c in whole.choices] == [expected.text] * 2
+        usage = whole.usage
+        assert usage.prompt_tokens == len(expected.prompt_token_ids)
+        assert usage.completion_tokens == 2 * len(expected.token_ids)
+        spec = usage.model_extra["speculative"]
+        assert len(spec["samples"]) == 2 and spec["spec_decode_num_drafts"] == sum(
+            s["spec_decode_num_drafts"] for s in spec["samples"]) > 0
+        block_size = engine.block_size
+        assert cached[f"{whole.id}-1"] == len(expected.prompt_token_ids) // block_size * block_size > 0
+
+        streamed = client.chat.completions.create(model=MODEL, messages=PROMPTS[10], max_tokens=24, temperature=0,
+                                                  n=2, stream=True, stream_options={"include_usage": True})
+        texts, finish_reasons, usage = ["", ""], [None, None], None
+        for chunk in streamed:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+                finish_reasons[choice.index] = choice.finish_reason or finish_reasons[choice.index]
+        assert texts == [expected.text] * 2 and finish_reasons == [expected.finish_reason] * 2
+        assert usage.completion_tokens == 2 * len(expected.token_ids)
+
+        pair = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0.9,
+                                         seed=11, n=2)
+        alone = [client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0.9,
+                                           seed=seed).choices[0].text for seed in (11, 12)]
+        assert [c.text for c in pair.choices] == alone and alone[0] != alone[1]
+    finally:
+        del engine.output
+    assert engine_state(loop)[1:] == (0, False)
+
+
+def test_n_samples_with_a_drafter_keep_the_target_law(v8_target, tmp_path_factory):
+    """n samples of one request, each speculating with a sampling drafter: every position's law is the target's
+    (total variation within the noise floor of 3,000 draws)."""
+    from test_spec import exact_marginals, tv
+    from transformers import AutoModelForCausalLM
+
+    draft = targets.build_tiny_model(tmp_path_factory.mktemp("v8_draft_n"), "llama", seed=1, vocab_size=8,
+                                     initializer_range=0.3)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2, "draft_temperature": 1.0}
+    engine = Engine(EngineConfig(str(v8_target), block_size=4, num_blocks=2048, max_model_len=64, max_num_seqs=128,
+                                 max_num_batched_tokens=4096, speculative_config=spec))
+    prompt, depth, n, num_requests = [3, 5, 1, 7, 2, 2, 6, 0, 4], 4, 150, 20
+    with running(build_app(engine, MODEL)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        answers = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=depth, temperature=1.0, n=n,
+                                             seed=i * n, extra_body={"ignore_eos": True, "return_token_ids": True})
+                   for i in range(num_requests)]
+    tokens = torch.tensor([c.model_extra["token_ids"] for a in answers for c in a.choices])
+    assert tokens.shape == (n * num_requests, depth)
+    spec_usage = [a.usage.model_extra["speculative"] for a in answers]
+    assert all(len(s["samples"]) == n for s in spec_usage)
+    accepted = sum(s["spec_decode_num_accepted_tokens"] for s in spec_usage)
+    assert 0 < accepted < sum(s["spec_decode_num_draft_tokens"] for s in spec_usage)
+    hf = AutoModelForCausalLM.from_pretrained(v8_target, dtype=torch.float32).eval()
+    laws = exact_marginals(hf, prompt, SamplingParams(temperature=1.0, max_tokens=depth), depth)
+    distances = [tv(torch.bincount(tokens[:, j], minlength=8), laws[j]) for j in range(depth)]
+    # seeded noise over 3,000 draws is ~0.015; a wrong law reaches ~0.08
+    assert max(distances) < 0.05, f"TV per generated position {distances}"
+    assert float(laws[0].max()) > 0.2
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                     "unit": {"type": "string", "enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def streamed_tool_calls(stream) -> tuple[dict, str, object]:
+    """{index: (id, name, arguments joined)} of a streamed choice 0, its finish reason and the usage."""
+    calls, finish_reason, usage = {}, None, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            finish_reason = choice.finish_reason or finish_reason
+            for call in choice.delta.tool_calls or []:
+                known = calls.setdefault(call.index, [call.id, call.function.name, ""])
+                known[2] += call.function.arguments or ""
+    return {i: tuple(c) for i, c in calls.items()}, finish_reason, usage
+
+
+def test_named_and_required_tools_are_structured_outputs_that_speculate(server, offline):
+    """A named function's arguments and "required"'s calls are the schema-constrained answers plain decoding gives,
+    in OpenAI's shape, whole and streamed, with drafts verified."""
+    from serving.server.tools import tool_call_schema
+    from serving.server.protocol import NamedToolChoice, Tool
+
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "What is the weather in the capital of Italy?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    arguments = offline(messages, 48, temperature=0, structured_outputs={"json": WEATHER["function"]["parameters"],
+                                                                         "disable_any_whitespace": True})
+    assert arguments.finish_reason == "stop" and json.loads(arguments.text)["city"] in ("Paris", "Rome", "Oslo")
+    whole = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=named,
+                                           max_tokens=48, temperature=0)
+    choice = whole.choices[0]
+    [call] = choice.message.tool_calls
+    assert (call.type, call.function.name, call.function.arguments) == ("function", "get_weather", arguments.text)
+    assert call.id and choice.finish_reason == "stop" and not choice.message.content
+    assert whole.usage.model_extra["speculative"]["spec_decode_num_draft_tokens"] > 0
+    calls, finish_reason, _ = streamed_tool_calls(client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=named, max_tokens=48, temperature=0,
+        stream=True))
+    assert list(calls) == [0] and calls[0][1:] == ("get_weather", arguments.text) and finish_reason == "stop"
+
+    tools = [Tool.model_validate(WEATHER), Tool.model_validate(TIME)]
+    expected = offline(messages, 96, temperature=0, structured_outputs={
+        "json": tool_call_schema(tools, "required", False), "disable_any_whitespace": True})
+    assert expected.finish_reason == "stop"
+    expected_calls = [(c["name"], c["parameters"]) for c in json.loads(expected.text)]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
+                                           tool_choice="required", parallel_tool_calls=False, max_tokens=96,
+                                           temperature=0)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and expected_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == expected_calls
+    calls, finish_reason, _ = streamed_tool_calls(client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
+        max_tokens=96, temperature=0, stream=True))
+    assert [(name, json.loads(arguments)) for _, name, arguments in calls.values()] == expected_calls
+    assert finish_reason == "tool_calls"
+    assert NamedToolChoice.model_validate(named).function.name == "get_weather"
+
+    # a template that writes no calls this server can read: "auto" is refused, "none" answers as without tools
+    with pytest.raises(openai.BadRequestError, match='tool_choice "auto" needs a tool-call parser'):
+        client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+    plain = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=12, temperature=0).choices[0]
+    assert plain.message.content == offline(messages, 12, temperature=0).text and not plain.message.tool_calls
+    with pytest.raises(openai.BadRequestError, match="'get_date', which is not among the tools"):
+        client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "get_date"}})
+
+
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these functions:\n<tools>\n{%- for tool in tools %}\n"
+    "{{ tool | tojson }}{%- endfor %}\n</tools>\nCall one as <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call><|im_end|>\n{%- endif %}\n"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{%- for call in message.tool_calls or [] %}<tool_call>\n"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}\n</tool_call>{%- endfor %}"
+    "<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+def test_auto_tools_are_rendered_and_read_by_the_hermes_parser(target, speculative_config, tmp_path):
+    """A chat template with <tool_call> tags gets vLLM's hermes parser: the tools and earlier calls are rendered by
+    the template, and calls in the answer come back in OpenAI's shape, whole and streamed."""
+    import shutil
+    from transformers import AutoTokenizer
+
+    from serving.server.tools import ToolCalls, tool_call_parser
+
+    folder = tmp_path / "hermes"
+    shutil.copytree(target, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    assert tool_call_parser(HERMES_TEMPLATE) == "hermes" and tool_call_parser(None) is None
+
+    engine = Engine(EngineConfig(str(folder), max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS,
+                                 speculative_config=speculative_config))
+    messages = [{"role": "user", "content": "Weather in Rome?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call-1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": json.dumps({"city": "Rome", "unit": "C"})}}]},
+                {"role": "tool", "tool_call_id": "call-1", "content": "21 degrees"}]
+    as_template_reads = [  # Hugging Face's layout: content a string, a call's arguments an object
+        {**m, "content": m["content"] or ""} | ({"tool_calls": [
+            {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+            for c in m["tool_calls"]]} if "tool_calls" in m else {}) for m in messages]
+    rendered = tokenizer.apply_chat_template(as_template_reads, tools=[WEATHER], add_generation_prompt=True,
+                                             tokenize=False)
+    assert '"get_weather"' in rendered and '<tool_call>\n{"name": "get_weather"' in rendered
+    expected = engine.generate([tokenizer.encode(rendered, add_special_tokens=False)],
+                               SamplingParams(max_tokens=12))[0]
+    with running(build_app(engine, MODEL)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=12,
+                                                temperature=0)
+    assert answer.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert answer.choices[0].message.content == expected.text and not answer.choices[0].message.tool_calls
+
+    text = 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "F"}}\n</tool_call>'
+    content, calls, finish_reason = ToolCalls("auto", None, "hermes").whole(text, "stop")
+    assert content == "Let me look." and finish_reason == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "F"})]
+    streaming = ToolCalls("auto", None, "hermes")
+    pieces = [streaming.delta(text[i:i + 3])[0] for i in range(0, len(text), 3)]
+    rest, calls, finish_reason = streaming.finish("stop")
+    assert "".join(pieces) + rest == "Let me look." and finish_reason == "tool_calls" and len(calls) == 1
+    assert ToolCalls("auto", None, "hermes").whole("No call here <tool", "length") == ("No call here <tool", [],
+                                                                                      "length")
 
 
 def test_detokenizer_deltas_add_up_to_the_final_text():

@@ -423,17 +423,18 @@ def test_max_model_len_mid_run_matches_plain(tiny_llama, max_model_len):
 
 
 def test_requests_needing_history_decode_plainly_beside_speculating_ones(tiny_llama):
+    """Penalties decode plainly; logprobs speculate, read from the verified rows: the same as plain decoding's."""
     prompts = random_prompts((6, 15, 9, 22, 12, 30), seed=21)
     params = [
         SamplingParams(max_tokens=30, ignore_eos=True),
         SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
-        SamplingParams(max_tokens=30, ignore_eos=True, logprobs=True),
+        SamplingParams(max_tokens=30, ignore_eos=True, logprobs=True, top_logprobs=5),
         SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, seed=5, repetition_penalty=1.2),
         SamplingParams(max_tokens=30, ignore_eos=True),
         SamplingParams(max_tokens=30, ignore_eos=True, frequency_penalty=0.5, logprobs=True),
     ]
     needs_history = [p.needs_history for p in params]
-    assert needs_history == [False, True, True, True, False, True]
+    assert needs_history == [False, True, False, True, False, True]
     plain_engine = make_engine(tiny_llama)
     plain = plain_engine.generate(prompts, params)
     engine = make_engine(tiny_llama, {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3},
@@ -451,6 +452,13 @@ def test_requests_needing_history_decode_plainly_beside_speculating_ones(tiny_ll
         if ref.logprobs is not None:
             assert out.logprobs is not None and len(out.logprobs) == 30
             torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
+        if ref.top_logprobs is not None:
+            ids = [[t for t, _ in row] for row in out.top_logprobs]
+            assert ids == [[t for t, _ in row] for row in ref.top_logprobs]
+            torch.testing.assert_close(torch.tensor([[lp for _, lp in row] for row in out.top_logprobs]),
+                                       torch.tensor([[lp for _, lp in row] for row in ref.top_logprobs]),
+                                       atol=1e-4, rtol=1e-4)
+            assert len(out.top_logprobs) == 30 and all(len(row) == 5 for row in out.top_logprobs)
     # penalties really changed those outputs (else the comparison would not show they ran penalised)
     greedy = plain_outputs(tiny_llama, [prompts[1]], SamplingParams(max_tokens=30, ignore_eos=True))[0]
     assert outputs[1].token_ids != greedy

@@ -133,19 +133,34 @@ def test_dataset_answers_store_equals_a_transformers_forward_over_the_rendered_c
 
 class FakeEndpoint:
     """A chat completions server that answers in text only (refusing vLLM's return_token_ids by name, as strict
-    servers do), each prompt with its `answers` entry; once `num_answers_left` reaches 0 it answers 500."""
+    servers do), each prompt with its `answers` entry; once `num_answers_left` reaches 0 it answers 500. /v1/models
+    lists the model "tiny", with `max_model_len` when set. Faults: a question in `refused` gets a 400 with that
+    message; one in `drop_once` gets its connection closed with no reply the first time it is asked."""
 
     def __init__(self, answers: dict[str, str]):
         self.answers, self.num_answers_left, self.calls = answers, None, []
+        self.max_model_len, self.refused, self.drop_once = None, {}, set()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                entry = {"id": "tiny", "object": "model"}
+                if fake.max_model_len is not None:
+                    entry["max_model_len"] = fake.max_model_len
+                self.reply(200, {"object": "list", "data": [entry]})
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if "return_token_ids" in body:
                     return self.reply(400, {"error": {"message": "unknown field 'return_token_ids'"}})
                 question = body["messages"][-1]["content"]
                 fake.calls.append(question)
+                if question in fake.drop_once:
+                    fake.drop_once.discard(question)
+                    self.close_connection = True
+                    return
+                if question in fake.refused:
+                    return self.reply(400, {"error": {"message": fake.refused[question]}})
                 if fake.num_answers_left == 0:
                     return self.reply(500, {"error": {"message": "the engine crashed"}})
                 if fake.num_answers_left is not None:
@@ -187,6 +202,7 @@ def test_a_failing_endpoint_is_retried_then_named_and_what_was_stored_is_kept(ta
         with pytest.raises(EndpointError) as failure:
             generate(config, progress=False)
         message = str(failure.value)
+        assert "1 of the 6 conversations asked for failed, more than the 5% allowed" in message
         assert f"{fake.url}/v1/chat/completions failed 3 times" in message and "HTTP 500: the engine crashed" in message
         assert f"2 examples are stored in {tmp_path / 'store'} and kept" in message
         assert fake.calls == questions[:3] + [questions[3]] * 3  # one request at a time, the failing one tried 3 times
@@ -232,3 +248,69 @@ def test_endpoint_settings_are_checked_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="is not a URL"):
         GenerateConfig(prompts="mt-bench", out=str(tmp_path), endpoint="127.0.0.1:8000")
     assert GenerateConfig(prompts="mt-bench", out=str(tmp_path), layers="none").layers == ()
+
+
+def test_a_run_skips_what_the_endpoint_cannot_take_and_its_store_equals_a_clean_runs(target, tmp_path):
+    """One prompt longer than the endpoint's context, one the endpoint refuses, one whose connection drops once: the
+    run completes, counts each, and stores what a clean run over the other prompts stores, hidden states included."""
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    long = "Please read all of this: " + "words upon words " * 40
+    questions = [f"Question {i}: say something about {i}." for i in range(8)] + [long]
+    answers = {q: f"Answer {i}, a short one." for i, q in enumerate(questions)}
+    rows = [{"id": f"p{i}", "prompt": q} for i, q in enumerate(questions)]
+    limit = 64
+    assert len(prompt_ids(tokenizer, [{"role": "user", "content": long}])) > limit > max(
+        len(prompt_ids(tokenizer, [{"role": "user", "content": q}])) + 16 for q in questions[:-1])
+    prompts = write_prompts(tmp_path / "prompts.jsonl", rows)
+    common = dict(target=str(target), layers="last", endpoint_model="tiny", max_new_tokens=16, endpoint_retries=2,
+                  endpoint_concurrency=2, endpoint_failure_share=0.2)
+    fake = FakeEndpoint(answers)
+    try:
+        fake.max_model_len = limit  # listed at /v1/models: the long prompt is never sent
+        fake.refused = {questions[2]: "this request breaks a rule of the server"}
+        fake.drop_once = {questions[5]}
+        summary = generate(GenerateConfig(prompts=str(prompts), out=str(tmp_path / "faulty"), endpoint=fake.url,
+                                          **common), progress=False)
+        assert long not in fake.calls and fake.calls.count(questions[5]) == 2
+        assert summary["num_skipped"] == 1 and summary["endpoint_retries"] == 1
+        assert list(summary["failed"]) == ["p2"] and "this request breaks a rule" in summary["failed"]["p2"]
+        assert summary["num_new_examples"] == 7
+
+        fake.max_model_len, fake.refused, fake.calls = None, {}, []  # unlisted: the endpoint refuses it by its length
+        fake.refused = {long: "This model's maximum context length is 64 tokens. However, your prompt contains 200 "
+                              "input tokens, which exceeds this limit even without any output tokens."}
+        clean_rows = [row for row in rows if row["id"] not in ("p2", "p8")]
+        clean = generate(GenerateConfig(prompts=str(write_prompts(tmp_path / "clean.jsonl", clean_rows)),
+                                        out=str(tmp_path / "clean"), endpoint=fake.url, **common), progress=False)
+        assert clean["num_new_examples"] == 7 and not clean["failed"] and clean["endpoint_retries"] == 0
+
+        rerun = generate(GenerateConfig(prompts=str(prompts), out=str(tmp_path / "faulty"), endpoint=fake.url,
+                                        **common), progress=False)
+        assert rerun["num_new_examples"] == 1 and rerun["num_skipped"] == 1 and not rerun["failed"]
+    finally:
+        fake.close()
+    faulty, expected = Store(tmp_path / "faulty"), {item["id"]: item for item in Store(tmp_path / "clean")}
+    assert sorted(faulty.table["id"]) == sorted([*expected, "p2"])
+    for item in faulty:
+        if item["id"] == "p2":
+            continue
+        other = expected[item["id"]]
+        assert item["input_ids"].tolist() == other["input_ids"].tolist()
+        assert item["loss_mask"].tolist() == other["loss_mask"].tolist()
+        assert torch.equal(item["hidden"]["last"], other["hidden"]["last"])
+
+
+def test_failures_in_a_row_stop_the_run_with_what_was_stored_kept(target, tmp_path):
+    questions = [f"Question {i}?" for i in range(5)]
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [{"id": f"p{i}", "prompt": q} for i, q in enumerate(questions)])
+    fake = FakeEndpoint({q: "An answer." for q in questions})
+    fake.refused = {q: "refused" for q in questions[1:]}
+    try:
+        with pytest.raises(EndpointError, match=r"3 requests failed in a row \(the limit is 3\)"):
+            generate(GenerateConfig(prompts=str(prompts), out=str(tmp_path / "store"), target=str(target),
+                                    layers="none", endpoint=fake.url, endpoint_concurrency=1, endpoint_failure_share=1,
+                                    endpoint_failures_in_a_row=3), progress=False)
+    finally:
+        fake.close()
+    assert fake.calls == questions[:4]
+    assert Store(tmp_path / "store").table["id"] == ["p0"]

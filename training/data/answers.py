@@ -9,32 +9,49 @@
   target's stop token as if the target had stopped there, cut at max_new_tokens.
 
 Both yield (conversation id, outcome) pairs, an outcome being an example or why there is none: "too long" (the
-prompt does not fit in max_model_len), "dropped" (see above) or "unanswered" (the dataset has no answer to the first
-turn). Multi-turn conversations are laid out as generate.py lays out the target's own: ids concatenated turn by turn.
+prompt does not fit in max_model_len, or in the endpoint's context), "dropped" (see above), "unanswered" (the dataset
+has no answer to the first turn) or "failed" (the endpoint refused the request, or failed it past its retries).
+Multi-turn conversations are laid out as generate.py lays out the target's own: ids concatenated turn by turn.
 """
 from __future__ import annotations
 
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 from training.data.chat import prompt_ids, request_seed, stop_token_of, template_ids_after_answer, text_ids, user_turns
-from training.data.endpoint import Answer, Endpoint, EndpointError
+from training.data.endpoint import Answer, Endpoint, EndpointError, says_too_long
+
+
+@dataclass(frozen=True)
+class FailureLimits:
+    """When examples the endpoint fails end the run: more than `share` of the examples it is asked for, or `in_a_row`
+    failures one after another (the endpoint is down, or refuses every request)."""
+    share: float = 0.05
+    in_a_row: int = 20
 
 
 class EndpointAnswers:
-    """First turns answered by an endpoint. After an EndpointError no new request is sent; the requests in flight
-    still come back, and `error` holds the first failure for the caller to raise once those are stored."""
+    """First turns answered by an endpoint. A request the endpoint refuses, or fails past its retries, is a "failed"
+    outcome (its reason in `failures`) until the failures pass `limits`; then, or after an error that says the
+    endpoint serves another target, no new request is sent, the requests in flight still come back, and `error`
+    holds the reason for the caller to raise once those are stored. A prompt longer than the endpoint's context
+    (its max_model_len at /v1/models, or a refusal that names the context length) is "too long"."""
 
     def __init__(self, endpoint: Endpoint, rows, tokenizer, eos_token_ids, *, max_new_tokens: int, temperature: float,
-                 top_p: float, seed: int, max_len: int, concurrency: int):
+                 top_p: float, seed: int, max_len: int, concurrency: int, limits: FailureLimits = FailureLimits()):
         self.endpoint, self.tokenizer, self.eos_token_ids = endpoint, tokenizer, set(eos_token_ids)
         self.stop_token = stop_token_of(tokenizer, eos_token_ids)
         self.sampling = {"temperature": temperature, "top_p": top_p}
-        self.max_new_tokens, self.seed, self.max_len, self.concurrency = max_new_tokens, seed, max_len, concurrency
-        self.rows = iter(rows)
+        self.max_new_tokens, self.seed, self.concurrency = max_new_tokens, seed, concurrency
+        self.max_len = min(max_len, endpoint.max_model_len or max_len)
+        self.rows, self.num_rows = iter(rows), len(rows)
+        self.limits = limits
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="endpoint")
         self.in_flight: dict[Future, tuple[dict, list[int], int]] = {}  # -> row, prompt ids, max_tokens asked
         self.is_exhausted = False
         self.error: EndpointError | None = None
+        self.failures: dict[str, str] = {}  # conversation id -> why the endpoint did not answer it
+        self.num_failed_in_a_row = 0
 
     def is_done(self) -> bool:
         return not self.in_flight and (self.is_exhausted or self.error is not None)
@@ -47,10 +64,35 @@ class EndpointAnswers:
             for future in done:
                 row, ids, max_tokens = self.in_flight.pop(future)
                 try:
-                    outcomes.append((row["id"], self._example(row, ids, max_tokens, future.result())))
+                    answer = future.result()
+                except EndpointError as error:
+                    outcomes.append((row["id"], self._failed(row["id"], error)))
+                    continue
+                self.num_failed_in_a_row = 0
+                try:
+                    outcomes.append((row["id"], self._example(row, ids, max_tokens, answer)))
                 except EndpointError as error:
                     self.error = self.error or error
         return outcomes
+
+    def _failed(self, conversation_id: str, error: EndpointError) -> str:
+        """The outcome of a request the endpoint failed; sets `error` once the failures pass the limits."""
+        if says_too_long(error):
+            return "too long"
+        self.failures[conversation_id] = str(error)
+        self.num_failed_in_a_row += 1
+        num_failed, limits = len(self.failures), self.limits
+        if self.num_failed_in_a_row >= limits.in_a_row:
+            why = f"{self.num_failed_in_a_row} requests failed in a row (the limit is {limits.in_a_row})"
+        elif num_failed > limits.share * self.num_rows:
+            why = (f"{num_failed} of the {self.num_rows} conversations asked for failed, more than the "
+                   f"{limits.share:.0%} allowed")
+        else:
+            return "failed"
+        if self.error is None:
+            self.error = EndpointError(f"{why}; the last: {error}\n(--endpoint-failure-share and "
+                                       "--endpoint-failures-in-a-row set when a run stops)", error.status, error.reply)
+        return "failed"
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -109,7 +151,8 @@ def answered_turns(messages: list[dict]) -> list[tuple[list[dict], str]]:
 
 
 class DatasetAnswers:
-    """The source's own answers, `batch` conversations per poll. It never fails part way, so `error` stays None."""
+    """The source's own answers, `batch` conversations per poll. It never fails part way, so `error` stays None and
+    `failures` empty."""
 
     error = None
 
@@ -119,6 +162,7 @@ class DatasetAnswers:
         self.stop_token = stop_token_of(tokenizer, eos_token_ids)
         self.rows = iter(rows)
         self.is_exhausted = False
+        self.failures: dict[str, str] = {}
 
     def is_done(self) -> bool:
         return self.is_exhausted

@@ -4,10 +4,12 @@ between threads, that asks for chat completions and retries what may pass.
 Token ids are asked for with vLLM's `return_token_ids` (the answer's ids in the choice, the prompt's beside the
 choices); a server that refuses the field by name is asked without it from then on, and its answers come back as
 text only. Refused connections, timeouts, 408, 409, 429 and 5xx are retried with exponential backoff a bounded
-number of times; any other 4xx is the request's fault and fails at once.
+number of times; any other 4xx is the request's fault and fails at once. The context the server takes is read from
+/v1/models where it says one (vLLM's `max_model_len` in each model's entry).
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -47,16 +49,24 @@ class Endpoint:
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         self.client = httpx.Client(base_url=self.url, timeout=timeout_s, limits=limits)
         self.asks_token_ids = True
-        self.model = model or self._first_model()
+        self.num_retried = 0  # requests sent again after a failure that may pass, over the endpoint's life
+        self._lock = threading.Lock()
+        self.model, self.max_model_len = self._served_model(model)
 
     def close(self) -> None:
         self.client.close()
 
-    def _first_model(self) -> str:
-        listed = self._send("GET", "/v1/models").get("data") or []
-        if not listed:
-            raise EndpointError(f"{self.url}/v1/models lists no model: pass --endpoint-model NAME")
-        return listed[0]["id"]
+    def _served_model(self, model: str | None) -> tuple[str, int | None]:
+        """(the model's name: `model`, else the first listed; the most tokens of prompt + answer it takes, where
+        /v1/models says)."""
+        listed = [entry for entry in self._send("GET", "/v1/models").get("data") or [] if isinstance(entry, dict)]
+        if model is None:
+            if not listed:
+                raise EndpointError(f"{self.url}/v1/models lists no model: pass --endpoint-model NAME")
+            model = listed[0]["id"]
+        entry = next((entry for entry in listed if entry.get("id") == model), {})
+        max_model_len = entry.get("max_model_len")
+        return model, max_model_len if isinstance(max_model_len, int) and max_model_len > 0 else None
 
     def chat(self, messages: list[dict], max_tokens: int, temperature: float, top_p: float, seed: int) -> Answer:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
@@ -98,8 +108,16 @@ class Endpoint:
                     raise EndpointError(f"{self.url}{path} refused the request with {problem}", status, problem)
             if attempt < self.num_retries:
                 time.sleep(min(MAX_BACKOFF_S, self.backoff_s * 2**attempt))
+                with self._lock:
+                    self.num_retried += 1
         raise EndpointError(f"{self.url}{path} failed {self.num_retries + 1} times (retried with backoff); the last "
                             f"time: {problem}", status, problem)
+
+
+def says_too_long(error: EndpointError) -> bool:
+    """Whether the endpoint refused a request for its length: a 400 whose message names the context length, as vLLM's
+    ("This model's maximum context length is ...") and SGLang's do, or max_model_len, as `draftheads serve`'s does."""
+    return error.status == 400 and any(words in error.reply.lower() for words in ("context length", "max_model_len"))
 
 
 def _reply(response: httpx.Response) -> str:

@@ -76,7 +76,11 @@ HELP = {
     "endpoint_model": "the model name the endpoint serves the target under (default: the first at /v1/models)",
     "endpoint_concurrency": "requests the endpoint answers at once",
     "endpoint_retries": "retries of a request after a refused connection, a timeout or HTTP 408/409/429/5xx, with "
-                        "backoff 1, 2, 4, ... s; then generate stops with the endpoint's error, keeping what it stored",
+                        "backoff 1, 2, 4, ... s; then the conversation counts as failed (a rerun asks for it again)",
+    "endpoint_failure_share": "generate stops, keeping what it stored, once more than this share of the conversations "
+                              "it asks the endpoint for failed (refused, or failed past the retries); prompts longer "
+                              "than the endpoint's context are skipped as too long, not failed",
+    "endpoint_failures_in_a_row": "generate stops, keeping what it stored, after this many failed requests in a row",
     "endpoint_timeout": "seconds one request may take",
     "capture": "what computes the hidden states of answers from --endpoint or --answers dataset: engine (this "
                "project's, for the families it runs), transformers (any family transformers loads), vllm (vLLM's "
@@ -115,6 +119,8 @@ class GenerateConfig:
     endpoint_concurrency: int = 8
     endpoint_retries: int = 5
     endpoint_timeout: float = 600.0
+    endpoint_failure_share: float = 0.05
+    endpoint_failures_in_a_row: int = 20
     capture: str = "auto"
     vllm_python: str | None = None
 
@@ -152,8 +158,10 @@ class GenerateConfig:
         if not self.endpoint_timeout > 0 or self.endpoint_retries < 0:
             raise ValueError(f"endpoint_timeout={self.endpoint_timeout} must be > 0 and "
                              f"endpoint_retries={self.endpoint_retries} >= 0")
+        if not 0 <= self.endpoint_failure_share <= 1:
+            raise ValueError(f"endpoint_failure_share={self.endpoint_failure_share} is invalid: give a share in [0, 1]")
         for name in ("max_new_tokens", "concurrency", "max_model_len", "max_num_batched_tokens", "shard_size",
-                     "endpoint_concurrency"):
+                     "endpoint_concurrency", "endpoint_failures_in_a_row"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: it must be >= 1")
         if self.num_prompts is not None and self.num_prompts < 1:
@@ -295,6 +303,9 @@ def write_store(config: GenerateConfig, folder: Path, fingerprint: dict, aux_lay
         summary["answer_ids"] = generation.answer_ids
         summary["num_dropped"] = generation.outcomes["dropped"]
         summary["num_unanswered"] = generation.outcomes["unanswered"]
+        summary["failed"] = dict(generation.failures)
+    if endpoint is not None:
+        summary["endpoint_retries"] = endpoint.num_retried
     return summary
 
 
@@ -391,7 +402,8 @@ class Generation:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     types = {"num_prompts": int, "max_new_tokens": int, "temperature": float, "top_p": float, "seed": int,
              "concurrency": int, "max_model_len": int, "max_num_batched_tokens": int, "shard_size": int,
-             "endpoint_concurrency": int, "endpoint_retries": int, "endpoint_timeout": float}
+             "endpoint_concurrency": int, "endpoint_retries": int, "endpoint_timeout": float,
+             "endpoint_failure_share": float, "endpoint_failures_in_a_row": int}
     add_options(parser, GenerateConfig, HELP, types,
                 {"turns": {"choices": TURNS}, "dtype": {"choices": DTYPES}, "weights": {"choices": WEIGHTS},
                  "answers": {"choices": ANSWERS}, "endpoint": {"metavar": "URL"}, "endpoint_model": {"metavar": "NAME"},
@@ -409,9 +421,15 @@ def run(args: argparse.Namespace) -> int:
           f"{summary['num_answer_tokens']} answer tokens, {summary['num_bytes'] / 2**20:.1f} MiB on disk, "
           f"{summary['bytes_per_token_per_layer']:.0f} bytes per token per layer")
     print(f"this run: {summary['num_new_examples']} examples, {summary['num_new_answer_tokens']} answer tokens in {summary['elapsed_s']:.1f} s "
-          f"({summary['answer_tokens_per_s']:.1f} tok/s); {summary['num_skipped']} prompts longer than max_model_len skipped")
+          f"({summary['answer_tokens_per_s']:.1f} tok/s); {summary['num_skipped']} prompts longer than max_model_len "
+          "(or the endpoint's context) skipped")
     if "answer_ids" in summary:
         ids = summary["answer_ids"]
         print(f"answers in the store: {ids['num_token_ids']} as the endpoint's token ids, {ids['num_from_text']} as text "
               f"tokenized here; {len(ids['dropped'])} dropped (their text does not tokenize back to itself); this run "
               f"{summary['num_unanswered']} conversations with no answer in the dataset")
+    if summary.get("failed"):
+        print(f"{len(summary['failed'])} conversations failed at the endpoint and are not stored (a rerun asks for "
+              f"them again); the first, {next(iter(summary['failed']))}: {next(iter(summary['failed'].values()))}")
+    if "endpoint_retries" in summary:
+        print(f"endpoint: {summary['endpoint_retries']} requests retried")

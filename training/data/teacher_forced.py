@@ -15,13 +15,13 @@ from transformers import AutoTokenizer
 
 from serving.config import DTYPES, resolve_device
 from serving.targets import architecture, generation_limits
-from training.data.answers import DatasetAnswers, EndpointAnswers
+from training.data.answers import DatasetAnswers, EndpointAnswers, FailureLimits
 from training.data.capture import (Capture, EngineCapture, NoCapture, TransformersCapture, find_vllm_python,
                                    resolve_capture)
 from training.data.endpoint import Endpoint
 from training.data.store import StoreWriter, tensor_keys
 
-OUTCOMES = ("too long", "dropped", "unanswered")
+OUTCOMES = ("too long", "dropped", "unanswered", "failed")
 
 
 class TeacherForcedGeneration:
@@ -43,6 +43,7 @@ class TeacherForcedGeneration:
         skipped = writer.done_ids | set(self.answer_ids["dropped"])
         self.todo = [row for row in rows if row["id"] not in skipped]
         self.outcomes = Counter()
+        self.failures: dict[str, str] = {}  # conversation id -> why the endpoint did not answer it; a rerun asks again
         self.num_answer_tokens = 0
         self.elapsed_s = 0.0
 
@@ -67,7 +68,9 @@ class TeacherForcedGeneration:
             source = EndpointAnswers(self.endpoint, self.todo, tokenizer, eos_token_ids,
                                      max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                      top_p=config.top_p, seed=config.seed, max_len=max_len,
-                                     concurrency=config.endpoint_concurrency)
+                                     concurrency=config.endpoint_concurrency,
+                                     limits=FailureLimits(config.endpoint_failure_share,
+                                                          config.endpoint_failures_in_a_row))
         capture = self._capture(max_len)
         bar = tqdm(total=self.num_rows, initial=self.num_rows - len(self.todo), desc="prompts", unit="prompt",
                    disable=not progress)
@@ -89,6 +92,7 @@ class TeacherForcedGeneration:
         finally:
             source.close()
             capture.close()
+            self.failures = source.failures
             bar.close()
             self._note()
         if source.error is not None:

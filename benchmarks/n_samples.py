@@ -1,0 +1,110 @@
+"""OpenAI's n through `draftheads serve`: one request for n samples against n separate requests for the same prompt
+(the siblings of n read the prompt's blocks from the prefix cache instead of computing them), and speculation's
+speedup over plain decoding with n samples of one prompt against n different prompts at once (the same number of
+sequences in flight). Two servers, plain and speculative, are measured taking turns round by round (the machine's
+speed drifts); every request is sampled (temperature 0.7, seeded) and ignores EOS, so each setting generates the
+same number of tokens. Each setting sends its prompts one after the other:
+
+- n: one request with n samples per prompt;
+- separate: n requests at once for the prompt, seeds seed + i (the samples n gives);
+- different: n requests at once, n different prompts, one sample each.
+
+    python benchmarks/n_samples.py [--speculative-config JSON] [--prompts humaneval] [--num-prompts 4] [--n 4]
+        [--max-new-tokens 64] [--rounds 2] [--target smollm2-135m-instruct]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+import httpx
+
+from serving.bench.bench_serve import ServerProcess, load_first_turns
+from serving.spec_decode.metrics import AcceptanceStats
+from serving.targets import DEFAULT_TARGET
+
+SETTINGS = ("n", "separate", "different")
+
+
+async def ask(client: httpx.AsyncClient, messages, n: int, seed: int, max_tokens: int) -> dict:
+    response = await client.post("/v1/chat/completions", json={
+        "messages": messages, "n": n, "seed": seed, "temperature": 0.7, "max_tokens": max_tokens, "ignore_eos": True})
+    response.raise_for_status()
+    return response.json()["usage"]
+
+
+async def run_setting(url: str, setting: str, prompts, n: int, max_tokens: int) -> dict:
+    """Output tokens per second over the prompts, and the acceptance summed over every sample."""
+    usages = []
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+        start = time.perf_counter()
+        for i, messages in enumerate(prompts):
+            if setting == "n":
+                usages.append(await ask(client, messages, n, 1000 * i, max_tokens))
+            elif setting == "separate":
+                usages += await asyncio.gather(*(ask(client, messages, 1, 1000 * i + j, max_tokens) for j in range(n)))
+            else:  # n different prompts at once, each prompt's turn starting a group
+                group = [prompts[(i + j) % len(prompts)] for j in range(n)]
+                usages += await asyncio.gather(*(ask(client, m, 1, 1000 * i + j, max_tokens)
+                                                 for j, m in enumerate(group)))
+        elapsed = time.perf_counter() - start
+    stats = AcceptanceStats()
+    for usage in usages:
+        if "speculative" in usage:
+            stats.merge(AcceptanceStats.from_dict(usage["speculative"]))
+    return {"tok_s": sum(u["completion_tokens"] for u in usages) / elapsed,
+            "tau": stats.tau if stats.num_steps else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
+                        metavar="JSON")
+    parser.add_argument("--prompts", default="humaneval")
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", default=None, metavar="PATH")
+    args = parser.parse_args()
+
+    prompts = load_first_turns(args.prompts, args.num_prompts)
+    common = ["--target", args.target, "--max-num-seqs", "16", "--log-level", "warning"]
+    rows = []
+    with ServerProcess(common) as plain, ServerProcess(common + ["--speculative-config", args.speculative_config]) \
+            as speculative:
+        for url in (plain.url, speculative.url):  # warm-up
+            asyncio.run(run_setting(url, "n", prompts[:1], 2, 4))
+        for round_ in range(args.rounds):
+            row = {"round": round_}
+            for setting in SETTINGS:
+                for name, server in (("plain", plain), ("speculative", speculative)):
+                    result = asyncio.run(run_setting(server.url, setting, prompts, args.n, args.max_new_tokens))
+                    row[f"{name}_{setting}_tok_s"] = result["tok_s"]
+                    if result["tau"] is not None:
+                        row[f"{name}_{setting}_tau"] = result["tau"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    median = lambda key: statistics.median(r[key] for r in rows)
+    summary = {"target": args.target, "speculative_config": args.speculative_config, "prompts": args.prompts,
+               "num_prompts": args.num_prompts, "n": args.n, "max_new_tokens": args.max_new_tokens, "rounds": rows}
+    for name in ("plain", "speculative"):
+        summary[f"{name}_n_over_separate"] = median(f"{name}_n_tok_s") / median(f"{name}_separate_tok_s")
+        print(f"{name}: n={args.n} {median(f'{name}_n_tok_s'):.1f} tok/s, {args.n} separate requests "
+              f"{median(f'{name}_separate_tok_s'):.1f} tok/s ({summary[f'{name}_n_over_separate']:.3f}x), "
+              f"{args.n} different prompts {median(f'{name}_different_tok_s'):.1f} tok/s")
+    for setting in SETTINGS:
+        summary[f"speedup_{setting}"] = median(f"speculative_{setting}_tok_s") / median(f"plain_{setting}_tok_s")
+        print(f"speculation's speedup, {setting}: {summary[f'speedup_{setting}']:.3f}x (tau "
+              f"{median(f'speculative_{setting}_tau'):.3f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
