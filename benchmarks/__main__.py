@@ -93,6 +93,10 @@ TABLES = {
         "-m", "benchmarks.losses", "--store", "data/demo-smollm2-135m-instruct", "--token-map",
         "runs/token_map-4096.pt", "--out", "runs/losses", "--epochs", "2")),
     "gpu": Table("gpu.md", "every method on a CUDA device against transformers", ("-m", "benchmarks.device")),
+    "capture": Table("targets.md", "the capture backends side by side: engine, transformers, vLLM",
+                     ("-m", "benchmarks.capture", "--num-prompts", "16")),
+    "gemma3": Table("targets.md", "gemma3-270m's plain decoding against its bandwidth floor", (
+        "-m", "benchmarks.weights", "--target", "gemma3-270m", "--num-prompts", "4", "--max-new-tokens", "64")),
 }
 
 

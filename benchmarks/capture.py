@@ -2,6 +2,7 @@
 their hidden states ("last" and the three EAGLE-3 layers) captured by each backend into a fresh store, in
 teacher-forced tokens per second (backend start-up not timed), float32.
 
+    python -m benchmarks capture                              # the documented table (16 conversations)
     .venv/bin/python -m benchmarks.capture                       # default target, 32 conversations
     .venv/bin/python -m benchmarks.capture --num-prompts 4 --backends engine,transformers   # smoke run
 """
@@ -9,22 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 from pathlib import Path
 
 import torch
 
+from benchmarks.__main__ import machine
 from serving.targets import DEFAULT_TARGET
 from training.data.capture import find_vllm_python
 from training.data.generate import GenerateConfig, generate
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def main() -> None:
@@ -47,7 +41,7 @@ def main() -> None:
                          "num_tokens": summary["num_tokens"], "elapsed_s": round(summary["elapsed_s"], 2),
                          "tokens_per_s": round(summary["num_tokens"] / summary["elapsed_s"], 1)})
     print(f"# capture backends, {args.target}, {args.num_prompts} ShareGPT conversations, float32, "
-          f"{torch.get_num_threads()} threads, {cpu_name()}")
+          f"{torch.get_num_threads()} threads, {machine()}")
     print("| backend | examples | tokens | s | tokens/s |\n|---|---:|---:|---:|---:|")
     for row in rows:
         print(f"| {row['backend']} | {row['num_examples']} | {row['num_tokens']} | {row['elapsed_s']} | "
