@@ -3,7 +3,8 @@
 speedup over plain decoding with n samples of one prompt against n different prompts at once (the same number of
 sequences in flight). Two servers, plain and speculative, are measured taking turns round by round (the machine's
 speed drifts); every request is sampled (temperature 0.7, seeded) and ignores EOS, so each setting generates the
-same number of tokens. Each setting sends its prompts one after the other:
+same number of tokens. Each setting's prompts open with a system message of their own (the round and setting), so no
+setting reads another's prompts from the prefix cache. Each setting sends its prompts one after the other:
 
 - n: one request with n samples per prompt;
 - separate: n requests at once for the prompt, seeds seed + i (the samples n gives);
@@ -34,6 +35,12 @@ async def ask(client: httpx.AsyncClient, messages, n: int, seed: int, max_tokens
         "messages": messages, "n": n, "seed": seed, "temperature": 0.7, "max_tokens": max_tokens, "ignore_eos": True})
     response.raise_for_status()
     return response.json()["usage"]
+
+
+def unshared(prompts, label: str):
+    """The prompts under a system message naming `label`: nothing of them is in the prefix cache yet."""
+    return [[{"role": "system", "content": f"Run {label}."}, *[m for m in messages if m["role"] != "system"]]
+            for messages in prompts]
 
 
 async def run_setting(url: str, setting: str, prompts, n: int, max_tokens: int) -> dict:
@@ -83,7 +90,8 @@ def main() -> None:
             row = {"round": round_}
             for setting in SETTINGS:
                 for name, server in (("plain", plain), ("speculative", speculative)):
-                    result = asyncio.run(run_setting(server.url, setting, prompts, args.n, args.max_new_tokens))
+                    fresh = unshared(prompts, f"{round_}-{setting}-{name}")
+                    result = asyncio.run(run_setting(server.url, setting, fresh, args.n, args.max_new_tokens))
                     row[f"{name}_{setting}_tok_s"] = result["tok_s"]
                     if result["tau"] is not None:
                         row[f"{name}_{setting}_tau"] = result["tau"]
