@@ -1,6 +1,7 @@
 """Heads for targets of other families than Llama, served by the real vLLM: an EAGLE-3 head trained on a tiny
-Qwen3 target (q/k norms) or Qwen3-MoE target (8 experts, top 2) exported in vLLM's layout drafts in vLLM what it
-drafts in this project's engine: the same outputs (those of plain decoding) and accepted drafts per position."""
+Qwen3 target (q/k norms) or Qwen3-MoE target (8 experts, top 2), a Medusa head on a tiny Gemma 3 target (sliding
+windows), exported in vLLM's layout, drafts in vLLM what it drafts in this project's engine: the same outputs (those
+of plain decoding) and accepted drafts per position."""
 from __future__ import annotations
 
 import pytest
@@ -17,17 +18,21 @@ pytestmark = pytest.mark.usefixtures("vllm_available")
 
 # gpt-oss stays out: vLLM's CPU build serves a tiny gpt-oss head, but its greedy float32 outputs part from
 # transformers' (and this engine's) in one prompt of eight, so drafts cannot be compared verdict for verdict.
-FAMILIES = {"qwen3": {}, "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)}
+# vLLM 0.32's Gemma 3 has no EAGLE-3 aux outputs, so its head is Medusa's (which reads the final hidden state).
+FAMILIES = {"qwen3": ("eagle3", {}),
+            "qwen3_moe": ("eagle3", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)),
+            "gemma3_text": ("medusa", dict(sliding_window=16, layer_types=["sliding_attention"] * 3 + ["full_attention"]))}
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_vllm_serves_an_eagle3_head_for_another_family_with_our_acceptance(arch, tmp_path):
-    target = tiny_heads.chaotic_target(tmp_path / "target", arch, **FAMILIES[arch])
+def test_vllm_serves_a_head_for_another_family_with_our_acceptance(arch, tmp_path):
+    kind, overrides = FAMILIES[arch]
+    target = tiny_heads.chaotic_target(tmp_path / "target", arch, **overrides)
     with torch.random.fork_rng():
-        trained = tiny_heads.train("eagle3", target, tiny_heads.store(target, tmp_path / "data"), tmp_path / "eagle3")
+        trained = tiny_heads.train(kind, target, tiny_heads.store(target, tmp_path / "data"), tmp_path / kind)
     engine = Engine(EngineConfig(str(target), max_num_seqs=1))
     prompt_ids = [engine.encode(messages) for messages in tiny_heads.prompts()]
     plain = ours(target, None, prompt_ids)[0]
-    spec = {"method": "eagle3", "num_speculative_tokens": K}
-    with VllmServer(target, {**spec, "model": str(export_for_vllm("eagle3", trained, target, tmp_path / "vllm"))}) as server:
+    spec = {"method": kind, "num_speculative_tokens": K}
+    with VllmServer(target, {**spec, "model": str(export_for_vllm(kind, trained, target, tmp_path / "vllm"))}) as server:
         compare(target, trained, spec, server, prompt_ids, plain)
