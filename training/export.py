@@ -104,7 +104,7 @@ def export(head, engine: str, out, *, verifier=None, num_speculative_tokens: int
                "peagle": "vLLM serves P-EAGLE from the speculators format (EAGLE-3 with parallel drafting): export "
                          "it --format speculators"}[kind]
         raise ValueError(f"cannot export a {kind} head for {engine}: {why}")
-    if head.config.qk_norm and kind != "dflash":
+    if head.config.qk_norm and kind in ("eagle", "eagle3", "peagle"):  # Medusa has no layer; DFlash's are Qwen3's
         raise ValueError(f"this {kind} head has q/k norms (a Qwen3 target): the {engine} Llama draft layers have none")
     layout = LAYOUTS[kind, engine]
     tensors = {**to_theirs(layout.names, head.config, layout.exported(head)), **layout.target_values(head)}
