@@ -49,9 +49,9 @@ import heads
 from heads.checkpoint import write_folder
 from heads.token_map import lm_head_rows
 from training.cli import DocHelpFormatter
-from training.formats import LAYOUTS, speculators_config, to_theirs
+from training.formats import CONVERTERS, LAYOUTS, to_theirs
 
-FORMATS = ("vllm", "sglang", "speculators", "z-lab")
+FORMATS = tuple(name for name, converter in CONVERTERS.items() if converter.writes)
 WRITER = "draftheads"  # config.json's key naming what wrote an export
 
 
@@ -72,14 +72,14 @@ def run(args) -> int:
 
     head = heads.load(args.head)
     verifier = None
-    if ((head.config.kind, args.format) == ("medusa", "vllm") and not head.config.own_lm_head
-            or (head.config.kind, args.format) == ("dflash", "speculators")):
+    layout = LAYOUTS.get((head.config.kind, args.format))
+    if layout is not None and layout.needs_target(head):
         folder = targets.resolve(args.target or targets.DEFAULT_TARGET)
         parts = heads.load_target_parts(folder, fingerprint=targets.fingerprint(folder))
         if head.token_map is not None:
             parts.lm_head = lm_head_rows(parts.lm_head, head.token_map)
         head.bind_target(parts)
-    if args.format == "speculators":
+    if CONVERTERS[args.format].nested:  # it names its verifier
         verifier = targets.resolve(args.target or targets.DEFAULT_TARGET)
     out = export(head, args.format, args.out, verifier=verifier, num_speculative_tokens=args.num_speculative_tokens)
     print(f"wrote the {head.config.kind} head as a {args.format} draft model to {out}")
@@ -109,13 +109,9 @@ def export(head, engine: str, out, *, verifier=None, num_speculative_tokens: int
     layout = LAYOUTS[kind, engine]
     tensors = {**to_theirs(layout.names, head.config, layout.exported(head)), **layout.target_values(head)}
     layer = qwen3_config(head.config) if kind == "dflash" else llama_config(head.config)
-    if engine == "speculators":
-        if verifier is None:
-            raise ValueError("a speculators export names its verifier: give the target's folder or hub id")
-        drafts = head.config.block_size - 1 if kind == "dflash" else num_speculative_tokens
-        config = speculators_config(kind, layer, layout.export_config(head), verifier_of(verifier), drafts)
-    else:
-        config = {**layer, "architectures": [layout.architecture], **layout.export_config(head)}
+    drafts = head.config.block_size - 1 if kind == "dflash" else num_speculative_tokens
+    config = layout.format.write_config(kind, layer, layout.export_config(head),
+                                        None if verifier is None else verifier_of(verifier), drafts)
     config[WRITER] = {"version": importlib.metadata.version("draftheads"), "kind": kind, "format": engine}
     tensors = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in tensors.items()}
     return write_folder(out, config, tensors, {"format": "pt"})

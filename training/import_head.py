@@ -32,7 +32,7 @@ from heads.draft_head import DraftHead
 from heads.hf_folder import read_config, read_file, weight_files
 from heads.token_map import check_token_ids, lm_head_rows
 from training.cli import DocHelpFormatter
-from training.formats import LAYOUTS, SOURCES, Layout, speculators_config_fields, to_ours
+from training.formats import LAYOUTS, SOURCES, Layout, to_ours
 
 KINDS = ("eagle", "eagle3", "medusa", "peagle", "dflash")
 SOURCE_OF = {"EagleLlamaForCausalLM": "vllm", "LlamaForCausalLMEagle": "sglang", "LlamaForCausalLM": "eagle-repo",
@@ -76,12 +76,12 @@ def import_head(src, kind: str, target, source: str | None = None) -> tuple[Draf
     src = Path(src)
     config = read_config(src, "import reads a head's folder (config.json and its weights)")
     layout = _layout(config, kind, source, src)
-    if layout.source == "speculators":
-        config = speculators_config_fields(config)
+    config = layout.format.flat_config(config)
     folder = targets.resolve(target)
     parts = heads.load_target_parts(folder, fingerprint=targets.fingerprint(folder))
     where = f"{src} ({layout.source} {kind} layout)"
     _check_sizes(config, parts, where)
+    _check_verifier(config, parts.fingerprint, target, where)
     cls = HEADS[kind]
     try:
         head_config = cls.config_class.from_target(parts, **layout.kind_fields(config, where))
@@ -89,8 +89,7 @@ def import_head(src, kind: str, target, source: str | None = None) -> tuple[Draf
         raise ValueError(f"{where}: its config.json does not make a {kind} head for this target: {error}") from None
     with torch.device("cpu"):
         head = cls(head_config)
-    theirs = _read_tensors(src)
-    layout.check_tensors(config, theirs, where)
+    theirs = layout.fill(config, head_config, _read_tensors(src), where)
     ours, used = to_ours(layout.names, head_config, theirs, head.state_dict(), where)
     for name, shape in layout.target_tensors(head_config).items():
         if name in theirs and tuple(theirs[name].shape) != shape:
@@ -104,7 +103,9 @@ def import_head(src, kind: str, target, source: str | None = None) -> tuple[Draf
     _check_vocabulary(head, where)
     if head.token_map is not None:
         parts.lm_head = lm_head_rows(parts.lm_head, head.token_map)
-    return head.bind_target(parts), layout
+    head.bind_target(parts)
+    layout.check_target(theirs, head, where)
+    return head, layout
 
 
 def _layout(config: dict, kind: str, source: str | None, src: Path) -> Layout:
@@ -146,6 +147,23 @@ def _check_sizes(config: dict, parts, where: str) -> None:
                  if config.get(name) is not None and config[name] != target[name]]
     if differing:
         raise ValueError(f"{where} was made for another target: {'; '.join(differing)}")
+
+
+def _check_verifier(config: dict, fingerprint: dict, target, where: str) -> None:
+    """The speculators format names the verifier it was trained for. A folder present here must be the target (its
+    fingerprint the same); a hub id not present here is imported for the target all the same, whose sizes were
+    checked against the checkpoint's."""
+    name = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    if not name or not (Path(name).expanduser() / "config.json").is_file():
+        return
+    from serving import targets
+
+    theirs = targets.fingerprint(Path(name).expanduser())
+    differing = [f"{key}: verifier {theirs[key]!r}, target {fingerprint[key]!r}" for key in sorted(theirs)
+                 if key != "id" and theirs[key] != fingerprint.get(key)]
+    if differing:
+        raise ValueError(f"{where} names its verifier {name}, which is not the target {target}: "
+                         f"{'; '.join(differing)}. Import it with --target {name}, or for the target it was trained on")
 
 
 def _read_tensors(src: Path) -> dict[str, torch.Tensor]:
