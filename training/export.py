@@ -26,7 +26,10 @@ it back without --from. The decoder layer's fused projections are split back int
 embedding or (EAGLE-1) the LM head from the draft: both share the target's. EAGLE-3's aux layer ids mean the
 input of layer i in this project and in vLLM; SGLang captures the output of layer i, so its file says i - 1.
 A Medusa head sharing the target's LM head over a token map keeps it (vLLM's `token_map` tensor and
-truncated_vocab_size); one with its own LM heads over a map is refused for vLLM, which cannot load those. An EAGLE-1
+truncated_vocab_size); one with its own LM heads over a map, which vLLM cannot load, goes out with each LM head over
+the whole vocabulary, every unmapped row the mean of the mapped rows (its logit the mean of theirs, so it never wins
+the argmax). A DFlash head over a token map goes out as the draft vocabulary vLLM's DFlash reads (draft_vocab_size,
+d2t, t2d and the map's rows as lm_head.weight; vLLM scatters the draft logits with -inf elsewhere). An EAGLE-1
 head drafts over the whole vocabulary once exported, unless SGLang is given the map's file
 (--speculative-token-map). Neither engine loads MTP modules for a Llama-family target (they read them only
 inside DeepSeek-V3-style checkpoints), and SGLang has no Medusa: those exports are refused. Serve the result with:

@@ -13,6 +13,10 @@ DFlashDraftModel: z-lab) or
 Medusa's medusa_num_heads (medusa-repo). An EAGLE-3 file that names its aux layers needs --from, since SGLang
 numbers them one lower than vLLM and the EAGLE repository.
 
+The speculators format's trainer writes target_hidden_size null (the layer's hidden size), no d2t and t2d over the
+whole vocabulary, and names its verifier: a folder present here must be the target (the same fingerprint); a hub id
+not present here is imported for --target, whose sizes are checked against the checkpoint's.
+
 Every tensor is checked against the shape the target's sizes and the checkpoint's config.json imply, and a wrong
 one is named with both shapes. The head's attention geometry, norm epsilon and rope are the target's (config.json
 must agree on the sizes); its MLP width, and each kind's own settings, are the checkpoint's. Tensors of the target
