@@ -16,11 +16,11 @@ VLLM_STAMP := $(VLLM_VENV)/.setup-done
 # speculators (vllm-project/speculators), whose own classes build, save and run the checkpoints the interop tests
 # import (tests/interop/test_speculators.py): a venv of its own beside torch's CPU build. It is installed --no-deps,
 # since its declared dependencies pull CUDA builds (torchvision, torchaudio, mooncake); SPECULATORS_DEPS are those
-# its models import when loaded: transformers and pydantic, and datasets, openai and hs-connectors, which its
+# its models import when built and saved: transformers, pydantic, loguru, and datasets, openai and hs-connectors, which its
 # models' modules import through its training data code.
 SPECULATORS ?= speculators==0.9.0
-SPECULATORS_DEPS := "transformers==5.19.0" "pydantic>=2,<3" "safetensors>=0.4" "datasets>=4,<=5.1.0" "openai>=2,<4" \
-	"hs-connectors==0.9.0"
+SPECULATORS_DEPS := "transformers==5.19.0" "pydantic>=2,<3" "safetensors>=0.4" "loguru>=0.7.2,<=0.7.3" "datasets>=4,<=5.1.0" \
+	"openai>=2,<4" "hs-connectors==0.9.0"
 SPECULATORS_VENV := .venv-speculators
 SPECULATORS_STAMP := $(SPECULATORS_VENV)/.setup-done
 # llama.cpp for benchmarks/llama_cpp.py (issue 45's side-by-side): the source vendored in llama-cpp-python's sdist,

@@ -423,7 +423,8 @@ class PeagleLayout(Eagle3Layout):
         fields = super().kind_fields(config, where)
         if config.get("mask_token_id") is None:
             raise ValueError(f"{where}: its config.json has no mask_token_id, which a P-EAGLE head needs (the "
-                             "token its placeholder rows read)")
+                             "token its placeholder rows read): set it to the id the head was trained with "
+                             "(speculators' trainer takes the tokenizer's mask token, else its pad or eos token)")
         methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
         return {**fields, "mask_token_id": config["mask_token_id"],
                 "num_depths": config.get("num_depths", methods[0].get("speculative_tokens", 4))}
