@@ -5,6 +5,7 @@ loaded), saves it with save_pretrained, and runs its forward on given inputs.
 
     python speculators_side.py build KIND TARGET OUT [--draft-ids IDS.pt] [--block-size B]
     python speculators_side.py drafts KIND FOLDER INPUTS.pt OUTPUT.pt
+    python speculators_side.py resave KIND FOLDER OUT
 """
 from __future__ import annotations
 
@@ -77,6 +78,11 @@ def drafts(args) -> None:
     torch.save(torch.cat(out), args.output)
 
 
+def resave(args) -> None:
+    """A checkpoint read by from_pretrained and written again by save_pretrained: what speculators writes of it."""
+    MODELS[args.kind].from_pretrained(args.folder).save_pretrained(args.out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     commands = parser.add_subparsers(dest="command", required=True)
@@ -92,8 +98,12 @@ def main() -> None:
     d.add_argument("folder")
     d.add_argument("inputs")
     d.add_argument("output")
+    r = commands.add_parser("resave")
+    r.add_argument("kind", choices=MODELS)
+    r.add_argument("folder")
+    r.add_argument("out")
     args = parser.parse_args()
-    {"build": build, "drafts": drafts}[args.command](args)
+    {"build": build, "drafts": drafts, "resave": resave}[args.command](args)
 
 
 if __name__ == "__main__":
