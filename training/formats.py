@@ -162,7 +162,7 @@ def draft_vocab_ids(theirs: dict[str, torch.Tensor], draft_vocab_size: int, voca
 def _num_layers(config: dict, where: str) -> None:
     if config.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"{where}: num_hidden_layers is {config['num_hidden_layers']}, but this project's EAGLE heads "
-                         "have one decoder layer")
+                         "have one decoder layer: only a one-layer head imports (speculators' trainer: --num-layers 1)")
 
 
 def _intermediate(config: dict) -> dict:
@@ -285,7 +285,8 @@ class EagleLayout(Layout):
         _num_layers(config, where)
         for key, what in self.absent.items():
             if config.get(key, False):
-                raise ValueError(f"{where}: {key} is true ({what}), which this project's EAGLE-1 head does not have")
+                raise ValueError(f"{where}: {key} is true ({what}), which this project's EAGLE-1 head does not have: "
+                                 f"only a head trained with {key} false imports")
         fc_bias = bool(config.get(self.fc_bias, self.fc_bias_default)) if isinstance(self.fc_bias, str) else self.fc_bias
         return {"fc_bias": fc_bias, **_intermediate(config)}
 
@@ -354,6 +355,10 @@ class Eagle3Layout(Layout):
             raise ValueError(f"{where}: target_hidden_size {hidden} differs from hidden_size {config.get('hidden_size')}: "
                              "this project's EAGLE-3 heads share the target's hidden size (set target_hidden_size to "
                              "null or to hidden_size if the head was trained on this target)")
+        if config.get("embed_requires_grad", False):
+            raise ValueError(f"{where}: embed_requires_grad is true (it trained its own embedding), but this project's "
+                             "EAGLE-3 heads read the target's: only a head trained with embed_requires_grad false "
+                             "imports")
         eagle = config.get("eagle_config") or {}
         layers = eagle.get("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids")) or []
         fields = {"aux_layers": tuple(i - self.format.layer_offset for i in layers), **_intermediate(config)}
@@ -468,11 +473,17 @@ class MedusaLayout(Layout):
         fields = {"num_heads": config[heads], "num_layers": config.get(layers, self.num_layers_default)}
         if not self.reads_map:
             return {**fields, "own_lm_head": True}
-        if not config.get("medusa_fc_bias", False):
-            raise ValueError(f"{where}: medusa_fc_bias is false, but this project's Medusa blocks have biases")
         truncated = config.get("truncated_vocab_size") or config["vocab_size"]
         return {**fields, "own_lm_head": not config.get("original_lm_head", False),
                 "token_map_size": truncated if truncated < config["vocab_size"] else 0}
+
+    def fill(self, config, head_config, theirs, where):
+        """Blocks without biases (medusa_fc_bias false) are this project's with zero biases."""
+        if not self.reads_map or config.get("medusa_fc_bias", False):
+            return theirs
+        zeros = {re.sub(r"\.weight$", ".bias", name): torch.zeros(t.shape[0], dtype=t.dtype)
+                 for name, t in theirs.items() if re.fullmatch(r"blocks\.\d+\.layers\.\d+\.weight", name)}
+        return {**zeros, **theirs}
 
     def expands(self, c) -> bool:
         """Whether the export writes own LM heads over a token map as LM heads over the whole vocabulary: vLLM sizes
@@ -535,7 +546,7 @@ class DFlashLayout(Layout):
         for key, what in self.refused.items():
             if config.get(key, False):
                 raise ValueError(f"{where}: {key} is true ({what}), but this project's DFlash drafts from the mask "
-                                 "slots only")
+                                 f"slots only: only a head trained with {key} false imports")
         vocab = config["vocab_size"]
         draft_vocab = config.get("draft_vocab_size") or vocab
         layers = self._read(config, "target_layers")

@@ -436,3 +436,24 @@ def test_a_verifier_present_here_must_be_the_target(tiny_llama, tiny_qwen2, tmp_
         import_head(exported, "eagle3", tiny_llama)
     assert_same_head(import_head(export(head, "speculators", tmp_path / "same", verifier=tiny_llama), "eagle3",
                                  tiny_llama)[0], head)
+
+
+def test_a_vllm_medusa_without_biases_imports_with_zero_ones_and_speculators_own_embedding_is_refused(tiny_llama,
+                                                                                                      tmp_path):
+    head = new_head("medusa-own", tiny_llama)
+    with torch.no_grad():
+        for block in head.heads:
+            for layer in block:
+                layer.linear.bias.zero_()
+    exported = export(head, "vllm", tmp_path / "medusa")
+    config = json.loads((exported / "config.json").read_text())
+    config["medusa_fc_bias"] = False
+    (exported / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(exported / "model.safetensors"))
+    save_file({name: t for name, t in tensors.items() if not name.endswith(".bias")}, str(exported / "model.safetensors"))
+    assert_same_head(import_head(exported, "medusa", tiny_llama)[0], head)
+    src = speculators_trainer_checkpoint(tmp_path / "embed", tiny_llama, new_head("eagle3-speculators", tiny_llama),
+                                         lambda config, tensors: config.update(embed_requires_grad=True))
+    with pytest.raises(ValueError, match="embed_requires_grad is true .* only a head trained with embed_requires_grad "
+                                         "false imports"):
+        import_head(src, "eagle3", tiny_llama)
