@@ -11,21 +11,20 @@ import speculators_process
 from serving.bench import vllm_process
 
 
-@pytest.fixture(scope="session")
-def vllm_available():
-    reason = vllm_process.missing_reason()
+def require(reason: str | None) -> None:
     if reason is not None:
         if os.environ.get("CI"):
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def vllm_available():
+    require(vllm_process.missing_reason())
 
 
 @pytest.fixture(scope="session")
 def speculators_python():
-    """speculators' venv's Python (`make speculators`), with the same rule for a missing one as vLLM's."""
-    reason = speculators_process.missing_reason()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(reason, pytrace=False)
-        pytest.skip(reason)
+    """speculators' venv's Python (`make speculators`)."""
+    require(speculators_process.missing_reason())
     return speculators_process.executable()
