@@ -30,10 +30,11 @@ CASES = {  # case: (kind, layout)
     "eagle3-sglang": ("eagle3", "sglang"), "medusa-token-map": ("medusa", "vllm"), "medusa-own": ("medusa", "vllm"),
     "eagle-speculators": ("eagle", "speculators"), "eagle3-speculators": ("eagle3", "speculators"),
     "eagle31-vllm": ("eagle3", "vllm"), "eagle31-speculators": ("eagle3", "speculators"),
-    "peagle-speculators": ("peagle", "speculators"),
+    "peagle-speculators": ("peagle", "speculators"), "eagle3-residual-vllm": ("eagle3", "vllm"),
 }
-EAGLE31 = {"eagle31-vllm": {"norm_before_fc": True, "norm_output": True},
-           "eagle31-speculators": {"fc_norm": True, "norm_output": True}}  # EAGLE 3.1's norms
+EAGLE3_OPTIONS = {"eagle31-vllm": {"norm_before_fc": True, "norm_output": True},  # EAGLE 3.1's norms
+                  "eagle31-speculators": {"fc_norm": True, "norm_output": True},
+                  "eagle3-residual-vllm": {"norm_before_residual": True}}  # speculators' default
 
 
 def target_parts(folder):
@@ -64,7 +65,7 @@ def new_head(case: str, folder):
     if case.startswith("eagle3"):
         ids = torch.arange(1, VOCAB, 3)
         return perturbed(heads.Eagle3.from_target(parts, draft_token_ids=ids, aux_layers=(1, 2, 3),
-                                                  **EAGLE31.get(case, {})), 3)
+                                                  **EAGLE3_OPTIONS.get(case, {})), 3)
     if case == "medusa-token-map":
         token_map = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(4))[:40]
         parts.lm_head = lm_head_rows(parts.lm_head, token_map)
@@ -117,7 +118,8 @@ def record_drafts(engine) -> list:
 
 
 @pytest.mark.parametrize("case, spec", [("eagle-sglang", {"topk": 2, "num_draft_tokens": 6}), ("eagle3-vllm", {}),
-                                        ("medusa-token-map", {}), ("eagle31-vllm", {})])
+                                        ("medusa-token-map", {}), ("eagle31-vllm", {}),
+                                        ("eagle3-residual-vllm", {})])
 def test_a_reimported_head_drafts_as_the_original_in_the_engine(case, spec, tiny_llama, tmp_path):
     kind, layout = CASES[case]
     head = new_head(case, tiny_llama)
