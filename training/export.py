@@ -1,16 +1,6 @@
 """`draftheads export`: a head folder in the layout vLLM or SGLang loads as a draft model, through the name maps of
-training/formats.py (which `draftheads import` reads the other way):
-
-    EAGLE-1  vLLM  "EagleLlamaForCausalLM"   fc.weight, layers.0.* (no input_layernorm, no bias on fc)
-             SGLang "LlamaForCausalLMEagle"  fc.weight, fc.bias, layers.0.* (no input_layernorm)
-    EAGLE-3  both  "LlamaForCausalLMEagle3"  fc.weight, midlayer.* (with hidden_norm), norm, lm_head, d2t, t2d
-    Medusa   vLLM  "MedusaModel"             blocks.{i}.layers.{j}.weight/bias, lm_heads.{i}.weight
-    EAGLE-3  speculators "Eagle3Speculator"  fc, layers.0.*, norm, lm_head, d2t, t2d; transformer_layer_config
-    EAGLE-1  speculators "EagleSpeculator"   fusion_fc (fusion_bias), transformer.*; transformer_layer_config
-    P-EAGLE  speculators "PEagleSpeculator"  EAGLE-3's, mask_hidden; mask_token_id (vLLM: eagle3, parallel drafting)
-    DFlash   z-lab "DFlashDraftModel"        fc, hidden_norm, layers.{i}.* (Qwen3), norm; dflash_config
-    DFlash   speculators "DFlashSpeculator"  the same, with the target's embed_tokens and lm_head; block_size,
-                                             aux_hidden_state_layer_ids, mask_token_id
+training/formats.py (which `draftheads import` reads the other way); the kind x format table at the end of
+--help is made from them.
 
 EAGLE 3.1's norms (norm_before_fc, fc_norm, norm_output) go to vLLM and speculators under those names, with their
 tensors input_norm.weight and fc_norm.{i}.weight (vLLM 0.32 loads them); SGLang's EAGLE-3 layer has none, so a head
@@ -52,14 +42,14 @@ import heads
 from heads.checkpoint import write_folder
 from heads.token_map import lm_head_rows
 from training.cli import DocHelpFormatter
-from training.formats import CONVERTERS, LAYOUTS, to_theirs
+from training.formats import CONVERTERS, LAYOUTS, table, to_theirs
 
 FORMATS = tuple(name for name, converter in CONVERTERS.items() if converter.writes)
 WRITER = "draftheads"  # config.json's key naming what wrote an export
 
 
 def add_arguments(parser) -> None:
-    parser.description, parser.formatter_class = __doc__, DocHelpFormatter
+    parser.description, parser.formatter_class = f"{__doc__}\nkind x format:\n\n{table()}\n", DocHelpFormatter
     parser.add_argument("head", help="a head folder (runs/<kind>/heads/best)")
     parser.add_argument("--format", choices=FORMATS, required=True, help="the engine that loads the export")
     parser.add_argument("--out", required=True, help="folder to write config.json and model.safetensors to")

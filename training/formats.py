@@ -477,6 +477,11 @@ class MedusaLayout(Layout):
         return {**fields, "own_lm_head": not config.get("original_lm_head", False),
                 "token_map_size": truncated if truncated < config["vocab_size"] else 0}
 
+    def notes(self):
+        if not self.reads_map:
+            return [*super().notes(), "own LM heads"]
+        return [*super().notes(), "token map: token_map tensor; own LM heads over one: whole-vocabulary rows"]
+
     def fill(self, config, head_config, theirs, where):
         """Blocks without biases (medusa_fc_bias false) are this project's with zero biases."""
         if not self.reads_map or config.get("medusa_fc_bias", False):
@@ -537,7 +542,7 @@ class DFlashLayout(Layout):
     def notes(self):
         return [*super().notes(), *([f"layer ids {self.format.layer_offset:+d}"] if self.format.layer_offset else []),
                 *(["carries the target's embedding and LM head"] if self.carries_target else []),
-                "causal: " + (self.causal or "no")]
+                "causal: " + (self.causal or "no"), "token map: as d2t"]
 
     def _read(self, config: dict, ours: str):
         return next((value for key in self.keys[ours] if (value := _path(config, key)) is not None), None)
