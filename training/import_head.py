@@ -45,7 +45,8 @@ SOURCE_OF = {"EagleLlamaForCausalLM": "vllm", "LlamaForCausalLMEagle": "sglang",
              "DFlashSpeculator": "speculators"}
 KIND_OF = {"EagleLlamaForCausalLM": "eagle", "LlamaForCausalLMEagle": "eagle", "LlamaForCausalLMEagle3": "eagle3",
            "MedusaModel": "medusa", "EagleSpeculator": "eagle", "Eagle3Speculator": "eagle3", "PEagleSpeculator": "peagle",
-           "DFlashDraftModel": "dflash", "DFlashSpeculator": "dflash"}
+           "DFlashDraftModel": "dflash", "DFlashSpeculator": "dflash",
+           "Eagle3DraftModel": "eagle3", "PEagleDraftModel": "peagle"}  # the last two: speculators' save_pretrained
 WRITER = "draftheads"  # what `draftheads export` records in config.json: version, kind, format
 TORCH_FILES = ("pytorch_model.bin", "medusa_lm_head.pt")
 MEDUSA_FILE = "medusa_lm_head"  # its tensors are MedusaModel.medusa_head's, named from inside it
