@@ -196,10 +196,6 @@ class Format:
             object.__setattr__(layout, "kind", kind)
             object.__setattr__(layout, "format", self)
 
-    @property
-    def source(self) -> str:
-        return self.name
-
     def write_config(self, kind: str, layer: dict, kind_fields: dict, verifier: dict | None,
                      num_speculative_tokens: int) -> dict:
         """Its config.json of a `kind` head: the layer's settings `layer`, the kind's `kind_fields`; the nested
@@ -331,8 +327,7 @@ def sorted_aux(head) -> tuple[list[int], dict[str, torch.Tensor]]:
     return layers, tensors
 
 
-EAGLE3_NORMS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")
-VLLM_EAGLE3_NORMS = EAGLE3_NORMS  # vLLM's and speculators' EAGLE-3 layer has them all
+EAGLE3_NORMS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")  # vLLM's and speculators' has all
 
 
 @dataclass(frozen=True)
@@ -634,7 +629,7 @@ class DFlashLayout(Layout):
 SPECULATORS_ARCHITECTURES = {"eagle": "EagleSpeculator", "eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator",
                              "dflash": "DFlashSpeculator"}
 
-VLLM = Format("vllm", captures_sorted=True, eagle3_norms=VLLM_EAGLE3_NORMS, layouts={
+VLLM = Format("vllm", captures_sorted=True, eagle3_norms=EAGLE3_NORMS, layouts={
     "eagle": EagleLayout("EagleLlamaForCausalLM", EAGLE, fc_bias=False),
     "eagle3": Eagle3Layout("LlamaForCausalLMEagle3", EAGLE3),
     "medusa": MedusaLayout("MedusaModel", MEDUSA_VLLM),
@@ -647,7 +642,7 @@ EAGLE_REPO = Format("eagle-repo", writes=False, layouts={
     "eagle": EagleLayout("LlamaForCausalLM", EAGLE, fc_bias="bias", fc_bias_default=True),
     "eagle3": Eagle3Layout("LlamaForCausalLMEagle3", EAGLE3),
 })
-SPECULATORS = Format("speculators", captures_sorted=True, eagle3_norms=VLLM_EAGLE3_NORMS, nested=True, layouts={
+SPECULATORS = Format("speculators", captures_sorted=True, eagle3_norms=EAGLE3_NORMS, nested=True, layouts={
     "eagle": EagleLayout(SPECULATORS_ARCHITECTURES["eagle"], EAGLE_SPECULATORS, fc_bias="fusion_bias", absent={
         "layernorms": "norms after the embedding, the fusion and before the LM head"}),
     "eagle3": Eagle3Layout(SPECULATORS_ARCHITECTURES["eagle3"], EAGLE3_SPECULATORS, eagle_config=False,
