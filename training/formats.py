@@ -198,13 +198,21 @@ class Format:
 
     def write_config(self, kind: str, layer: dict, kind_fields: dict, verifier: dict | None,
                      num_speculative_tokens: int) -> dict:
-        """Its config.json of a `kind` head: the layer's settings `layer`, the kind's `kind_fields`; the nested
-        format also names the verifier (required) and proposes `num_speculative_tokens` drafts."""
+        """Its config.json of a `kind` head: the layer's settings `layer`, the kind's `kind_fields`. The nested
+        format (speculators) keeps the layer's settings apart, names its kind (speculators_model_type), the greedy
+        proposal of `num_speculative_tokens` and the verifier (`name_or_path`, `architectures`; required), which
+        vLLM serves when given the export as its model."""
+        architectures = [self.layouts[kind].architecture]
         if not self.nested:
-            return {**layer, "architectures": [self.layouts[kind].architecture], **kind_fields}
+            return {**layer, "architectures": architectures, **kind_fields}
         if verifier is None:
             raise ValueError(f"a {self.name} export names its verifier: give the target's folder or hub id")
-        return speculators_config(kind, layer, kind_fields, verifier, num_speculative_tokens)
+        return {"speculators_model_type": kind, "architectures": architectures, "transformer_layer_config": layer,
+                **kind_fields,
+                "speculators_config": {"algorithm": kind, "default_proposal_method": "greedy",
+                                       "proposal_methods": [{"proposal_type": "greedy",
+                                                             "speculative_tokens": num_speculative_tokens}],
+                                       "verifier": verifier}}
 
     def flat_config(self, config: dict) -> dict:
         """Its config.json flattened as the other formats' are: the layer's settings beside the kind's."""
@@ -626,9 +634,6 @@ class DFlashLayout(Layout):
         return values
 
 
-SPECULATORS_ARCHITECTURES = {"eagle": "EagleSpeculator", "eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator",
-                             "dflash": "DFlashSpeculator"}
-
 VLLM = Format("vllm", captures_sorted=True, eagle3_norms=EAGLE3_NORMS, layouts={
     "eagle": EagleLayout("EagleLlamaForCausalLM", EAGLE, fc_bias=False),
     "eagle3": Eagle3Layout("LlamaForCausalLMEagle3", EAGLE3),
@@ -643,13 +648,13 @@ EAGLE_REPO = Format("eagle-repo", writes=False, layouts={
     "eagle3": Eagle3Layout("LlamaForCausalLMEagle3", EAGLE3),
 })
 SPECULATORS = Format("speculators", captures_sorted=True, eagle3_norms=EAGLE3_NORMS, nested=True, layouts={
-    "eagle": EagleLayout(SPECULATORS_ARCHITECTURES["eagle"], EAGLE_SPECULATORS, fc_bias="fusion_bias", absent={
+    "eagle": EagleLayout("EagleSpeculator", EAGLE_SPECULATORS, fc_bias="fusion_bias", absent={
         "layernorms": "norms after the embedding, the fusion and before the LM head"}),
-    "eagle3": Eagle3Layout(SPECULATORS_ARCHITECTURES["eagle3"], EAGLE3_SPECULATORS, eagle_config=False,
+    "eagle3": Eagle3Layout("Eagle3Speculator", EAGLE3_SPECULATORS, eagle_config=False,
                            distinct_aux=True),
-    "peagle": PeagleLayout(SPECULATORS_ARCHITECTURES["peagle"], PEAGLE_SPECULATORS, eagle_config=False,
+    "peagle": PeagleLayout("PEagleSpeculator", PEAGLE_SPECULATORS, eagle_config=False,
                            distinct_aux=True),
-    "dflash": DFlashLayout(SPECULATORS_ARCHITECTURES["dflash"], DFLASH, carries_target=True, keys={
+    "dflash": DFlashLayout("DFlashSpeculator", DFLASH, carries_target=True, keys={
         "target_layers": ("aux_hidden_state_layer_ids",), "block_size": ("block_size",),
         "mask_token_id": ("mask_token_id",)}, refused={"sample_from_anchor": "DSpark's slot 0 drafts too"},
         written={"target_hidden_size": "hidden_size"}),
@@ -670,19 +675,6 @@ CONVERTERS = {f.name: f for f in (VLLM, SGLANG, SPECULATORS, EAGLE_REPO, MEDUSA_
 LAYOUTS: dict[tuple[str, str], Layout] = {(kind, f.name): layout for f in CONVERTERS.values()
                                           for kind, layout in f.layouts.items()}
 SOURCES = tuple(CONVERTERS)
-
-
-def speculators_config(kind: str, layer_config: dict, kind_fields: dict, verifier: dict,
-                       num_speculative_tokens: int) -> dict:
-    """config.json of the speculators format: the layer's settings nested, the kind's own fields beside them,
-    the greedy proposal of `num_speculative_tokens` and the verifier (`name_or_path`, `architectures`), which
-    vLLM serves when given the export as its model."""
-    return {"speculators_model_type": kind, "architectures": [SPECULATORS_ARCHITECTURES[kind]],
-            "transformer_layer_config": layer_config, **kind_fields,
-            "speculators_config": {"algorithm": kind, "default_proposal_method": "greedy",
-                                   "proposal_methods": [{"proposal_type": "greedy",
-                                                         "speculative_tokens": num_speculative_tokens}],
-                                   "verifier": verifier}}
 
 
 def table() -> str:
