@@ -42,7 +42,8 @@ import heads
 from heads.checkpoint import write_folder
 from heads.token_map import lm_head_rows
 from training.cli import DocHelpFormatter
-from training.formats import CONVERTERS, LAYOUTS, table, to_theirs
+from training.formats import CONVERTERS, LAYOUTS, table
+from training.name_maps import to_theirs
 
 FORMATS = tuple(name for name, converter in CONVERTERS.items() if converter.writes)
 WRITER = "draftheads"  # config.json's key naming what wrote an export

@@ -36,7 +36,8 @@ from heads.draft_head import DraftHead
 from heads.hf_folder import read_config, read_file, weight_files
 from heads.token_map import check_token_ids, lm_head_rows
 from training.cli import DocHelpFormatter
-from training.formats import LAYOUTS, SOURCES, Layout, to_ours
+from training.formats import LAYOUTS, SOURCES, Layout
+from training.name_maps import to_ours
 
 KINDS = ("eagle", "eagle3", "medusa", "peagle", "dflash")
 SOURCE_OF = {"EagleLlamaForCausalLM": "vllm", "LlamaForCausalLMEagle": "sglang", "LlamaForCausalLM": "eagle-repo",
