@@ -33,15 +33,26 @@ K = 4  # num_speculative_tokens
 MAX_TOKENS = 24
 
 
+class Trained(dict):
+    """A briefly trained head of each kind, trained when first asked for (each fit seeds itself), so that a test
+    runs only the fits it reads."""
+
+    def __init__(self, root, target, store):
+        super().__init__()
+        self.root, self.target, self.store = root, target, store
+
+    def __missing__(self, kind):
+        with torch.random.fork_rng():
+            self[kind] = tiny_heads.train(kind, self.target, self.store, self.root / kind)
+        return self[kind]
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, vllm_available):
-    """The tiny target, its store and a briefly trained head of each kind."""
+    """The tiny target, its store and the heads trained on it (Trained)."""
     root = tmp_path_factory.mktemp("interop")
     target = tiny_heads.chaotic_target(root / "target")
-    store = tiny_heads.store(target, root / "data")
-    with torch.random.fork_rng():
-        trained = {kind: tiny_heads.train(kind, target, store, root / kind) for kind in tiny_heads.FIT}
-    return root, target, trained
+    return root, target, Trained(root, target, tiny_heads.store(target, root / "data"))
 
 
 @pytest.fixture(scope="module")
