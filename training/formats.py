@@ -212,9 +212,11 @@ EAGLE3_NORMS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residua
 class Eagle3Layout(Layout):
     """EAGLE-3 (and, subclassed, P-EAGLE). `eagle_config`: config.json repeats the aux layers in an eagle_config
     object (the Llama-architecture files); `distinct_aux`: the format sizes fc by the distinct layers it captures, so
-    a layer named twice is refused rather than merged."""
+    a layer named twice is refused rather than merged; `own_embedding`: its files carry the embedding the head was
+    trained with (speculators': the verifier's), which vLLM reads, so it must be the target's."""
     eagle_config: bool = True
     distinct_aux: bool = False
+    own_embedding: bool = False
 
     def notes(self):
         f = self.format
@@ -289,6 +291,16 @@ class Eagle3Layout(Layout):
 
     def target_tensors(self, config):
         return {EMBED: (config.vocab_size, config.hidden_size)}
+
+    def check_target(self, theirs, head, where):
+        """vLLM embeds the draft's tokens with a file's own embedding when it differs from the target's; this head
+        reads the target's, so a file whose embedding is another (trained, or never loaded) would draft otherwise."""
+        if self.own_embedding and EMBED in theirs:
+            ours = head.target.embed.weight.detach().float().cpu()
+            if not torch.allclose(theirs[EMBED].float(), ours, rtol=1e-2, atol=1e-3):
+                raise ValueError(f"{where}: its embed_tokens.weight is not the target's embedding, which this project's "
+                                 "EAGLE-3 heads read (and vLLM reads the file's): import it for the target it was "
+                                 "trained on, or drop the tensor if the head was trained on the target's embedding")
 
 
 @dataclass(frozen=True)
@@ -520,10 +532,10 @@ EAGLE_REPO = Format("eagle-repo", writes=False, layouts={
 SPECULATORS = Format("speculators", captures_sorted=True, eagle3_norms=EAGLE3_NORMS, nested=True, layouts={
     "eagle": EagleLayout("EagleSpeculator", EAGLE_SPECULATORS, fc_bias="fusion_bias", absent={
         "layernorms": "norms after the embedding, the fusion and before the LM head"}),
-    "eagle3": Eagle3Layout("Eagle3Speculator", EAGLE3_SPECULATORS, eagle_config=False,
-                           distinct_aux=True),
-    "peagle": PeagleLayout("PEagleSpeculator", PEAGLE_SPECULATORS, eagle_config=False,
-                           distinct_aux=True),
+    "eagle3": Eagle3Layout("Eagle3Speculator", EAGLE3_SPECULATORS, eagle_config=False, distinct_aux=True,
+                           own_embedding=True),
+    "peagle": PeagleLayout("PEagleSpeculator", PEAGLE_SPECULATORS, eagle_config=False, distinct_aux=True,
+                           own_embedding=True),
     "dflash": DFlashLayout("DFlashSpeculator", DFLASH, carries_target=True, keys={
         "target_layers": ("aux_hidden_state_layer_ids",), "block_size": ("block_size",),
         "mask_token_id": ("mask_token_id",)}, refused={"sample_from_anchor": "DSpark's slot 0 drafts too"},

@@ -440,7 +440,7 @@ def test_a_verifier_present_here_must_be_the_target(tiny_llama, tiny_qwen2, tmp_
                                  tiny_llama)[0], head)
 
 
-def test_a_vllm_medusa_without_biases_imports_with_zero_ones_and_speculators_own_embedding_is_refused(tiny_llama,
+def test_a_vllm_medusa_without_biases_imports_with_zero_ones_and_an_eagle3_embedding_not_the_targets_is_refused(tiny_llama,
                                                                                                       tmp_path):
     head = new_head("medusa-own", tiny_llama)
     with torch.no_grad():
@@ -458,4 +458,8 @@ def test_a_vllm_medusa_without_biases_imports_with_zero_ones_and_speculators_own
                                          lambda config, tensors: config.update(embed_requires_grad=True))
     with pytest.raises(ValueError, match="embed_requires_grad is true .* only a head trained with embed_requires_grad "
                                          "false imports"):
+        import_head(src, "eagle3", tiny_llama)
+    src = speculators_trainer_checkpoint(tmp_path / "other-embed", tiny_llama, new_head("eagle3-speculators", tiny_llama),
+                                         lambda config, tensors: tensors.update({"embed_tokens.weight": torch.randn(VOCAB, H)}))
+    with pytest.raises(ValueError, match="its embed_tokens.weight is not the target's embedding"):
         import_head(src, "eagle3", tiny_llama)
