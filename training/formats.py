@@ -230,10 +230,6 @@ class Eagle3Layout(Layout):
             raise ValueError(f"{where}: target_hidden_size {hidden} differs from hidden_size {config.get('hidden_size')}: "
                              "this project's EAGLE-3 heads share the target's hidden size (set target_hidden_size to "
                              "null or to hidden_size if the head was trained on this target)")
-        if config.get("embed_requires_grad", False):
-            raise ValueError(f"{where}: embed_requires_grad is true (it trained its own embedding), but this project's "
-                             "EAGLE-3 heads read the target's: only a head trained with embed_requires_grad false "
-                             "imports")
         eagle = config.get("eagle_config") or {}
         layers = eagle.get("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids")) or []
         fields = {"aux_layers": tuple(i - self.format.layer_offset for i in layers), **_intermediate(config)}
@@ -298,9 +294,10 @@ class Eagle3Layout(Layout):
         if self.own_embedding and EMBED in theirs:
             ours = head.target.embed.weight.detach().float().cpu()
             if not torch.allclose(theirs[EMBED].float(), ours, rtol=1e-2, atol=1e-3):
-                raise ValueError(f"{where}: its embed_tokens.weight is not the target's embedding, which this project's "
-                                 "EAGLE-3 heads read (and vLLM reads the file's): import it for the target it was "
-                                 "trained on, or drop the tensor if the head was trained on the target's embedding")
+                raise ValueError(f"{where}: its embed_tokens.weight is not the target's embedding (trained with "
+                                 "embed_requires_grad, P-EAGLE's default in speculators, or made for another target), "
+                                 "and this project's EAGLE-3 and P-EAGLE heads read the target's while vLLM reads the "
+                                 "file's: only a head trained with embed_requires_grad false imports")
 
 
 @dataclass(frozen=True)

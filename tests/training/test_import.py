@@ -454,12 +454,17 @@ def test_a_vllm_medusa_without_biases_imports_with_zero_ones_and_an_eagle3_embed
     tensors = load_file(str(exported / "model.safetensors"))
     save_file({name: t for name, t in tensors.items() if not name.endswith(".bias")}, str(exported / "model.safetensors"))
     assert_same_head(import_head(exported, "medusa", tiny_llama)[0], head)
-    src = speculators_trainer_checkpoint(tmp_path / "embed", tiny_llama, new_head("eagle3-speculators", tiny_llama),
-                                         lambda config, tensors: config.update(embed_requires_grad=True))
-    with pytest.raises(ValueError, match="embed_requires_grad is true .* only a head trained with embed_requires_grad "
-                                         "false imports"):
-        import_head(src, "eagle3", tiny_llama)
-    src = speculators_trainer_checkpoint(tmp_path / "other-embed", tiny_llama, new_head("eagle3-speculators", tiny_llama),
-                                         lambda config, tensors: tensors.update({"embed_tokens.weight": torch.randn(VOCAB, H)}))
-    with pytest.raises(ValueError, match="its embed_tokens.weight is not the target's embedding"):
+    def embedding(weight):
+        def change(config, tensors):
+            config["embed_requires_grad"] = True
+            tensors["embed_tokens.weight"] = weight
+        return change
+
+    reduced = new_head("eagle3-speculators", tiny_llama)
+    src = speculators_trainer_checkpoint(tmp_path / "embed", tiny_llama, reduced,
+                                         embedding(target_parts(tiny_llama).embed.weight.detach()))
+    assert_same_head(import_head(src, "eagle3", tiny_llama)[0], reduced)  # trainable, but still the target's
+    src = speculators_trainer_checkpoint(tmp_path / "other-embed", tiny_llama, reduced, embedding(torch.randn(VOCAB, H)))
+    with pytest.raises(ValueError, match="its embed_tokens.weight is not the target's embedding .* only a head trained "
+                                         "with embed_requires_grad false imports"):
         import_head(src, "eagle3", tiny_llama)
