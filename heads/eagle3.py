@@ -17,6 +17,9 @@ draft depths, as speculators and vLLM name them (all off by default, which is EA
 - `norm_output`: the output goes through the final `norm` before it is fed back as the next step's g (training
   unrolls over it too) and before `lm_head`, which then reads it as is.
 
+`norm_before_residual` (speculators' and vLLM's name; its trainer's default) makes hidden_norm(g), not g, the
+layer's residual stream: the attention and MLP outputs are added to the normed g.
+
 The draft vocabulary is stored as EAGLE-3 and vLLM store it: `d2t[draft_id]` is the offset to the target id
 (`target_id = draft_id + d2t[draft_id]`, draft ids in ascending target-id order) and `t2d` marks the target
 ids that are in it. A new head takes its `norm` and its `lm_head` rows from the target's (the rows of the
@@ -44,10 +47,11 @@ class Eagle3Config(HeadConfig):
     norm_before_fc: bool = False  # EAGLE 3.1's norms, as speculators and vLLM name them (module docstring)
     fc_norm: bool = False
     norm_output: bool = False
+    norm_before_residual: bool = False  # the layer's residual stream is hidden_norm(g) (module docstring)
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("norm_before_fc", "fc_norm", "norm_output"):
+        for name in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if self.norm_before_fc and self.fc_norm:
@@ -149,9 +153,11 @@ class Eagle3(DraftHead):
         positions: [...] t -> out: [..., hidden], what the next step reads as g (before the final norm, or after it
         with norm_output)."""
         embeds = self.input_norm(self.target.embed(input_ids))  # [..., hidden]
-        attention_input = torch.cat([embeds, self.hidden_norm(g)], dim=-1)  # [..., 2 * hidden]
+        normed = self.hidden_norm(g)
+        attention_input = torch.cat([embeds, normed], dim=-1)  # [..., 2 * hidden]
         cos, sin = self.rope_tables(positions, g.dtype)
-        out = self.layer(g, cos, sin, attention, attention_input=attention_input)
+        residual = normed if self.config.norm_before_residual else g
+        out = self.layer(residual, cos, sin, attention, attention_input=attention_input)
         return self.norm(out) if self.config.norm_output else out
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,6 @@
 """`draftheads export`: a head folder in the layout vLLM or SGLang loads as a draft model, through the name maps of
-training/formats.py (which `draftheads import` reads the other way):
-
-    EAGLE-1  vLLM  "EagleLlamaForCausalLM"   fc.weight, layers.0.* (no input_layernorm, no bias on fc)
-             SGLang "LlamaForCausalLMEagle"  fc.weight, fc.bias, layers.0.* (no input_layernorm)
-    EAGLE-3  both  "LlamaForCausalLMEagle3"  fc.weight, midlayer.* (with hidden_norm), norm, lm_head, d2t, t2d
-    Medusa   vLLM  "MedusaModel"             blocks.{i}.layers.{j}.weight/bias, lm_heads.{i}.weight
-    EAGLE-3  speculators "Eagle3Speculator"  fc, layers.0.*, norm, lm_head, d2t, t2d; transformer_layer_config
-    EAGLE-1  speculators "EagleSpeculator"   fusion_fc (fusion_bias), transformer.*; transformer_layer_config
-    P-EAGLE  speculators "PEagleSpeculator"  EAGLE-3's, mask_hidden; mask_token_id (vLLM: eagle3, parallel drafting)
-    DFlash   z-lab "DFlashDraftModel"        fc, hidden_norm, layers.{i}.* (Qwen3), norm; dflash_config
-    DFlash   speculators "DFlashSpeculator"  the same, with the target's embed_tokens and lm_head; block_size,
-                                             aux_hidden_state_layer_ids, mask_token_id
+training/formats.py (which `draftheads import` reads the other way); the kind x format table at the end of
+--help is made from them.
 
 EAGLE 3.1's norms (norm_before_fc, fc_norm, norm_output) go to vLLM and speculators under those names, with their
 tensors input_norm.weight and fc_norm.{i}.weight (vLLM 0.32 loads them); SGLang's EAGLE-3 layer has none, so a head
@@ -26,7 +16,10 @@ it back without --from. The decoder layer's fused projections are split back int
 embedding or (EAGLE-1) the LM head from the draft: both share the target's. EAGLE-3's aux layer ids mean the
 input of layer i in this project and in vLLM; SGLang captures the output of layer i, so its file says i - 1.
 A Medusa head sharing the target's LM head over a token map keeps it (vLLM's `token_map` tensor and
-truncated_vocab_size); one with its own LM heads over a map is refused for vLLM, which cannot load those. An EAGLE-1
+truncated_vocab_size); one with its own LM heads over a map, which vLLM cannot load, goes out with each LM head over
+the whole vocabulary, every unmapped row the mean of the mapped rows (its logit the mean of theirs, so it never wins
+the argmax). A DFlash head over a token map goes out as the draft vocabulary vLLM's DFlash reads (draft_vocab_size,
+d2t, t2d and the map's rows as lm_head.weight; vLLM scatters the draft logits with -inf elsewhere). An EAGLE-1
 head drafts over the whole vocabulary once exported, unless SGLang is given the map's file
 (--speculative-token-map). Neither engine loads MTP modules for a Llama-family target (they read them only
 inside DeepSeek-V3-style checkpoints), and SGLang has no Medusa: those exports are refused. Serve the result with:
@@ -49,14 +42,15 @@ import heads
 from heads.checkpoint import write_folder
 from heads.token_map import lm_head_rows
 from training.cli import DocHelpFormatter
-from training.formats import LAYOUTS, speculators_config, to_theirs
+from training.formats import CONVERTERS, LAYOUTS, table
+from training.name_maps import to_theirs
 
-FORMATS = ("vllm", "sglang", "speculators", "z-lab")
+FORMATS = tuple(name for name, converter in CONVERTERS.items() if converter.writes)
 WRITER = "draftheads"  # config.json's key naming what wrote an export
 
 
 def add_arguments(parser) -> None:
-    parser.description, parser.formatter_class = __doc__, DocHelpFormatter
+    parser.description, parser.formatter_class = f"{__doc__}\nkind x format:\n\n{table()}\n", DocHelpFormatter
     parser.add_argument("head", help="a head folder (runs/<kind>/heads/best)")
     parser.add_argument("--format", choices=FORMATS, required=True, help="the engine that loads the export")
     parser.add_argument("--out", required=True, help="folder to write config.json and model.safetensors to")
@@ -72,14 +66,14 @@ def run(args) -> int:
 
     head = heads.load(args.head)
     verifier = None
-    if ((head.config.kind, args.format) == ("medusa", "vllm") and not head.config.own_lm_head
-            or (head.config.kind, args.format) == ("dflash", "speculators")):
+    layout = LAYOUTS.get((head.config.kind, args.format))
+    if layout is not None and layout.needs_target(head):
         folder = targets.resolve(args.target or targets.DEFAULT_TARGET)
         parts = heads.load_target_parts(folder, fingerprint=targets.fingerprint(folder))
         if head.token_map is not None:
             parts.lm_head = lm_head_rows(parts.lm_head, head.token_map)
         head.bind_target(parts)
-    if args.format == "speculators":
+    if CONVERTERS[args.format].nested:  # it names its verifier
         verifier = targets.resolve(args.target or targets.DEFAULT_TARGET)
     out = export(head, args.format, args.out, verifier=verifier, num_speculative_tokens=args.num_speculative_tokens)
     print(f"wrote the {head.config.kind} head as a {args.format} draft model to {out}")
@@ -109,13 +103,9 @@ def export(head, engine: str, out, *, verifier=None, num_speculative_tokens: int
     layout = LAYOUTS[kind, engine]
     tensors = {**to_theirs(layout.names, head.config, layout.exported(head)), **layout.target_values(head)}
     layer = qwen3_config(head.config) if kind == "dflash" else llama_config(head.config)
-    if engine == "speculators":
-        if verifier is None:
-            raise ValueError("a speculators export names its verifier: give the target's folder or hub id")
-        drafts = head.config.block_size - 1 if kind == "dflash" else num_speculative_tokens
-        config = speculators_config(kind, layer, layout.export_config(head), verifier_of(verifier), drafts)
-    else:
-        config = {**layer, "architectures": [layout.architecture], **layout.export_config(head)}
+    drafts = head.config.block_size - 1 if kind == "dflash" else num_speculative_tokens
+    config = layout.format.write_config(kind, layer, layout.export_config(head),
+                                        None if verifier is None else verifier_of(verifier), drafts)
     config[WRITER] = {"version": importlib.metadata.version("draftheads"), "kind": kind, "format": engine}
     tensors = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in tensors.items()}
     return write_folder(out, config, tensors, {"format": "pt"})

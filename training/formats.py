@@ -1,231 +1,187 @@
-"""The checkpoint layouts of other engines and repositories, each one explicit name map from this project's head
-tensors to theirs, read in both directions: `draftheads export` writes ours under their names (to_theirs),
-`draftheads import` reads theirs back (to_ours). `{}` in a name is an index (a Medusa head, a block), the same in
-both names; `{num_layers}` is the head config's field. A tuple of their names is one tensor of ours, concatenated
-along dim 0 (our decoder layer fuses q/k/v and gate/up).
+"""The checkpoint layouts of other engines and repositories: one converter per external format (`Format`), which
+holds what sets that format apart as data (how it numbers captured layers, whether its engine captures them sorted,
+which optional norms its layers have, whether its config.json nests the layer's settings) and, per head kind it
+has, a `Layout`: the architecture it names, one explicit name map from this project's head tensors to its own, and
+the kind's per-format settings (fc bias, config.json keys, tensors of the target it carries). `draftheads export`
+writes a head under their names, `draftheads import` reads theirs back (the maps and their reading:
+training/name_maps.py); `table()` renders the kind x format matrix from this data.
 
-    kind    source       architecture             their tensors                                      read from
-    eagle   vllm         EagleLlamaForCausalLM    fc.weight (no bias), layers.0.* (no input_layernorm)  vllm llama_eagle.py
-            sglang       LlamaForCausalLMEagle    fc.weight, fc.bias, layers.0.*                     sglang llama_eagle.py
-            eagle-repo   LlamaForCausalLM         fc.weight, fc.bias (config "bias"), layers.0.*     SafeAILab/EAGLE cnets1.py
-    eagle3  vllm, sglang LlamaForCausalLMEagle3   fc.weight, midlayer.* (input_layernorm, hidden_norm), norm.weight,
-            eagle-repo                            lm_head.weight, d2t, t2d    vllm llama_eagle3.py, EAGLE cnets.py,
-                                                                              SpecForge llama3_eagle.py
-    eagle   speculators  EagleSpeculator          fusion_fc.weight/bias (fusion_bias), transformer.*  speculators eagle.py
-    eagle3  speculators  Eagle3Speculator         fc.weight, layers.0.* (input_layernorm, hidden_norm),  speculators
-                                                  norm.weight, lm_head.weight, d2t, t2d              eagle3, vllm
-    eagle3  vllm, speculators (EAGLE 3.1)         input_norm.weight (norm_before_fc), fc_norm.{i}.weight (fc_norm)
-    dflash  z-lab        DFlashDraftModel         fc.weight, hidden_norm.weight, layers.{i}.* (Qwen3:     z-lab dflash model.py
-                                                  q_norm, k_norm), norm.weight
-            speculators  DFlashSpeculator         the same, and the target's embed_tokens.weight and   speculators dflash,
-                                                  lm_head.weight                                     vllm qwen3_dflash.py
-    peagle  speculators  PEagleSpeculator         eagle3's, mask_hidden [1, 1, num_aux * hidden];    speculators
-                                                  config mask_token_id                               peagle, vllm
-    medusa  vllm         MedusaModel              blocks.{i}.layers.{j}.weight/bias, lm_heads.{i}.weight,  vllm medusa.py
-                                                  token_map
-            medusa-repo  (medusa_lm_head.*)       medusa_head.{i}.{j}.linear.weight/bias,            FasterDecoding/Medusa
-                                                  medusa_head.{i}.{num_layers}.weight                medusa_model.py
+Sources the maps were read from: vLLM's llama_eagle.py, llama_eagle3.py, medusa.py and qwen3_dflash.py; SGLang's
+llama_eagle.py and llama_eagle3.py; SafeAILab/EAGLE's cnets1.py and cnets.py (and SpecForge's llama3_eagle.py);
+speculators' eagle, eagle3, peagle and dflash models (which vLLM loads natively); FasterDecoding/Medusa's
+medusa_model.py; z-lab's dflash model.py.
 
-The speculators format (vllm-project/speculators, which vLLM loads natively) keeps the Llama layer's settings in
-config.json's `transformer_layer_config` and its own in `speculators_model_type`, `speculators_config` (proposal
-methods, verifier) and per-kind fields; import reads it flattened (speculators_config_fields).
-Their files may also hold tensors of the target (EAGLE's embed_tokens.weight; vLLM Medusa's one shared LM head,
-original_lm_head): an import checks their shapes and leaves them out, since a head reads the target's own.
-EAGLE-3's aux layer ids mean the input of layer i in this project, in vLLM and in the EAGLE repository; SGLang's
-file names the layer before (it captures the output of the layer it is given). DFlash's target layers likewise: the
-speculators format's aux_hidden_state_layer_ids are this project's target_layers, z-lab's dflash_config
-target_layer_ids one lower (z-lab reads the output of the layer it names).
+A captured layer's id means the input of layer i in this project, in vLLM, in speculators and in the EAGLE
+repository; SGLang's EAGLE-3 files and z-lab's DFlash files name the layer before (they capture the output of the
+layer they name): their layer_offset is -1. Files may also hold tensors of the target (EAGLE's embed_tokens.weight;
+vLLM Medusa's one shared LM head; speculators DFlash's embedding and LM head): an import checks their shapes and
+leaves them out, since a head reads the target's own.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-Names = dict[str, "str | tuple[str, ...]"]  # our state_dict name -> theirs (a tuple: split along dim 0)
-
-LLAMA_LAYER: Names = {
-    "qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "o.weight": "self_attn.o_proj.weight",
-    "post_norm.weight": "post_attention_layernorm.weight",
-    "gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "down.weight": "mlp.down_proj.weight",
-}
-
-
-def _under(ours: str, theirs: str, names: Names) -> Names:
-    return {ours + k: tuple(theirs + x for x in v) if isinstance(v, tuple) else theirs + v for k, v in names.items()}
-
-
-EAGLE: Names = {"fc.weight": "fc.weight", "fc.bias": "fc.bias", **_under("layer.", "layers.0.", LLAMA_LAYER)}
-EAGLE31_NORMS: Names = {"fc_input_norm.weight": "input_norm.weight", "fc_norm.{}.weight": "fc_norm.{}.weight"}
-EAGLE3: Names = {
-    "fc.weight": "fc.weight", **EAGLE31_NORMS, "input_norm.weight": "midlayer.input_layernorm.weight",
-    "hidden_norm.weight": "midlayer.hidden_norm.weight", **_under("layer.", "midlayer.", LLAMA_LAYER),
-    "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d",
-}
-EAGLE_SPECULATORS: Names = {"fc.weight": "fusion_fc.weight", "fc.bias": "fusion_fc.bias",
-                             **_under("layer.", "transformer.", LLAMA_LAYER)}
-EAGLE3_SPECULATORS: Names = {
-    "fc.weight": "fc.weight", **EAGLE31_NORMS, "input_norm.weight": "layers.0.input_layernorm.weight",
-    "hidden_norm.weight": "layers.0.hidden_norm.weight", **_under("layer.", "layers.0.", LLAMA_LAYER),
-    "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d",
-}
-QWEN3_LAYER: Names = {**LLAMA_LAYER, "input_norm.weight": "input_layernorm.weight",
-                      "q_norm.weight": "self_attn.q_norm.weight", "k_norm.weight": "self_attn.k_norm.weight"}
-DFLASH: Names = {"fc.weight": "fc.weight", "hidden_norm.weight": "hidden_norm.weight", "norm.weight": "norm.weight",
-                 **_under("layers.{}.", "layers.{}.", QWEN3_LAYER)}
-PEAGLE_SPECULATORS: Names = {**EAGLE3_SPECULATORS, "mask_hidden": "mask_hidden"}
-MEDUSA_VLLM: Names = {
-    "heads.{}.{}.linear.weight": "blocks.{}.layers.{}.weight", "heads.{}.{}.linear.bias": "blocks.{}.layers.{}.bias",
-    "lm_heads.{}.weight": "lm_heads.{}.weight", "token_map": "token_map",
-}
-MEDUSA_REPO: Names = {
-    "heads.{}.{}.linear.weight": "medusa_head.{}.{}.linear.weight",
-    "heads.{}.{}.linear.bias": "medusa_head.{}.{}.linear.bias",
-    "lm_heads.{}.weight": "medusa_head.{}.{num_layers}.weight",
-}
-EMBED = "embed_tokens.weight"  # the target's embedding, which EAGLE checkpoints may carry
-LM_HEAD = "lm_head.weight"  # the target's LM head, which speculators' DFlash checkpoints carry
-
-
-def _pattern(name: str) -> re.Pattern:
-    return re.compile(re.escape(name).replace(r"\{\}", r"(\d+)"))
-
-
-def their_names(names: Names, ours: str, config) -> tuple[str, ...]:
-    """Their names of our tensor `ours` under the map `names` (one, or the pieces of a fused tensor)."""
-    for pattern, theirs in names.items():
-        match = _pattern(pattern).fullmatch(ours)
-        if match:
-            indices = match.groups()
-            fields = asdict(config)
-            return tuple(name.format(*indices, **fields) for name in (theirs if isinstance(theirs, tuple) else (theirs,)))
-    raise KeyError(ours)
-
-
-def piece_sizes(config, ours: str) -> list[int]:
-    """The dim-0 sizes of the pieces our fused tensor `ours` splits into."""
-    module = ours.split(".")[-2]
-    if module == "qkv":
-        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-        return [q, kv, kv]
-    if module == "gate_up":
-        return [config.intermediate_size] * 2
-    raise KeyError(ours)
-
-
-def to_theirs(names: Names, config, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our tensors under their names; fused ones split."""
-    theirs = {}
-    for name, tensor in ours.items():
-        pieces = their_names(names, name, config)
-        parts = tensor.split(piece_sizes(config, name)) if len(pieces) > 1 else (tensor,)
-        theirs.update(zip(pieces, parts, strict=True))
-    return theirs
-
-
-def to_ours(names: Names, config, theirs: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-            where: str) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """Our tensors `expected` (name -> a tensor of the shape and dtype wanted) read from `theirs`, and the names of
-    theirs that were read. A missing or misshapen tensor is a ValueError naming it, its expected and its shape."""
-    ours, used = {}, set()
-    for name, like in expected.items():
-        pieces = their_names(names, name, config)
-        sizes = piece_sizes(config, name) if len(pieces) > 1 else [like.shape[0] if like.ndim else 0]
-        read = []
-        for piece, size in zip(pieces, sizes, strict=True):
-            if piece not in theirs:
-                raise ValueError(f"{where} has no tensor {piece}, which this head needs (its {name})")
-            shape = (size, *like.shape[1:]) if like.ndim else ()
-            if tuple(theirs[piece].shape) != shape:
-                raise ValueError(f"{where}: tensor {piece} has shape {tuple(theirs[piece].shape)}, expected {shape} "
-                                 "from the target's sizes and the checkpoint's config.json")
-            read.append(theirs[piece])
-            used.add(piece)
-        ours[name] = (torch.cat(read) if len(read) > 1 else read[0]).to(like.dtype)
-    return ours, used
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One source's layout of one head kind: its name map, its config.json fields, and the tensors of the target it
-    may hold."""
-    kind: str
-    source: str
-    architecture: str | None
-    names: Names
-
-    def kind_fields(self, config: dict, where: str) -> dict:
-        """Our head config's fields (those of its kind, and intermediate_size) from their config.json."""
-        raise NotImplementedError
-
-    def export_config(self, head) -> dict:
-        """Their config.json's fields of this kind."""
-        return {}
-
-    def exported(self, head) -> dict[str, torch.Tensor]:
-        """The head's tensors to write under their names: its state_dict."""
-        return head.state_dict()
-
-    def target_tensors(self, config) -> dict[str, tuple[int, ...]]:
-        """Their names of tensors of the target a file may hold, with their shapes."""
-        return {}
-
-    def check_tensors(self, config: dict, theirs: dict[str, torch.Tensor], where: str) -> None:
-        """Refuse, naming the fix, a file whose tensors disagree with its config.json in a way a missing tensor's name
-        would not explain."""
-
-    def target_values(self, head) -> dict[str, torch.Tensor]:
-        """Tensors of the target the export writes, under their names."""
-        return {}
-
+from training.name_maps import (
+    DFLASH, DRAFT_VOCAB, EAGLE, EAGLE3, EAGLE3_SPECULATORS, EAGLE_SPECULATORS, EMBED, LM_HEAD, MEDUSA_REPO, MEDUSA_VLLM,
+    PEAGLE_SPECULATORS, Names, draft_vocab_ids, draft_vocab_tensors,
+)
 
 def _num_layers(config: dict, where: str) -> None:
     if config.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"{where}: num_hidden_layers is {config['num_hidden_layers']}, but this project's EAGLE heads "
-                         "have one decoder layer")
+                         "have one decoder layer: only a one-layer head imports (speculators' trainer: --num-layers 1)")
 
 
 def _intermediate(config: dict) -> dict:
     return {"intermediate_size": config["intermediate_size"]} if "intermediate_size" in config else {}
 
 
+def _path(config: dict, key: str, default=None):
+    """config.json's value at `key`, a dotted path into nested objects ("dflash_config.block_size")."""
+    value = config
+    for part in key.split("."):
+        if not isinstance(value, dict) or value.get(part) is None:
+            return default
+        value = value[part]
+    return value
+
+
+@dataclass(frozen=True)
+class Format:
+    """One external format, the converter for every head kind it has: its differences from this project as data,
+    and its `layouts` by kind."""
+    name: str
+    layouts: dict[str, "Layout"]
+    layer_offset: int = 0  # its id of a captured target layer is ours + layer_offset (-1: the output of the one before)
+    captures_sorted: bool = False  # its engine captures each EAGLE-3 aux layer once, ascending (vLLM's model runner)
+    eagle3_norms: tuple[str, ...] = ()  # the optional EAGLE-3 norms its layer has (EAGLE 3.1's, norm_before_residual)
+    nested: bool = False  # config.json keeps the layer's settings in transformer_layer_config (speculators)
+    writes: bool = True  # `draftheads export` writes it (the repositories' own layouts are read only)
+
+    def __post_init__(self):
+        for kind, layout in self.layouts.items():
+            object.__setattr__(layout, "kind", kind)
+            object.__setattr__(layout, "format", self)
+
+    def write_config(self, kind: str, layer: dict, kind_fields: dict, verifier: dict | None,
+                     num_speculative_tokens: int) -> dict:
+        """Its config.json of a `kind` head: the layer's settings `layer`, the kind's `kind_fields`. The nested
+        format (speculators) keeps the layer's settings apart, names its kind (speculators_model_type), the greedy
+        proposal of `num_speculative_tokens` and the verifier (`name_or_path`, `architectures`; required), which
+        vLLM serves when given the export as its model."""
+        architectures = [self.layouts[kind].architecture]
+        if not self.nested:
+            return {**layer, "architectures": architectures, **kind_fields}
+        if verifier is None:
+            raise ValueError(f"a {self.name} export names its verifier: give the target's folder or hub id")
+        return {"speculators_model_type": kind, "architectures": architectures, "transformer_layer_config": layer,
+                **kind_fields,
+                "speculators_config": {"algorithm": kind, "default_proposal_method": "greedy",
+                                       "proposal_methods": [{"proposal_type": "greedy",
+                                                             "speculative_tokens": num_speculative_tokens}],
+                                       "verifier": verifier}}
+
+    def flat_config(self, config: dict) -> dict:
+        """Its config.json flattened as the other formats' are: the layer's settings beside the kind's."""
+        if not self.nested:
+            return config
+        return {**config["transformer_layer_config"],
+                **{key: value for key, value in config.items() if key != "transformer_layer_config"}}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One format's layout of one head kind: its architecture and name map; subclasses add the kind's settings.
+    `kind` and `format` are filled in by the Format that holds it."""
+    architecture: str | None
+    names: Names
+    kind: str = field(default="", init=False)
+    format: Format = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def source(self) -> str:
+        return self.format.name
+
+    def kind_fields(self, config: dict, where: str) -> dict:
+        """Our head config's fields (those of its kind, and intermediate_size) from their flat config.json."""
+        raise NotImplementedError
+
+    def fill(self, config: dict, head_config, theirs: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+        """Their tensors completed with what the format leaves implicit (for the head config `head_config` read
+        from config.json), checked against config.json in ways a missing tensor's name would not explain."""
+        return theirs
+
+    def check_target(self, theirs: dict[str, torch.Tensor], head, where: str) -> None:
+        """Refuse tensors of the target in the file (target_tensors) whose values the bound head would not read."""
+
+    def exported(self, head) -> dict[str, torch.Tensor]:
+        """The head's tensors to write under their names: its state_dict."""
+        return head.state_dict()
+
+    def export_config(self, head) -> dict:
+        """Their config.json's fields of this kind."""
+        return {}
+
+    def target_tensors(self, config) -> dict[str, tuple[int, ...]]:
+        """Their names of tensors of the target a file may hold, with their shapes."""
+        return {}
+
+    def notes(self) -> list[str]:
+        """What table() says of this layout: its architecture, whether export writes it, its differences."""
+        return [self.architecture or "(no architecture)", "import, export" if self.format.writes else "import"]
+
+    def needs_target(self, head) -> bool:
+        """Whether the export writes tensors of the target (target_values), so the head must be bound to it."""
+        return False
+
+    def target_values(self, head) -> dict[str, torch.Tensor]:
+        """Tensors of the target the export writes, under their names."""
+        return {}
+
+
+@dataclass(frozen=True)
 class EagleLayout(Layout):
+    """EAGLE-1. `fc_bias`: True, the format's fc always has a bias (zeros written where the head has none); False,
+    it has none (a head's non-zero one is refused); a config.json key, the file says (default `fc_bias_default`).
+    `absent`: config.json flags of layers this head lacks, refused when true and written false."""
+    fc_bias: bool | str = False
+    fc_bias_default: bool = False
+    absent: dict[str, str] = field(default_factory=dict)
+
+    def notes(self):
+        bias = self.fc_bias if isinstance(self.fc_bias, str) else "always" if self.fc_bias else "none"
+        return [*super().notes(), f"fc bias: {bias}"]
+
     def kind_fields(self, config, where):
         _num_layers(config, where)
-        if self.source == "speculators":
-            if config.get("layernorms", False):
-                raise ValueError(f"{where}: layernorms is true (norms after the embedding, the fusion and before the LM "
-                                 "head), which this project's EAGLE-1 head does not have")
-            return {"fc_bias": bool(config.get("fusion_bias", False)), **_intermediate(config)}
-        fc_bias = {"vllm": False, "sglang": True}.get(self.source, config.get("bias", True))
+        for key, what in self.absent.items():
+            if config.get(key, False):
+                raise ValueError(f"{where}: {key} is true ({what}), which this project's EAGLE-1 head does not have: "
+                                 f"only a head trained with {key} false imports")
+        fc_bias = bool(config.get(self.fc_bias, self.fc_bias_default)) if isinstance(self.fc_bias, str) else self.fc_bias
         return {"fc_bias": fc_bias, **_intermediate(config)}
 
     def export_config(self, head):
-        if self.source == "speculators":
-            return {"layernorms": False, "fusion_bias": head.config.fc_bias}
-        return {}
+        written = {key: False for key in self.absent}
+        return {**written, self.fc_bias: head.config.fc_bias} if isinstance(self.fc_bias, str) else written
 
     def exported(self, head):
-        ours = {name: t for name, t in head.state_dict().items() if name != "token_map"}  # neither engine loads it
+        ours = {name: t for name, t in head.state_dict().items() if name != "token_map"}  # no engine loads it
         bias = ours.get("fc.bias")
-        if self.source == "vllm":
+        if self.fc_bias is False:
             if bias is not None and bias.any():
-                raise ValueError("vLLM's EAGLE-1 layer has no bias on fc, and this head's fc has one: train with "
-                                 "--model.init_args.fc_bias false to export for vLLM, or export --format sglang")
+                raise ValueError(f"{self.source}'s EAGLE-1 layer has no bias on fc, and this head's fc has one: train "
+                                 "with --model.init_args.fc_bias false to export for it, or export --format sglang")
             ours.pop("fc.bias", None)
-        elif bias is None and self.source == "sglang":  # SGLang's fc always has a bias, random when the file has none
+        elif self.fc_bias is True and bias is None:  # its fc always has a bias, random when the file has none
             ours["fc.bias"] = torch.zeros(head.config.hidden_size)
         return ours
 
     def target_tensors(self, config):
         return {EMBED: (config.vocab_size, config.hidden_size)}
-
-
-CAPTURES_SORTED = ("vllm", "speculators")  # capture each aux layer once, ascending (vLLM's model runner does)
 
 
 def sorted_aux(head) -> tuple[list[int], dict[str, torch.Tensor]]:
@@ -249,76 +205,113 @@ def sorted_aux(head) -> tuple[list[int], dict[str, torch.Tensor]]:
     return layers, tensors
 
 
-EAGLE31_FIELDS = ("norm_before_fc", "fc_norm", "norm_output")
+EAGLE3_NORMS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")  # vLLM's and speculators' has all
 
 
+@dataclass(frozen=True)
 class Eagle3Layout(Layout):
+    """EAGLE-3 (and, subclassed, P-EAGLE). `eagle_config`: config.json repeats the aux layers in an eagle_config
+    object (the Llama-architecture files); `distinct_aux`: the format sizes fc by the distinct layers it captures, so
+    a layer named twice is refused rather than merged; `own_embedding`: its files carry the embedding the head was
+    trained with (speculators': the verifier's), which vLLM reads, so it must be the target's."""
+    eagle_config: bool = True
+    distinct_aux: bool = False
+    own_embedding: bool = False
+
+    def notes(self):
+        f = self.format
+        return [*super().notes(), *([f"layer ids {f.layer_offset:+d}"] if f.layer_offset else []),
+                *(["aux layers sorted"] if f.captures_sorted else []), *([", ".join(f.eagle3_norms)] if f.eagle3_norms else [])]
+
     def kind_fields(self, config, where):
         _num_layers(config, where)
-        hidden = config.get("target_hidden_size", config.get("hidden_size"))
+        hidden = config.get("target_hidden_size") or config.get("hidden_size")  # null: the layer's (as vLLM reads it)
         if hidden != config.get("hidden_size"):
             raise ValueError(f"{where}: target_hidden_size {hidden} differs from hidden_size {config.get('hidden_size')}: "
-                             "this project's EAGLE-3 heads share the target's hidden size")
-        if config.get("norm_before_residual", False):
-            raise ValueError(f"{where}: norm_before_residual is true, but this project's EAGLE-3 head keeps g, not "
-                             "hidden_norm(g), as the layer's residual stream")
+                             "this project's EAGLE-3 heads share the target's hidden size (set target_hidden_size to "
+                             "null or to hidden_size if the head was trained on this target)")
         eagle = config.get("eagle_config") or {}
         layers = eagle.get("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids")) or []
-        if self.source == "sglang":
-            layers = [i + 1 for i in layers]
-        fields = {"aux_layers": tuple(layers), **_intermediate(config)}
+        fields = {"aux_layers": tuple(i - self.format.layer_offset for i in layers), **_intermediate(config)}
         # vLLM reads norm_before_fc from eagle_config first, the others from the config's top level
-        fields.update({name: eagle.get(name, config.get(name, False)) if name == "norm_before_fc"
-                       else config.get(name, False) for name in EAGLE31_FIELDS})
+        fields.update({name: bool(eagle.get(name, config.get(name, False))) if name == "norm_before_fc"
+                       else bool(config.get(name, False)) for name in EAGLE3_NORMS})
         if config.get("draft_vocab_size"):
             fields["draft_vocab_size"] = config["draft_vocab_size"]
         return fields
 
+    def fill(self, config, head_config, theirs, where):
+        """No d2t and t2d: the whole vocabulary (vLLM reads their absence so), when draft_vocab_size says so."""
+        vocab = head_config.vocab_size
+        ids = draft_vocab_ids(theirs, head_config.draft_vocab_size, vocab, where)
+        if ids is None:
+            return {**theirs, **draft_vocab_tensors(torch.arange(vocab), vocab)}
+        if "t2d" not in theirs and bool((ids >= 0).all() and (ids < vocab).all()):  # vLLM never reads t2d
+            return {**theirs, "t2d": draft_vocab_tensors(ids, vocab)["t2d"]}
+        return theirs
+
     def exported(self, head):
         c = head.config
-        on = [name for name in EAGLE31_FIELDS if getattr(c, name)]
-        if on and self.source not in CAPTURES_SORTED:
-            raise ValueError(f"this EAGLE-3 head has EAGLE 3.1's {', '.join(on)}, which {self.source}'s EAGLE-3 layer "
-                             "does not have: export it --format vllm or --format speculators (vLLM loads both)")
+        on = [name for name in EAGLE3_NORMS if getattr(c, name) and name not in self.format.eagle3_norms]
+        if on:
+            names = ", ".join(on)
+            raise ValueError(f"this EAGLE-3 head has EAGLE 3.1's {names}, which {self.source}'s EAGLE-3 layer does not "
+                             "have: export it --format vllm or --format speculators (vLLM loads both)"
+                             if on != ["norm_before_residual"] else
+                             f"this EAGLE-3 head has norm_before_residual (its residual stream is hidden_norm(g)), which "
+                             f"{self.source}'s EAGLE-3 layer does not have: export it --format vllm or --format "
+                             "speculators (vLLM loads both)")
         ours = head.state_dict()
-        if self.source in CAPTURES_SORTED:
+        if self.format.captures_sorted:
             ours.update(sorted_aux(head)[1])
         return ours
 
     def export_config(self, head):
         c = head.config
-        norms = {name: getattr(c, name) for name in EAGLE31_FIELDS}
-        layers = list(sorted_aux(head)[0] if self.source in CAPTURES_SORTED else c.aux_layers)
-        if self.source == "sglang":
-            if min(layers) < 1:
-                raise ValueError(f"aux layer 0 (the embeddings) cannot be named for SGLang, which captures the "
-                                 f"output of the layer it is given: train with aux layers >= 1 (got {layers})")
-            layers = [i - 1 for i in layers]
-        if self.source == "speculators":
-            if len(layers) != len(c.aux_layers):
-                raise ValueError(f"aux layers {list(c.aux_layers)} name a layer twice, and the speculators format "
-                                 "sizes fc by the distinct layers it captures: export --format vllm (it adds the "
-                                 "repeated layer's fc blocks), or train with distinct aux layers")
-            return {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size,
-                    "eagle_aux_hidden_state_layer_ids": layers, "norm_before_residual": False, **norms}
-        return {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size,
-                "eagle_aux_hidden_state_layer_ids": layers, **(norms if self.source in CAPTURES_SORTED else {}),
-                "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": layers}}
+        layers = list(sorted_aux(head)[0] if self.format.captures_sorted else c.aux_layers)
+        offset = self.format.layer_offset
+        if min(layers) + offset < 0:
+            raise ValueError(f"aux layer 0 (the embeddings) cannot be named for {self.source}, which captures the "
+                             f"output of the layer it is given: train with aux layers >= 1 (got {layers})")
+        layers = [i + offset for i in layers]
+        if self.distinct_aux and len(layers) != len(c.aux_layers):
+            raise ValueError(f"aux layers {list(c.aux_layers)} name a layer twice, and the {self.source} format "
+                             "sizes fc by the distinct layers it captures: export --format vllm (it adds the "
+                             "repeated layer's fc blocks), or train with distinct aux layers")
+        norms = {name: getattr(c, name) for name in self.format.eagle3_norms}
+        config = {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size,
+                  "eagle_aux_hidden_state_layer_ids": layers, **norms}
+        if self.eagle_config:
+            config["eagle_config"] = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": layers}
+        return config
 
     def target_tensors(self, config):
         return {EMBED: (config.vocab_size, config.hidden_size)}
 
+    def check_target(self, theirs, head, where):
+        """vLLM embeds the draft's tokens with a file's own embedding when it differs from the target's; this head
+        reads the target's, so a file whose embedding is another (trained, or never loaded) would draft otherwise."""
+        if self.own_embedding and EMBED in theirs:
+            ours = head.target.embed.weight.detach().float().cpu()
+            if not torch.allclose(theirs[EMBED].float(), ours, rtol=1e-2, atol=1e-3):
+                raise ValueError(f"{where}: its embed_tokens.weight is not the target's embedding (trained with "
+                                 "embed_requires_grad, P-EAGLE's default in speculators, or made for another target), "
+                                 "and this project's EAGLE-3 and P-EAGLE heads read the target's while vLLM reads the "
+                                 "file's: only a head trained with embed_requires_grad false imports")
 
+
+@dataclass(frozen=True)
 class PeagleLayout(Eagle3Layout):
-    """EAGLE-3's speculators layout and P-EAGLE's own: `mask_token_id` and the tensor `mask_hidden` (fc's input, so
-    ordered as fc's blocks are), and the depths trained as the greedy proposal's `speculative_tokens` (speculators'
-    training writes num_depths there) unless the config names `num_depths`."""
+    """EAGLE-3's layout and P-EAGLE's own: `mask_token_id` and the tensor `mask_hidden` (fc's input, so ordered as
+    fc's blocks are), and the depths trained as the greedy proposal's `speculative_tokens` (speculators' training
+    writes num_depths there) unless the config names `num_depths`."""
 
     def kind_fields(self, config, where):
         fields = super().kind_fields(config, where)
         if config.get("mask_token_id") is None:
             raise ValueError(f"{where}: its config.json has no mask_token_id, which a P-EAGLE head needs (the "
-                             "token its placeholder rows read)")
+                             "token its placeholder rows read): set it to the id the head was trained with "
+                             "(speculators' trainer takes the tokenizer's mask token, else its pad or eos token)")
         methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
         return {**fields, "mask_token_id": config["mask_token_id"],
                 "num_depths": config.get("num_depths", methods[0].get("speculative_tokens", 4))}
@@ -339,148 +332,234 @@ class PeagleLayout(Eagle3Layout):
                 "num_depths": head.config.num_depths}
 
 
+def never_winning_rows(rows: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """An LM head over the whole vocabulary that drafts what `rows` (the LM head over the token ids `ids`) drafts:
+    row ids[i] is rows[i], every other row the mean of `rows`. An unmapped token's logit is then the mean of the
+    mapped tokens' logits, below their largest unless all of them are equal, so it never wins the argmax."""
+    full = rows.mean(0, keepdim=True).expand(vocab_size, -1).clone()
+    full[ids] = rows
+    return full
+
+
+@dataclass(frozen=True)
 class MedusaLayout(Layout):
+    """Medusa. `keys`: config.json's keys of our num_heads and num_layers (with the default of num_layers);
+    `reads_map`: the format has vLLM's token map (`token_map`, truncated_vocab_size) and the shared LM head
+    (original_lm_head, its rows in the file); without, every head has its own LM head over the whole vocabulary."""
+    keys: tuple[str, str] = ("num_heads", "num_hidden_layers")
+    num_layers_default: int | None = None
+    reads_map: bool = True
+
     def kind_fields(self, config, where):
-        if self.source == "medusa-repo":
-            return {"num_heads": config["medusa_num_heads"], "num_layers": config.get("medusa_num_layers", 1),
-                    "own_lm_head": True}
-        if not config.get("medusa_fc_bias", False):
-            raise ValueError(f"{where}: medusa_fc_bias is false, but this project's Medusa blocks have biases")
+        heads, layers = self.keys
+        fields = {"num_heads": config[heads], "num_layers": config.get(layers, self.num_layers_default)}
+        if not self.reads_map:
+            return {**fields, "own_lm_head": True}
         truncated = config.get("truncated_vocab_size") or config["vocab_size"]
-        return {"num_heads": config["num_heads"], "num_layers": config["num_hidden_layers"],
-                "own_lm_head": not config.get("original_lm_head", False),
+        return {**fields, "own_lm_head": not config.get("original_lm_head", False),
                 "token_map_size": truncated if truncated < config["vocab_size"] else 0}
+
+    def notes(self):
+        if not self.reads_map:
+            return [*super().notes(), "own LM heads"]
+        return [*super().notes(), "token map: token_map tensor; own LM heads over one: whole-vocabulary rows"]
+
+    def fill(self, config, head_config, theirs, where):
+        """Blocks without biases (medusa_fc_bias false) are this project's with zero biases."""
+        if not self.reads_map or config.get("medusa_fc_bias", False):
+            return theirs
+        zeros = {re.sub(r"\.weight$", ".bias", name): torch.zeros(t.shape[0], dtype=t.dtype)
+                 for name, t in theirs.items() if re.fullmatch(r"blocks\.\d+\.layers\.\d+\.weight", name)}
+        return {**zeros, **theirs}
+
+    def expands(self, c) -> bool:
+        """Whether the export writes own LM heads over a token map as LM heads over the whole vocabulary: vLLM sizes
+        own LM heads by the whole vocabulary and cuts a file's rows down to the map's before loading them, so it
+        loads neither the map's rows nor, with a map, the whole vocabulary's."""
+        return c.own_lm_head and bool(c.token_map_size)
 
     def export_config(self, head):
         c = head.config
-        return {"model_type": "medusa", "num_heads": c.num_heads, "num_hidden_layers": c.num_layers,
-                "truncated_vocab_size": c.token_map_size or c.vocab_size, "medusa_fc_bias": True,
-                "original_lm_head": not c.own_lm_head}
+        heads, layers = self.keys
+        vocab = c.vocab_size if self.expands(c) else c.token_map_size or c.vocab_size
+        return {"model_type": "medusa", heads: c.num_heads, layers: c.num_layers, "truncated_vocab_size": vocab,
+                "medusa_fc_bias": True, "original_lm_head": not c.own_lm_head}
 
     def exported(self, head):
-        c = head.config
-        if self.source == "vllm" and c.own_lm_head and c.token_map_size:
-            # vLLM sizes each own LM head by the whole vocabulary and cuts a file's rows down to the map's before
-            # loading them, so neither the map's rows nor the whole vocabulary's load (its weight loader asserts
-            # the vocabulary size); rows outside the map cannot be made to lose the argmax either.
-            raise ValueError(f"this Medusa head has its own LM heads over a token map of {c.token_map_size} tokens, "
-                             "which vLLM cannot load (it loads own LM heads only over the whole vocabulary): train "
-                             "it with --model.init_args.own_lm_head false (vLLM reads the target's LM head over the "
-                             "map) or without --model.init_args.token_map")
-        return head.state_dict()
+        ours = head.state_dict()
+        if self.expands(head.config):
+            ours = {name: never_winning_rows(t, head.token_map, head.config.vocab_size) if name.startswith("lm_heads.")
+                    else t for name, t in ours.items() if name != "token_map"}
+        return ours
 
     def target_tensors(self, config):
-        if self.source == "vllm" and not config.own_lm_head:  # vLLM reads the shared LM head from the file
+        if self.reads_map and not config.own_lm_head:  # vLLM reads the shared LM head from the file
             return {"lm_heads.0.weight": (config.token_map_size or config.vocab_size, config.hidden_size)}
         return {}
 
+    def needs_target(self, head):
+        return self.reads_map and not head.config.own_lm_head
+
     def target_values(self, head):
-        if self.source == "vllm" and not head.config.own_lm_head:  # the map's rows when the head has one
+        if self.needs_target(head):  # the map's rows when the head has one
             return {"lm_heads.0.weight": head.target.lm_head.weight}
         return {}
 
 
+@dataclass(frozen=True)
 class DFlashLayout(Layout):
-    """z-lab's layout (a Qwen3 config with `dflash_config`; the target's embedding and LM head borrowed) or the
-    speculators format (the same tensors and the target's embedding and LM head, over the whole vocabulary here)."""
+    """DFlash. `keys`: config.json's keys (dotted paths) of our target_layers, block_size and mask_token_id, each
+    tried in order; `causal`: the key of its causal flag, None where blocks attend bidirectionally only;
+    `carries_target`: its files hold the target's embedding and LM head (speculators: self-contained);
+    `refused`: config.json flags of drafting this head does not do; `written`: config.json keys export adds, each
+    our config's attribute. A token map goes out as the draft vocabulary
+    both read (draft_vocab_size, d2t, t2d and the map's rows as lm_head.weight): vLLM scatters the draft logits
+    into the whole vocabulary with -inf elsewhere, as this head drafts among the map."""
+    keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    causal: str | None = None
+    carries_target: bool = False
+    refused: dict[str, str] = field(default_factory=dict)
+    written: dict[str, str] = field(default_factory=dict)
+
+    def notes(self):
+        return [*super().notes(), *([f"layer ids {self.format.layer_offset:+d}"] if self.format.layer_offset else []),
+                *(["carries the target's embedding and LM head"] if self.carries_target else []),
+                "causal: " + (self.causal or "no"), "token map: as d2t"]
+
+    def _read(self, config: dict, ours: str):
+        return next((value for key in self.keys[ours] if (value := _path(config, key)) is not None), None)
 
     def kind_fields(self, config, where):
-        if self.source == "speculators":
-            if config.get("sample_from_anchor", False):
-                raise ValueError(f"{where}: sample_from_anchor is true (DSpark's slot 0 drafts too), but this project's "
-                                 "DFlash drafts from the mask slots only")
-            if config.get("draft_vocab_size", config["vocab_size"]) != config["vocab_size"]:
-                raise ValueError(f"{where}: draft_vocab_size {config['draft_vocab_size']} is not the vocabulary "
-                                 f"{config['vocab_size']}: this project's DFlash drafts over the target's LM head")
-            layers, causal = config["aux_hidden_state_layer_ids"], False
-        else:
-            dflash = config.get("dflash_config") or {}
-            layers = [i + 1 for i in dflash["target_layer_ids"]]
-            causal = bool(config.get("is_causal", False))
-        dflash = config.get("dflash_config") or {}
-        return {"num_layers": config["num_hidden_layers"], "target_layers": tuple(layers),
-                "block_size": config.get("block_size") or dflash.get("block_size"),
-                "mask_token_id": config.get("mask_token_id", dflash.get("mask_token_id")), "causal": causal,
-                **_intermediate(config)}
+        for key, what in self.refused.items():
+            if config.get(key, False):
+                raise ValueError(f"{where}: {key} is true ({what}), but this project's DFlash drafts from the mask "
+                                 f"slots only: only a head trained with {key} false imports")
+        vocab = config["vocab_size"]
+        draft_vocab = config.get("draft_vocab_size") or vocab
+        layers = self._read(config, "target_layers")
+        return {"num_layers": config["num_hidden_layers"],
+                "target_layers": tuple(i - self.format.layer_offset for i in layers),
+                "block_size": self._read(config, "block_size"), "mask_token_id": self._read(config, "mask_token_id"),
+                "causal": bool(config.get(self.causal, False)) if self.causal else False,
+                "token_map_size": draft_vocab if draft_vocab < vocab else 0, **_intermediate(config)}
 
-    def check_tensors(self, config, theirs, where):
+    def fill(self, config, head_config, theirs, where):
         held = sorted({int(m.group(1)) for m in map(re.compile(r"layers\.(\d+)\.").match, theirs) if m})
         if held != list(range(config["num_hidden_layers"])):
             raise ValueError(f"{where}: config.json counts num_hidden_layers {config['num_hidden_layers']} but its weights "
                              f"hold layers {held[0] if held else '-'}..{held[-1] if held else '-'}: the weights are "
                              "incomplete (download every file), or num_hidden_layers is wrong")
+        vocab = head_config.vocab_size
+        ids = draft_vocab_ids(theirs, head_config.token_map_size or vocab, vocab, where)
+        rest = {name: t for name, t in theirs.items() if name not in DRAFT_VOCAB}
+        return rest if ids is None else {**rest, "token_map": ids}
+
+    def check_target(self, theirs, head, where):
+        """The file's LM head (speculators': the target's rows of the draft vocabulary, frozen in its training) must
+        be the target's, which this head reads."""
+        if LM_HEAD in theirs:
+            ours = head.target.lm_head.weight.detach().float().cpu()
+            if not torch.allclose(theirs[LM_HEAD].float(), ours, rtol=1e-2, atol=1e-3):
+                raise ValueError(f"{where}: its lm_head.weight is not the target's LM head over its draft vocabulary, "
+                                 "and this project's DFlash reads the target's: import it for the target it was "
+                                 "trained on (its verifier)")
 
     def exported(self, head):
-        if head.token_map is not None:
-            raise ValueError(f"this DFlash head drafts among the {len(head.token_map)} tokens of a token map, which the "
-                             f"{self.source} layout cannot name: train it without --model.init_args.token_map to export it")
-        if self.source == "speculators" and head.config.causal:
-            raise ValueError("this DFlash head's blocks are causal, and the speculators format (vLLM) attends within a "
-                             "block bidirectionally on full-attention layers: export it --format z-lab (is_causal), or "
-                             "train with causal false")
-        if self.source == "z-lab" and min(head.config.target_layers) < 1:
-            raise ValueError(f"target layer 0 (the embeddings) cannot be named in z-lab's layout, which reads the output "
-                             f"of the layer it names: train with target layers >= 1 (got {list(head.config.target_layers)})")
-        return head.state_dict()
+        if self.causal is None and head.config.causal:
+            raise ValueError(f"this DFlash head's blocks are causal, and the {self.source} format (vLLM) attends "
+                             "within a block bidirectionally on full-attention layers: export it --format z-lab "
+                             "(is_causal), or train with causal false")
+        if min(head.config.target_layers) + self.format.layer_offset < 0:
+            raise ValueError(f"target layer 0 (the embeddings) cannot be named in {self.source}'s layout, which reads "
+                             "the output of the layer it names: train with target layers >= 1 (got "
+                             f"{list(head.config.target_layers)})")
+        return {name: t for name, t in head.state_dict().items() if name != "token_map"}
 
     def export_config(self, head):
         c = head.config
-        if self.source == "speculators":
-            return {"draft_vocab_size": c.vocab_size, "target_hidden_size": c.hidden_size, "block_size": c.block_size,
-                    "aux_hidden_state_layer_ids": list(c.target_layers), "mask_token_id": c.mask_token_id,
-                    "sample_from_anchor": False}
-        return {"block_size": c.block_size, "num_target_layers": c.num_target_layers, "is_causal": c.causal,
-                "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.target_layers],
-                                  "block_size": c.block_size}}
+        values = {"target_layers": [i + self.format.layer_offset for i in c.target_layers],
+                  "block_size": c.block_size, "mask_token_id": c.mask_token_id}
+        config: dict = {"draft_vocab_size": c.token_map_size or c.vocab_size,
+                        **{key: getattr(c, ours) for key, ours in self.written.items()}}
+        for ours, keys in self.keys.items():  # each value under every key it is read from
+            for key in keys:
+                *parents, last = key.split(".")
+                node = config
+                for parent in parents:
+                    node = node.setdefault(parent, {})
+                node[last] = values[ours]
+        if self.causal:
+            config[self.causal] = c.causal
+        return {**config, **{key: False for key in self.refused}}
 
     def target_tensors(self, config):
-        if self.source == "speculators":
-            return {EMBED: (config.vocab_size, config.hidden_size), LM_HEAD: (config.vocab_size, config.hidden_size)}
-        return {}
+        lm_head = {LM_HEAD: (config.token_map_size or config.vocab_size, config.hidden_size)}
+        if self.carries_target:
+            return {EMBED: (config.vocab_size, config.hidden_size), **lm_head}
+        return lm_head if config.token_map_size else {}
+
+    def needs_target(self, head):
+        return self.carries_target or head.token_map is not None
 
     def target_values(self, head):
-        if self.source == "speculators":  # its files are self-contained: vLLM reads the drafter's own
-            return {EMBED: head.target.embed.weight, LM_HEAD: head.target.lm_head.weight}
-        return {}
+        values = {EMBED: head.target.embed.weight} if self.carries_target else {}
+        if head.token_map is not None:  # the map ascending, as d2t's draft ids are
+            order = head.token_map.argsort()
+            ids = head.token_map[order]
+            return {**values, LM_HEAD: head.target.lm_head.weight[order.to(head.target.lm_head.weight.device)],
+                    **draft_vocab_tensors(ids.cpu(), head.config.vocab_size)}
+        if self.carries_target:  # vLLM reads the drafter's own
+            values[LM_HEAD] = head.target.lm_head.weight
+        return values
 
 
-SPECULATORS_KINDS = {"eagle": "eagle", "eagle3": "eagle3", "peagle": "peagle", "dflash": "dflash"}  # speculators_model_type -> our kind
-SPECULATORS_ARCHITECTURES = {"eagle": "EagleSpeculator", "eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator",
-                             "dflash": "DFlashSpeculator"}
+VLLM = Format("vllm", captures_sorted=True, eagle3_norms=EAGLE3_NORMS, layouts={
+    "eagle": EagleLayout("EagleLlamaForCausalLM", EAGLE, fc_bias=False),
+    "eagle3": Eagle3Layout("LlamaForCausalLMEagle3", EAGLE3),
+    "medusa": MedusaLayout("MedusaModel", MEDUSA_VLLM),
+})
+SGLANG = Format("sglang", layer_offset=-1, layouts={
+    "eagle": EagleLayout("LlamaForCausalLMEagle", EAGLE, fc_bias=True),
+    "eagle3": Eagle3Layout("LlamaForCausalLMEagle3", EAGLE3),
+})
+EAGLE_REPO = Format("eagle-repo", writes=False, layouts={
+    "eagle": EagleLayout("LlamaForCausalLM", EAGLE, fc_bias="bias", fc_bias_default=True),
+    "eagle3": Eagle3Layout("LlamaForCausalLMEagle3", EAGLE3),
+})
+SPECULATORS = Format("speculators", captures_sorted=True, eagle3_norms=EAGLE3_NORMS, nested=True, layouts={
+    "eagle": EagleLayout("EagleSpeculator", EAGLE_SPECULATORS, fc_bias="fusion_bias", absent={
+        "layernorms": "norms after the embedding, the fusion and before the LM head"}),
+    "eagle3": Eagle3Layout("Eagle3Speculator", EAGLE3_SPECULATORS, eagle_config=False, distinct_aux=True,
+                           own_embedding=True),
+    "peagle": PeagleLayout("PEagleSpeculator", PEAGLE_SPECULATORS, eagle_config=False, distinct_aux=True,
+                           own_embedding=True),
+    "dflash": DFlashLayout("DFlashSpeculator", DFLASH, carries_target=True, keys={
+        "target_layers": ("aux_hidden_state_layer_ids",), "block_size": ("block_size",),
+        "mask_token_id": ("mask_token_id",)}, refused={"sample_from_anchor": "DSpark's slot 0 drafts too"},
+        written={"target_hidden_size": "hidden_size"}),
+})
+MEDUSA_REPO = Format("medusa-repo", writes=False, layouts={
+    "medusa": MedusaLayout(None, MEDUSA_REPO, keys=("medusa_num_heads", "medusa_num_layers"), num_layers_default=1,
+                           reads_map=False),
+})
+ZLAB = Format("z-lab", layer_offset=-1, layouts={
+    "dflash": DFlashLayout("DFlashDraftModel", DFLASH, causal="is_causal", keys={
+        "target_layers": ("dflash_config.target_layer_ids",),
+        "block_size": ("block_size", "dflash_config.block_size"),
+        "mask_token_id": ("mask_token_id", "dflash_config.mask_token_id")},
+        written={"num_target_layers": "num_target_layers"}),
+})
+
+CONVERTERS = {f.name: f for f in (VLLM, SGLANG, SPECULATORS, EAGLE_REPO, MEDUSA_REPO, ZLAB)}
+LAYOUTS: dict[tuple[str, str], Layout] = {(kind, f.name): layout for f in CONVERTERS.values()
+                                          for kind, layout in f.layouts.items()}
+SOURCES = tuple(CONVERTERS)
 
 
-def speculators_config(kind: str, layer_config: dict, kind_fields: dict, verifier: dict,
-                       num_speculative_tokens: int) -> dict:
-    """config.json of the speculators format: the Llama layer's settings nested, the kind's own fields beside them,
-    the greedy proposal of `num_speculative_tokens` and the verifier (`name_or_path`, `architectures`), which
-    vLLM serves when given the export as its model."""
-    return {"speculators_model_type": kind, "architectures": [SPECULATORS_ARCHITECTURES[kind]],
-            "transformer_layer_config": layer_config, **kind_fields,
-            "speculators_config": {"algorithm": kind, "default_proposal_method": "greedy",
-                                   "proposal_methods": [{"proposal_type": "greedy",
-                                                         "speculative_tokens": num_speculative_tokens}],
-                                   "verifier": verifier}}
-
-
-def speculators_config_fields(config: dict) -> dict:
-    """A speculators config.json flattened as the other layouts' are: the Llama layer's settings beside the kind's."""
-    return {**config["transformer_layer_config"],
-            **{key: value for key, value in config.items() if key != "transformer_layer_config"}}
-
-
-LAYOUTS: dict[tuple[str, str], Layout] = {
-    ("eagle", "vllm"): EagleLayout("eagle", "vllm", "EagleLlamaForCausalLM", EAGLE),
-    ("eagle", "sglang"): EagleLayout("eagle", "sglang", "LlamaForCausalLMEagle", EAGLE),
-    ("eagle", "eagle-repo"): EagleLayout("eagle", "eagle-repo", "LlamaForCausalLM", EAGLE),
-    ("eagle3", "vllm"): Eagle3Layout("eagle3", "vllm", "LlamaForCausalLMEagle3", EAGLE3),
-    ("eagle3", "sglang"): Eagle3Layout("eagle3", "sglang", "LlamaForCausalLMEagle3", EAGLE3),
-    ("eagle3", "eagle-repo"): Eagle3Layout("eagle3", "eagle-repo", "LlamaForCausalLMEagle3", EAGLE3),
-    ("eagle", "speculators"): EagleLayout("eagle", "speculators", "EagleSpeculator", EAGLE_SPECULATORS),
-    ("eagle3", "speculators"): Eagle3Layout("eagle3", "speculators", "Eagle3Speculator", EAGLE3_SPECULATORS),
-    ("dflash", "z-lab"): DFlashLayout("dflash", "z-lab", "DFlashDraftModel", DFLASH),
-    ("dflash", "speculators"): DFlashLayout("dflash", "speculators", "DFlashSpeculator", DFLASH),
-    ("peagle", "speculators"): PeagleLayout("peagle", "speculators", "PEagleSpeculator", PEAGLE_SPECULATORS),
-    ("medusa", "vllm"): MedusaLayout("medusa", "vllm", "MedusaModel", MEDUSA_VLLM),
-    ("medusa", "medusa-repo"): MedusaLayout("medusa", "medusa-repo", None, MEDUSA_REPO),
-}
-SOURCES = tuple(dict.fromkeys(source for _, source in LAYOUTS))
+def table() -> str:
+    """The kind x format matrix as a Markdown table, from the converters' data (each layout's notes)."""
+    rows = ["| kind | " + " | ".join(CONVERTERS) + " |", "|---" * (len(CONVERTERS) + 1) + "|"]
+    for kind in sorted({kind for kind, _ in LAYOUTS}):
+        cells = ["; ".join(f.layouts[kind].notes()) if kind in f.layouts else "-" for f in CONVERTERS.values()]
+        rows.append(f"| {kind} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)

@@ -13,6 +13,10 @@ DFlashDraftModel: z-lab) or
 Medusa's medusa_num_heads (medusa-repo). An EAGLE-3 file that names its aux layers needs --from, since SGLang
 numbers them one lower than vLLM and the EAGLE repository.
 
+The speculators format's trainer writes target_hidden_size null (the layer's hidden size), no d2t and t2d over the
+whole vocabulary, and names its verifier: a folder present here must be the target (the same fingerprint); a hub id
+not present here is imported for --target, whose sizes are checked against the checkpoint's.
+
 Every tensor is checked against the shape the target's sizes and the checkpoint's config.json imply, and a wrong
 one is named with both shapes. The head's attention geometry, norm epsilon and rope are the target's (config.json
 must agree on the sizes); its MLP width, and each kind's own settings, are the checkpoint's. Tensors of the target
@@ -32,7 +36,8 @@ from heads.draft_head import DraftHead
 from heads.hf_folder import read_config, read_file, weight_files
 from heads.token_map import check_token_ids, lm_head_rows
 from training.cli import DocHelpFormatter
-from training.formats import LAYOUTS, SOURCES, Layout, speculators_config_fields, to_ours
+from training.formats import LAYOUTS, SOURCES, Layout
+from training.name_maps import to_ours
 
 KINDS = ("eagle", "eagle3", "medusa", "peagle", "dflash")
 SOURCE_OF = {"EagleLlamaForCausalLM": "vllm", "LlamaForCausalLMEagle": "sglang", "LlamaForCausalLM": "eagle-repo",
@@ -41,7 +46,8 @@ SOURCE_OF = {"EagleLlamaForCausalLM": "vllm", "LlamaForCausalLMEagle": "sglang",
              "DFlashSpeculator": "speculators"}
 KIND_OF = {"EagleLlamaForCausalLM": "eagle", "LlamaForCausalLMEagle": "eagle", "LlamaForCausalLMEagle3": "eagle3",
            "MedusaModel": "medusa", "EagleSpeculator": "eagle", "Eagle3Speculator": "eagle3", "PEagleSpeculator": "peagle",
-           "DFlashDraftModel": "dflash", "DFlashSpeculator": "dflash"}
+           "DFlashDraftModel": "dflash", "DFlashSpeculator": "dflash",
+           "Eagle3DraftModel": "eagle3", "PEagleDraftModel": "peagle"}  # the last two: speculators' save_pretrained
 WRITER = "draftheads"  # what `draftheads export` records in config.json: version, kind, format
 TORCH_FILES = ("pytorch_model.bin", "medusa_lm_head.pt")
 MEDUSA_FILE = "medusa_lm_head"  # its tensors are MedusaModel.medusa_head's, named from inside it
@@ -76,12 +82,12 @@ def import_head(src, kind: str, target, source: str | None = None) -> tuple[Draf
     src = Path(src)
     config = read_config(src, "import reads a head's folder (config.json and its weights)")
     layout = _layout(config, kind, source, src)
-    if layout.source == "speculators":
-        config = speculators_config_fields(config)
+    config = layout.format.flat_config(config)
     folder = targets.resolve(target)
     parts = heads.load_target_parts(folder, fingerprint=targets.fingerprint(folder))
     where = f"{src} ({layout.source} {kind} layout)"
     _check_sizes(config, parts, where)
+    _check_verifier(config, parts.fingerprint, target, where)
     cls = HEADS[kind]
     try:
         head_config = cls.config_class.from_target(parts, **layout.kind_fields(config, where))
@@ -89,8 +95,7 @@ def import_head(src, kind: str, target, source: str | None = None) -> tuple[Draf
         raise ValueError(f"{where}: its config.json does not make a {kind} head for this target: {error}") from None
     with torch.device("cpu"):
         head = cls(head_config)
-    theirs = _read_tensors(src)
-    layout.check_tensors(config, theirs, where)
+    theirs = layout.fill(config, head_config, _read_tensors(src), where)
     ours, used = to_ours(layout.names, head_config, theirs, head.state_dict(), where)
     for name, shape in layout.target_tensors(head_config).items():
         if name in theirs and tuple(theirs[name].shape) != shape:
@@ -104,7 +109,9 @@ def import_head(src, kind: str, target, source: str | None = None) -> tuple[Draf
     _check_vocabulary(head, where)
     if head.token_map is not None:
         parts.lm_head = lm_head_rows(parts.lm_head, head.token_map)
-    return head.bind_target(parts), layout
+    head.bind_target(parts)
+    layout.check_target(theirs, head, where)
+    return head, layout
 
 
 def _layout(config: dict, kind: str, source: str | None, src: Path) -> Layout:
@@ -146,6 +153,23 @@ def _check_sizes(config: dict, parts, where: str) -> None:
                  if config.get(name) is not None and config[name] != target[name]]
     if differing:
         raise ValueError(f"{where} was made for another target: {'; '.join(differing)}")
+
+
+def _check_verifier(config: dict, fingerprint: dict, target, where: str) -> None:
+    """The speculators format names the verifier it was trained for. A folder present here must be the target (its
+    fingerprint the same); a hub id not present here is imported for the target all the same, whose sizes were
+    checked against the checkpoint's."""
+    name = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    if not name or not (Path(name).expanduser() / "config.json").is_file():
+        return
+    from serving import targets
+
+    theirs = targets.fingerprint(Path(name).expanduser())
+    differing = [f"{key}: verifier {theirs[key]!r}, target {fingerprint[key]!r}" for key in sorted(theirs)
+                 if key != "id" and theirs[key] != fingerprint.get(key)]
+    if differing:
+        raise ValueError(f"{where} names its verifier {name}, which is not the target {target}: "
+                         f"{'; '.join(differing)}. Import it with --target {name}, or for the target it was trained on")
 
 
 def _read_tensors(src: Path) -> dict[str, torch.Tensor]:

@@ -12,9 +12,12 @@ import json
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load_file, save_file
 
 import heads
+import speculators_process
 import tiny_heads
+from heads.token_map import lm_head_rows
 from serving.bench.bench_serve import BenchServeConfig, arrival_times, load_first_turns, make_report, measure, to_markdown
 from serving.config import EngineConfig
 from serving.engine import Engine
@@ -22,6 +25,7 @@ from serving.request import SamplingParams
 from training import export as exporting
 from training.data.generate import GenerateConfig, generate
 from training.data.store import Store
+from training.import_head import import_head
 from serving.bench.vllm_process import VllmServer
 
 pytestmark = pytest.mark.usefixtures("vllm_available")
@@ -30,15 +34,26 @@ K = 4  # num_speculative_tokens
 MAX_TOKENS = 24
 
 
+class Trained(dict):
+    """A briefly trained head of each kind, trained when first asked for (each fit seeds itself), so that a test
+    runs only the fits it reads."""
+
+    def __init__(self, root, target, store):
+        super().__init__()
+        self.root, self.target, self.store = root, target, store
+
+    def __missing__(self, kind):
+        with torch.random.fork_rng():
+            self[kind] = tiny_heads.train(kind, self.target, self.store, self.root / kind)
+        return self[kind]
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, vllm_available):
-    """The tiny target, its store and a briefly trained head of each kind."""
+    """The tiny target, its store and the heads trained on it (Trained)."""
     root = tmp_path_factory.mktemp("interop")
     target = tiny_heads.chaotic_target(root / "target")
-    store = tiny_heads.store(target, root / "data")
-    with torch.random.fork_rng():
-        trained = {kind: tiny_heads.train(kind, target, store, root / kind) for kind in tiny_heads.FIT}
-    return root, target, trained
+    return root, target, Trained(root, target, tiny_heads.store(target, root / "data"))
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +260,59 @@ def test_bench_serve_measures_vllm_with_its_acceptance(speculators_server, tmp_p
     assert accepted["num_drafts"] > 0
     assert accepted["mean_acceptance_length"] == 1 + accepted["num_accepted_tokens"] / accepted["num_drafts"]
     assert "| vllm |" in to_markdown(make_report([run], config))
+
+
+@pytest.fixture(scope="module")
+def token_map(workspace):
+    """The store's most frequent answer tokens, as the demo maps them (training/demo.py), in a file."""
+    from training.data.vocab import frequent_tokens, write_token_map
+
+    root, _, _ = workspace
+    path = root / "token_map.pt"
+    write_token_map(frequent_tokens(Store(root / "data" / "store"), tiny_heads.TOKEN_MAP_SIZE), path)
+    return path
+
+
+@pytest.mark.parametrize("kind, layout", [("medusa", "vllm"), ("dflash", "speculators"), ("dflash", "z-lab")])
+def test_vllm_serves_a_head_over_a_token_map_as_we_do(kind, layout, workspace, token_map, prompt_ids, plain):
+    """The demo's heads draft among a token map: Medusa with its own LM heads goes out with them over the whole
+    vocabulary (the unmapped rows never win), DFlash as vLLM's draft vocabulary (d2t). vLLM drafts what we draft."""
+    root, target, _ = workspace
+    extra = ("--model.init_args.own_lm_head=true",) if kind == "medusa" else ()
+    with torch.random.fork_rng():
+        trained = tiny_heads.train(kind, target, root / "data" / "store", root / f"{kind}-token-map",
+                                   (f"--model.init_args.token_map={token_map}", *extra))
+    head = heads.load(trained)
+    assert head.token_map is not None and len(head.token_map) == tiny_heads.TOKEN_MAP_SIZE
+    parts = heads.load_target_parts(target)
+    parts.lm_head = lm_head_rows(parts.lm_head, head.token_map)
+    head.bind_target(parts)
+    exported = exporting.export(head, layout, root / f"{kind}-{layout}-token-map", verifier=target,
+                                num_speculative_tokens=K)
+    spec = {"method": kind, "num_speculative_tokens": K}
+    model, served = (exported, None) if layout == "speculators" else (target, {**spec, "model": str(exported)})
+    with VllmServer(model, served) as server:
+        compare(target, trained, spec, server, prompt_ids, plain)
+
+
+def test_vllm_serves_what_speculators_writes_of_a_head_trained_with_norm_before_residual(workspace, prompt_ids, plain,
+                                                                                        speculators_python):
+    """An EAGLE-3 head trained here with speculators' default norm_before_residual, exported, read and written again
+    by speculators' own from_pretrained / save_pretrained: vLLM serving that folder and this engine serving its
+    import draft the same."""
+    root, target, _ = workspace
+    with torch.random.fork_rng():
+        trained = tiny_heads.train("eagle3", target, root / "data" / "store", root / "eagle3-normed-residual",
+                                   ("--model.init_args.norm_before_residual=true",))
+    assert heads.load(trained).config.norm_before_residual
+    exported = exporting.export(heads.load(trained), "speculators", root / "normed-residual-export", verifier=target,
+                                num_speculative_tokens=K)
+    # speculators' files carry the verifier's embedding, and its from_pretrained leaves a missing one uninitialised
+    tensors = load_file(str(exported / "model.safetensors"))
+    tensors["embed_tokens.weight"] = heads.load_target_parts(target).embed.weight.detach().contiguous()
+    save_file(tensors, str(exported / "model.safetensors"))
+    written = root / "normed-residual-speculators"
+    speculators_process.run("resave", "eagle3", exported, written)
+    imported = heads.save(import_head(written, "eagle3", target)[0], root / "normed-residual-imported")
+    with VllmServer(written, None) as server:
+        compare(target, imported, {"method": "eagle3", "num_speculative_tokens": K}, server, prompt_ids, plain)

@@ -31,6 +31,8 @@ FIT = {
     "dflash": ["--model.init_args.learning_rate=1e-2", "--model.init_args.block_size=5", "--trainer.max_steps=40"],
 }
 
+TOKEN_MAP_SIZE = 512  # the heads trained over a token map: the store's most frequent answer tokens
+
 # EAGLE 3.1's norms, each trained into an EAGLE-3 head of its own (FIT["eagle3"] plus these).
 EAGLE31 = {"norm_before_fc": ["--model.init_args.norm_before_fc=true", "--model.init_args.norm_output=true"],
            "fc_norm": ["--model.init_args.fc_norm=true", "--model.init_args.norm_output=true"]}

@@ -1,7 +1,8 @@
 """DFlash in other layouts: z-lab's (Qwen3 config with dflash_config; target_layer_ids one lower than ours) and the
 speculators format (aux_hidden_state_layer_ids as ours; the target's embedding and LM head in the file). Each export
 imports back into the same head and drafts as it did in the engine; the fields vLLM's loaders read are there; what a
-layout cannot say (a causal block in speculators, a token map, layer 0 in z-lab's numbering) and a checkpoint missing
+layout cannot say (a causal block in speculators, layer 0 in z-lab's numbering); a token map goes out as vLLM's
+draft vocabulary (d2t) and a checkpoint missing
 a layer its config counts are clear errors."""
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.request import SamplingParams
 from training.cli import main as cli_main
+from heads.token_map import lm_head_rows
 from training.export import export
+from training.import_head import import_head
 
 from test_import import assert_same_head, import_args, perturbed, target_parts
 
@@ -102,3 +105,48 @@ def test_a_checkpoint_missing_a_layer_its_config_counts_is_a_clear_error(tiny_ll
     assert cli_main(import_args(exported, "dflash", tiny_llama, tmp_path / "head")) == 2
     error = capsys.readouterr().err
     assert re.search(r"config.json counts num_hidden_layers 2 but its weights hold layers 0\.\.0", error), error
+
+
+@pytest.mark.parametrize("layout", ["z-lab", "speculators"])
+def test_a_head_over_a_token_map_exports_as_the_draft_vocabulary_vllm_reads(layout, tiny_llama, tmp_path):
+    """vLLM's DFlash drafts over draft_vocab_size rows of its lm_head and scatters their logits to the target ids
+    arange + d2t, -inf elsewhere: the export writes the map ascending as d2t (and t2d) with the target's rows, so
+    vLLM's argmax is the head's draft; it imports back into a head that drafts the same."""
+    parts = target_parts(tiny_llama)
+    token_map = torch.randperm(parts.vocab_size, generator=torch.Generator().manual_seed(2))[:50]
+    parts.lm_head = lm_head_rows(parts.lm_head, token_map)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        head = heads.DFlash.from_target(parts, token_map, num_layers=2, target_layers=(1, 3), block_size=4,
+                                        mask_token_id=9)
+    head = perturbed(head, 8).bind_target(parts)
+    saved = heads.save(head, tmp_path / "head")
+    assert cli_main(["export", str(saved), "--format", layout, "--out", str(tmp_path / "out"),
+                     "--target", str(tiny_llama)]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    stored = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert config["draft_vocab_size"] == 50 and stored["lm_head.weight"].shape == (50, 64)
+    targets_of = torch.arange(50) + stored["d2t"]
+    assert torch.equal(targets_of, token_map.sort().values) and int(stored["t2d"].sum()) == 50
+    out = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = head.logits(out)  # [2, 5, 50] in the map's order
+        theirs = torch.full((2, 5, parts.vocab_size), float("-inf"))
+        theirs[..., targets_of] = head.norm(out) @ stored["lm_head.weight"].T
+        assert torch.equal(theirs.argmax(-1), token_map[ours.argmax(-1)])
+        assert cli_main(import_args(tmp_path / "out", "dflash", tiny_llama, tmp_path / "back")) == 0
+        full = target_parts(tiny_llama)
+        back = heads.load(tmp_path / "back")
+        full.lm_head = lm_head_rows(full.lm_head, back.token_map)
+        back.bind_target(full)
+        assert torch.equal(back.token_map, token_map.sort().values)
+        torch.testing.assert_close(back.logits(out), ours[..., token_map.argsort()])
+
+
+def test_a_speculators_checkpoint_whose_lm_head_is_not_the_targets_is_refused(tiny_llama, tmp_path):
+    exported = export(new_dflash(tiny_llama), "speculators", tmp_path / "exported", verifier=tiny_llama)
+    tensors = load_file(str(exported / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1
+    save_file(tensors, str(exported / "model.safetensors"))
+    with pytest.raises(ValueError, match="its lm_head.weight is not the target's LM head over its draft vocabulary"):
+        import_head(exported, "dflash", tiny_llama)

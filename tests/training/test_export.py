@@ -177,27 +177,48 @@ def test_the_cli_exports_a_saved_head(tiny_llama, tmp_path, capsys):
     assert config["draftheads"]["format"] == "speculators"
 
 
-def test_a_medusa_head_with_its_own_lm_heads_over_a_token_map_is_refused_for_vllm(tiny_llama, tmp_path):
-    """vLLM 0.32 sizes own LM heads by the whole vocabulary and cuts a file's rows to the map's before loading, so
-    it loads neither (assert loaded_weight.shape[output_dim] == self.org_vocab_size)."""
-    parts = heads.load_target_parts(tiny_llama)
-    token_map = torch.arange(40)
+def medusa_over_a_map(folder, seed: int, own_lm_head: bool):
+    """The target's parts, a token map of 40 random ids and a perturbed two-head Medusa over it."""
+    full = heads.load_target_parts(folder)
+    token_map = torch.randperm(full.vocab_size, generator=torch.Generator().manual_seed(seed))[:40]
+    parts = heads.load_target_parts(folder)
     parts.lm_head = lm_head_rows(parts.lm_head, token_map)
-    head = heads.Medusa.from_target(parts, token_map, num_heads=2, own_lm_head=True)
-    with pytest.raises(ValueError, match="which vLLM cannot load.*--model.init_args.own_lm_head false"):
-        exporting.export(head, "vllm", tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    head = perturbed(heads.Medusa.from_target(parts, token_map, num_heads=2, own_lm_head=own_lm_head), seed=seed + 1)
+    return full, token_map, head
+
+
+def vllm_block(hidden, tensors, i: int):
+    """vLLM's Medusa ResidualBlock i (one layer) over `hidden`, from the exported tensors."""
+    return hidden + torch.nn.functional.silu(hidden @ tensors[f"blocks.{i}.layers.0.weight"].T
+                                             + tensors[f"blocks.{i}.layers.0.bias"])
+
+
+def test_a_medusa_head_with_its_own_lm_heads_over_a_token_map_exports_them_over_the_whole_vocabulary(tiny_llama,
+                                                                                                    tmp_path):
+    """vLLM 0.32 sizes own LM heads by the whole vocabulary and cuts a file's rows to the map's before loading, so
+    it loads neither (assert loaded_weight.shape[output_dim] == self.org_vocab_size): the export writes each head over
+    the whole vocabulary, the unmapped rows the mean of the mapped ones, whose logit is the mean of theirs and never
+    the largest. vLLM's forward (blocks, then each LM head, argmax) drafts what the head drafts."""
+    full, token_map, head = medusa_over_a_map(tiny_llama, 3, own_lm_head=True)
+    config, tensors = read(exporting.export(head, "vllm", tmp_path / "out"))
+    assert config["truncated_vocab_size"] == full.vocab_size and config["original_lm_head"] is False
+    assert "token_map" not in tensors
+    hidden = inputs(full, seed=5)[1]
+    with torch.no_grad():
+        ours = head.eval()(hidden)  # [heads, 1, positions, 40]
+        for i in range(2):
+            x = vllm_block(hidden, tensors, i)
+            theirs = x @ tensors[f"lm_heads.{i}.weight"].T  # [1, positions, vocab]
+            assert theirs.shape[-1] == full.vocab_size
+            torch.testing.assert_close(theirs[..., token_map], ours[i], rtol=1e-4, atol=1e-4)
+            assert torch.equal(theirs.argmax(-1), token_map[ours[i].argmax(-1)])
 
 
 @pytest.mark.parametrize("own_lm_head", [False])
 def test_a_medusa_head_over_a_token_map_exports_it_as_vllm_reads_it(own_lm_head, tiny_llama, tmp_path, capsys):
     """vLLM's Medusa with truncated_vocab_size < vocab_size reads the `token_map` tensor and scatters each head's
     logits over the map's rows into the whole vocabulary (-inf elsewhere)."""
-    full = heads.load_target_parts(tiny_llama)
-    token_map = torch.randperm(full.vocab_size, generator=torch.Generator().manual_seed(9))[:40]
-    parts = heads.load_target_parts(tiny_llama)
-    parts.lm_head = lm_head_rows(parts.lm_head, token_map)
-    head = perturbed(heads.Medusa.from_target(parts, token_map, num_heads=2, own_lm_head=own_lm_head), seed=10)
+    full, token_map, head = medusa_over_a_map(tiny_llama, 9, own_lm_head)
     saved = heads.save(head, tmp_path / "head")
     assert cli_main(["export", str(saved), "--format", "vllm", "--out", str(tmp_path / "out"),
                      "--target", str(tiny_llama)]) == 0
@@ -208,8 +229,7 @@ def test_a_medusa_head_over_a_token_map_exports_it_as_vllm_reads_it(own_lm_head,
     with torch.no_grad():
         ours = head.eval()(hidden)  # [heads, 1, positions, 40]
         for i in range(2):
-            x = hidden + torch.nn.functional.silu(hidden @ tensors[f"blocks.{i}.layers.0.weight"].T
-                                                  + tensors[f"blocks.{i}.layers.0.bias"])
+            x = vllm_block(hidden, tensors, i)
             theirs = torch.full((*x.shape[:-1], full.vocab_size), float("-inf"))
             theirs[..., tensors["token_map"]] = x @ tensors[f"lm_heads.{i if own_lm_head else 0}.weight"].T
             torch.testing.assert_close(theirs[..., token_map], ours[i], rtol=1e-4, atol=1e-4)

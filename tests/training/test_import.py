@@ -30,10 +30,11 @@ CASES = {  # case: (kind, layout)
     "eagle3-sglang": ("eagle3", "sglang"), "medusa-token-map": ("medusa", "vllm"), "medusa-own": ("medusa", "vllm"),
     "eagle-speculators": ("eagle", "speculators"), "eagle3-speculators": ("eagle3", "speculators"),
     "eagle31-vllm": ("eagle3", "vllm"), "eagle31-speculators": ("eagle3", "speculators"),
-    "peagle-speculators": ("peagle", "speculators"),
+    "peagle-speculators": ("peagle", "speculators"), "eagle3-residual-vllm": ("eagle3", "vllm"),
 }
-EAGLE31 = {"eagle31-vllm": {"norm_before_fc": True, "norm_output": True},
-           "eagle31-speculators": {"fc_norm": True, "norm_output": True}}  # EAGLE 3.1's norms
+EAGLE3_OPTIONS = {"eagle31-vllm": {"norm_before_fc": True, "norm_output": True},  # EAGLE 3.1's norms
+                  "eagle31-speculators": {"fc_norm": True, "norm_output": True},
+                  "eagle3-residual-vllm": {"norm_before_residual": True}}  # speculators' default
 
 
 def target_parts(folder):
@@ -64,7 +65,7 @@ def new_head(case: str, folder):
     if case.startswith("eagle3"):
         ids = torch.arange(1, VOCAB, 3)
         return perturbed(heads.Eagle3.from_target(parts, draft_token_ids=ids, aux_layers=(1, 2, 3),
-                                                  **EAGLE31.get(case, {})), 3)
+                                                  **EAGLE3_OPTIONS.get(case, {})), 3)
     if case == "medusa-token-map":
         token_map = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(4))[:40]
         parts.lm_head = lm_head_rows(parts.lm_head, token_map)
@@ -117,7 +118,8 @@ def record_drafts(engine) -> list:
 
 
 @pytest.mark.parametrize("case, spec", [("eagle-sglang", {"topk": 2, "num_draft_tokens": 6}), ("eagle3-vllm", {}),
-                                        ("medusa-token-map", {}), ("eagle31-vllm", {})])
+                                        ("medusa-token-map", {}), ("eagle31-vllm", {}),
+                                        ("eagle3-residual-vllm", {})])
 def test_a_reimported_head_drafts_as_the_original_in_the_engine(case, spec, tiny_llama, tmp_path):
     kind, layout = CASES[case]
     head = new_head(case, tiny_llama)
@@ -370,11 +372,99 @@ def test_a_speculators_peagle_export_is_what_vllm_serves_as_eagle3_with_parallel
         import_head(exported, "peagle", tiny_llama)
 
 
-def test_a_speculators_eagle3_with_a_normed_residual_is_refused(tiny_llama, tmp_path, capsys):
-    exported = export(new_head("eagle3-speculators", tiny_llama), "speculators", tmp_path / "out", verifier=tiny_llama)
+@pytest.mark.parametrize("layout", ["speculators", "vllm"])
+def test_norm_before_residual_round_trips_and_makes_the_output_blind_to_gs_scale(layout, tiny_llama, tmp_path):
+    """speculators' default (its trainer's norm_before_residual true), which vLLM reads: the layer's residual stream
+    is hidden_norm(g), so scaling g changes nothing; it exports to the formats whose layer has it and back."""
+    parts = target_parts(tiny_llama)
+    head = perturbed(heads.Eagle3.from_target(parts, aux_layers=(1, 2, 3), norm_before_residual=True), 11)
+    plain = perturbed(heads.Eagle3.from_target(parts, aux_layers=(1, 2, 3)), 11)
+    ids, g = torch.tensor([[5, 6, 7]]), torch.randn(1, 3, H, generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(3)[None]
+    attention = lambda i, q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        q.transpose(-2, -3), k.repeat_interleave(2, -2).transpose(-2, -3), v.repeat_interleave(2, -2).transpose(-2, -3),
+        is_causal=True).transpose(-2, -3)
+    with torch.no_grad():
+        torch.testing.assert_close(head(ids, 3 * g, positions, attention), head(ids, g, positions, attention))
+        assert not torch.allclose(plain(ids, 3 * g, positions, attention), plain(ids, g, positions, attention))
+    exported = export(head, layout, tmp_path / "out", verifier=tiny_llama)
+    assert json.loads((exported / "config.json").read_text())["norm_before_residual"] is True
+    imported, _ = import_head(exported, "eagle3", tiny_llama)
+    assert imported.config.norm_before_residual
+    with pytest.raises(ValueError, match=r"has norm_before_residual \(its residual stream is hidden_norm\(g\)\), "
+                                         "which sglang's EAGLE-3 layer does not have"):
+        export(head, "sglang", tmp_path / "sglang")
+
+
+def speculators_trainer_checkpoint(folder, tiny_llama, head, change):
+    """`head`'s speculators export, changed by `change(config, tensors)` as speculators' trainer writes it."""
+    exported = export(head, "speculators", folder, verifier=tiny_llama)
     config = json.loads((exported / "config.json").read_text())
-    config["norm_before_residual"] = True
+    tensors = load_file(str(exported / "model.safetensors"))
+    change(config, tensors)
     (exported / "config.json").write_text(json.dumps(config))
-    assert cli_main(import_args(exported, "eagle3", tiny_llama, tmp_path / "head")) == 2
-    assert "norm_before_residual is true, but this project's EAGLE-3 head keeps g, not hidden_norm(g)" in (
-        capsys.readouterr().err)
+    save_file(tensors, str(exported / "model.safetensors"))
+    return exported
+
+
+def test_what_speculators_trainer_writes_imports(tiny_llama, tmp_path):
+    """target_hidden_size null (vLLM: the layer's hidden size), no d2t or t2d over the whole vocabulary (vLLM: the
+    identity), t2d alone missing (vLLM never reads it), the verifier named by a hub id not present here."""
+    def as_trained(config, tensors):
+        config["target_hidden_size"] = None
+        config["speculators_config"]["verifier"] = {"name_or_path": "org/verifier-not-here", "architectures": []}
+        del tensors["d2t"], tensors["t2d"]
+
+    parts = target_parts(tiny_llama)
+    full = perturbed(heads.Eagle3.from_target(parts, aux_layers=(1, 2, 3), norm_before_residual=True), 12)
+    imported, _ = import_head(speculators_trainer_checkpoint(tmp_path / "full", tiny_llama, full, as_trained),
+                              "eagle3", tiny_llama)
+    assert_same_head(imported, full)
+    reduced = new_head("eagle3-speculators", tiny_llama)
+    src = speculators_trainer_checkpoint(tmp_path / "reduced", tiny_llama, reduced,
+                                         lambda config, tensors: tensors.pop("t2d"))
+    assert_same_head(import_head(src, "eagle3", tiny_llama)[0], reduced)
+    src = speculators_trainer_checkpoint(tmp_path / "no-d2t", tiny_llama, reduced, as_trained)
+    with pytest.raises(ValueError, match=r"draft_vocab_size is 85, below the target's vocabulary 256, but the file has "
+                                         "no d2t tensor"):
+        import_head(src, "eagle3", tiny_llama)
+
+
+def test_a_verifier_present_here_must_be_the_target(tiny_llama, tiny_qwen2, tmp_path):
+    head = new_head("eagle3-speculators", tiny_llama)
+    exported = export(head, "speculators", tmp_path / "out", verifier=tiny_qwen2)
+    with pytest.raises(ValueError, match=rf"names its verifier {re.escape(str(tiny_qwen2))}, which is not the target "
+                                         rf".*architecture: verifier 'qwen2', target 'llama'.* --target"):
+        import_head(exported, "eagle3", tiny_llama)
+    assert_same_head(import_head(export(head, "speculators", tmp_path / "same", verifier=tiny_llama), "eagle3",
+                                 tiny_llama)[0], head)
+
+
+def test_a_vllm_medusa_without_biases_imports_with_zero_ones_and_an_eagle3_embedding_not_the_targets_is_refused(tiny_llama,
+                                                                                                      tmp_path):
+    head = new_head("medusa-own", tiny_llama)
+    with torch.no_grad():
+        for block in head.heads:
+            for layer in block:
+                layer.linear.bias.zero_()
+    exported = export(head, "vllm", tmp_path / "medusa")
+    config = json.loads((exported / "config.json").read_text())
+    config["medusa_fc_bias"] = False
+    (exported / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(exported / "model.safetensors"))
+    save_file({name: t for name, t in tensors.items() if not name.endswith(".bias")}, str(exported / "model.safetensors"))
+    assert_same_head(import_head(exported, "medusa", tiny_llama)[0], head)
+    def embedding(weight):
+        def change(config, tensors):
+            config["embed_requires_grad"] = True
+            tensors["embed_tokens.weight"] = weight
+        return change
+
+    reduced = new_head("eagle3-speculators", tiny_llama)
+    src = speculators_trainer_checkpoint(tmp_path / "embed", tiny_llama, reduced,
+                                         embedding(target_parts(tiny_llama).embed.weight.detach()))
+    assert_same_head(import_head(src, "eagle3", tiny_llama)[0], reduced)  # trainable, but still the target's
+    src = speculators_trainer_checkpoint(tmp_path / "other-embed", tiny_llama, reduced, embedding(torch.randn(VOCAB, H)))
+    with pytest.raises(ValueError, match="its embed_tokens.weight is not the target's embedding .* only a head trained "
+                                         "with embed_requires_grad false imports"):
+        import_head(src, "eagle3", tiny_llama)

@@ -59,7 +59,7 @@ class Eagle3Module(FusedAuxModule):
 
     def __init__(self, num_steps: int = 7, decay: float = 0.8, draft_vocab_size: int = 32000,
                  aux_layers: list[int] | None = None, intermediate_size: int | None = None, norm_before_fc: bool = False,
-                 fc_norm: bool = False, norm_output: bool = False, **kwargs):
+                 fc_norm: bool = False, norm_output: bool = False, norm_before_residual: bool = False, **kwargs):
         """An EAGLE-3 layer and its training-time test.
 
         Args:
@@ -71,13 +71,15 @@ class Eagle3Module(FusedAuxModule):
             norm_before_fc: EAGLE 3.1: one RMSNorm over the concatenated aux states before fc.
             fc_norm: EAGLE 3.1: one RMSNorm per aux state before fc (excludes norm_before_fc).
             norm_output: EAGLE 3.1: the layer's output is normed before it is fed back to the next step.
+            norm_before_residual: hidden_norm(g), not g, is the layer's residual stream (speculators' default).
         """
         super().__init__(**kwargs)
         if num_steps < 1:
             raise ValueError(f"num_steps={num_steps} must be >= 1")
         self.head = Eagle3.from_target(self.target_parts, draft_vocab_size=draft_vocab_size,
                                        aux_layers=tuple(aux_layers or ()), intermediate_size=intermediate_size,
-                                       norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output)
+                                       norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output,
+                                       norm_before_residual=norm_before_residual)
 
     def _steps(self, batch: dict, hidden: dict, num_steps: int) -> list[torch.Tensor]:
         g = self.head.fuse(hidden["eagle3"])  # [B, S, hidden]
