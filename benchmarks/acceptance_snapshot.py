@@ -17,7 +17,7 @@ from serving.engine import Engine
 from serving.spec_decode.config import SpeculativeConfig
 from serving.targets import DEFAULT_TARGET
 
-LOOKUP = {"prompt_lookup_min": 1, "prompt_lookup_max": 3}  # pinned: the defaults moved to vLLM's in issue 42
+LOOKUP = {"prompt_lookup_min": 1, "prompt_lookup_max": 3}  # pinned: the defaults have since moved to vLLM's
 
 
 def drafters(heads: dict[str, str]) -> list[dict]:

@@ -111,7 +111,7 @@ def test_a_checkpoint_write_cut_short_leaves_the_previous_checkpoint_whole(debug
 
 
 def test_a_checkpoint_that_names_k_num_draft_tokens_resumes(debug_store):
-    """Checkpoints written before k was named num_speculative_tokens (issue 40) call it num_draft_tokens; LightningCLI
+    """Checkpoints written before k was named num_speculative_tokens call it num_draft_tokens; LightningCLI
     reads a resumed checkpoint's module settings, and takes that name as the new one."""
     args = fit_args("eagle", "debug", debug_store, "--model.init_args.num_speculative_tokens=3")
     assert fit_main("fit", [*args, "--trainer.max_steps=1"]) == 0
