@@ -81,7 +81,8 @@ class Rope:
         inv_freq = inv_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
-        self.cos, self.sin = emb.cos() * attention_factor(scaling), emb.sin() * attention_factor(scaling)
+        factor = attention_factor(scaling)
+        self.cos, self.sin = emb.cos() * factor, emb.sin() * factor
         self.sin[:, :head_dim // 2] *= -1
 
     def to(self, dtype: torch.dtype, device=None) -> "Rope":

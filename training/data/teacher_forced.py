@@ -20,6 +20,7 @@ from training.data.capture import (Capture, EngineCapture, NoCapture, Transforme
                                    resolve_capture)
 from training.data.endpoint import Endpoint
 from training.data.store import StoreWriter, tensor_keys
+from training.data.vllm_capture import VllmCapture
 
 OUTCOMES = ("too long", "dropped", "unanswered", "failed")
 
@@ -113,7 +114,6 @@ class TeacherForcedGeneration:
             return TransformersCapture(self.folder, self.keys, self.aux_layers, dtype=DTYPES[config.dtype],
                                        device=resolve_device(config.device),
                                        max_batch_tokens=config.max_num_batched_tokens)
-        from training.data.vllm_capture import VllmCapture
         return VllmCapture(vllm_python, self.folder, self.keys, self.aux_layers,
                            dtype=config.dtype, max_model_len=max_len + 1)
 
