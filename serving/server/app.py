@@ -36,6 +36,7 @@ DISCONNECT_POLL_S = 0.5  # how often a handler waiting for a whole answer checks
 def build_app(engine: Engine, model_name: str) -> FastAPI:
     """The app over `engine`; its lifespan starts and stops the engine loop (`app.state.engine_loop`)."""
     metrics = ServerMetrics(model_name)
+    metrics.update_engine(engine)  # before the loop starts: every counter shows from the first scrape
     loop = EngineLoop(engine, metrics)
     api = OpenAIServer(engine, loop, metrics, model_name)
 

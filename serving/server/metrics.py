@@ -5,7 +5,9 @@ Counters grow by what each engine step did: tokens emitted, and the speculator's
 (serving.spec_decode.metrics.AcceptanceStats, drafts of aborted requests included), so over any window the difference of
 two scrapes is that window's acceptance. `vllm:inter_token_latency_seconds` is observed once per request per step
 that emitted tokens to it (a speculative step emits several at once, as in vLLM). `kv_cache_usage_perc` is a
-fraction in [0, 1], as vLLM's is despite its name. Each server has a registry of its own.
+fraction in [0, 1], as vLLM's is despite its name. As in vLLM, every counter shows from the start (a client that
+reads /metrics before and after a window, as `vllm bench serve` does, finds them both times) and the per-position
+acceptance is labelled by the draft position counted from 0. Each server has a registry of its own.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ class ServerMetrics:
         self.num_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", label,
                                            registry=r)
         self.num_accepted_tokens_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                                   "Draft tokens accepted at each depth (1-based)",
+                                                   "Draft tokens accepted at each depth (position 0: depth 1)",
                                                    [*label, "position"], registry=r)
         # Not vLLM's: with these, tau (emitted tokens per verify step) reads as the offline bench computes it.
         self.num_verify_steps = Counter("draftheads:spec_decode_num_verify_steps", "Verify steps, drafts or not",
@@ -59,6 +61,8 @@ class ServerMetrics:
         self.e2e_request_latency = Histogram("vllm:e2e_request_latency_seconds", "From arrival to the last token",
                                              label, buckets=REQUEST_BUCKETS, registry=r)
         self.model_name = model_name
+        for counter in (self.prompt_tokens, self.generation_tokens):
+            self.of(counter)
         self._spec_seen = None  # the speculator's counts at the last update
 
     def of(self, metric, **labels):
@@ -80,8 +84,8 @@ class ServerMetrics:
         self.of(self.num_drafts).inc(stats.num_drafts - seen[2])
         self.of(self.num_draft_tokens).inc(stats.num_draft_tokens - seen[3])
         self.of(self.num_accepted_tokens).inc(sum(stats.accepted) - sum(seen[4]))
-        for position, accepted in enumerate(stats.accepted, start=1):
-            before = seen[4][position - 1] if position <= len(seen[4]) else 0
+        for position, accepted in enumerate(stats.accepted):
+            before = seen[4][position] if position < len(seen[4]) else 0
             self.of(self.num_accepted_tokens_per_pos, position=str(position)).inc(accepted - before)
         self.of(self.num_invalid_spec_tokens).inc(stats.num_invalid_spec_tokens - seen[5])
         self.of(self.num_grammar_draft_tokens).inc(stats.num_grammar_draft_tokens - seen[6])

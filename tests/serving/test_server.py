@@ -154,9 +154,9 @@ def test_concurrent_streams_equal_offline_and_sum_to_metrics(server, offline):
         assert difference(after, before, f"vllm:spec_decode_{name}_total") == total(f"spec_decode_{name}"), name
     assert difference(after, before, "draftheads:spec_decode_num_verify_steps_total") == total("num_verify_steps")
     assert difference(after, before, "draftheads:spec_decode_num_emitted_tokens_total") == total("num_emitted_tokens")
-    for position in range(1, 4):
+    for position in range(3):  # vLLM's labels: the draft position from 0
         assert (difference(after, before, "vllm:spec_decode_num_accepted_tokens_per_pos_total", str(position))
-                == sum(s["spec_decode_num_accepted_tokens_per_pos"][position - 1] for s in spec))
+                == sum(s["spec_decode_num_accepted_tokens_per_pos"][position] for s in spec))
     assert difference(after, before, "vllm:generation_tokens_total") == sum(u.completion_tokens for _, _, u in results)
     assert difference(after, before, "vllm:prompt_tokens_total") == sum(u.prompt_tokens for _, _, u in results)
     finished = sum(difference(after, before, "vllm:request_success_total", reason) for reason in ("stop", "length"))
