@@ -82,7 +82,7 @@ $(LLAMA_CPP)/build/bin/llama-bench: | setup
 	$(BIN)/pip install -q --target $(LLAMA_CPP)/site sentencepiece
 
 test: setup vllm speculators
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 # The inner loop: every test but those marked interop, e2e, fit, law or slow (pyproject.toml); no vLLM needed.
 test-fast: setup

@@ -61,7 +61,7 @@ _TINY_DEFAULTS = dict(
     bos_token_id=1, eos_token_id=2,
 )
 # Qwen2 adds q/k/v biases and Qwen3 q/k RMSNorm by construction; the embedding tying differs per family.
-_TINY_TIED = {"llama": False, "qwen2": True, "qwen3": False, "qwen3_moe": False, "gemma3_text": True,
+_TINY_TIED = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "qwen3_moe": False, "gemma3_text": True,
               "gpt_oss": False, "deepseek_v3": False}
 
 
@@ -156,7 +156,7 @@ def target_info(name: str) -> dict:
 def build_tiny_model(
     folder: str | Path, arch: str = "llama", *, seed: int = 0, tokenizer_from: str | Path | None = None, **overrides
 ) -> Path:
-    """Write a seeded random float32 model of family `arch` (llama, qwen2, qwen3, qwen3_moe, gemma3_text, gpt_oss,
+    """Write a seeded random float32 model of family `arch` (llama, mistral, qwen2, qwen3, qwen3_moe, gemma3_text, gpt_oss,
     deepseek_v3) to `folder`.
 
     `overrides` are config fields (e.g. vocab_size, rope_scaling). With `tokenizer_from`, that folder's

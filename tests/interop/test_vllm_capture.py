@@ -1,7 +1,7 @@
 """The `vllm` capture backend against the engine's: vLLM's extract_hidden_states over the same dataset answers
 writes a store whose tokens equal the engine's and whose hidden states agree within bfloat16 rounding (the aux
-layers as vLLM hands them over, "last" normed here from vLLM's last layer output), for a dense and a
-mixture-of-experts target."""
+layers as vLLM hands them over, "last" normed here from vLLM's last layer output), for each family both engines run
+but Gemma 3, whose vLLM 0.32 model hands over no auxiliary hidden states."""
 from __future__ import annotations
 
 import sys
@@ -16,14 +16,16 @@ from test_capture import assert_stores_agree, capture_store  # noqa: E402
 from serving.bench import vllm_process  # noqa: E402
 from serving.targets import DEFAULT_TARGET, build_tiny_model, resolve  # noqa: E402
 
-# head_dim 32: vLLM's CPU attention refuses the conftest default of 16
-FAMILIES = {"llama": {}, "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)}
+# head_dim 32: vLLM's CPU attention refuses the conftest default of 16; windows shorter than the answers
+FAMILIES = {"llama": {}, "mistral": dict(sliding_window=16), "qwen2": {}, "qwen3": {},
+            "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+            "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=16)}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vllm_and_engine_captures_agree(family, vllm_available, tmp_path):
     target = build_tiny_model(tmp_path / family, family, tokenizer_from=resolve(DEFAULT_TARGET), hidden_size=128,
-                              intermediate_size=256, **FAMILIES[family])
+                              **{"intermediate_size": 256, **FAMILIES[family]})
     vllm = capture_store(target, tmp_path / "vllm", "vllm", vllm_python=str(vllm_process.executable()))
     assert vllm.meta["captured_by"] == ["vllm"]
     assert_stores_agree(capture_store(target, tmp_path / "engine", "engine"), vllm)

@@ -76,7 +76,7 @@ def assert_stores_agree(first: Store, second: Store) -> None:
             torch.testing.assert_close(item["hidden"][key], other["hidden"][key])
 
 
-FAMILIES = {"llama": {}, "qwen3": {}, "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+FAMILIES = {"llama": {}, "mistral": dict(sliding_window=8), "qwen2": {}, "qwen3": {}, "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
             "gemma3_text": dict(sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
             "gpt_oss": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
                             sliding_window=8)}
