@@ -186,16 +186,18 @@ def random_eagle(folder, root) -> str:
     return str(heads.save(head, root / f"eagle-{folder.name}"))
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "self_draft", "eagle_tree"])
+@pytest.mark.parametrize("drafter", ["draft_model", "self_draft", "eagle_tree", "early_exit"])
 def test_speculation_past_the_window_reproduces_plain_greedy(drafter, all_windowed, all_windowed_draft,
                                                              tmp_path_factory):
-    """Chains of a draft model (mostly rejected, and the target itself: always accepted) and trees of a random EAGLE
-    head: verify rows ahead of the computed tokens and rollbacks after rejection never need a freed block; a
-    drafter's own pool follows the full group's tables; preemption by recompute."""
+    """Chains of a draft model (mostly rejected, and the target itself: always accepted), trees of a random EAGLE
+    head and the target's first layers (early exit, writing the target's own windowed pools): verify rows ahead of
+    the computed tokens and rollbacks after rejection never need a freed block; a drafter's own pool follows the
+    full group's tables; preemption by recompute."""
     spec = {"draft_model": {"method": "draft_model", "model": str(all_windowed_draft), "num_speculative_tokens": 3},
             "self_draft": {"method": "draft_model", "model": str(all_windowed), "num_speculative_tokens": 4},
             "eagle_tree": {"method": "eagle", "model": random_eagle(all_windowed, tmp_path_factory.mktemp("heads")),
-                           "num_speculative_tokens": 3, "topk": 3, "num_draft_tokens": 8}}[drafter]
+                           "num_speculative_tokens": 3, "topk": 3, "num_draft_tokens": 8},
+            "early_exit": {"method": "early_exit", "num_layers": 2, "num_speculative_tokens": 3}}[drafter]
     prompts = random_prompts([30, 50, 17, 41], seed=11)
     engine = make_engine(all_windowed, spec, block_size=4, num_blocks=36, max_num_batched_tokens=24, max_model_len=96)
     outputs = engine.generate(prompts, greedy(30))
