@@ -323,8 +323,6 @@ class KVCacheGroups:
         return num_blocks * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        if len(request.block_tables) != len(self.groups):  # a request the scheduler did not admit (drafts' tests)
-            request.block_tables = [[] for _ in self.groups]
         for group in self.groups[1:]:
             group.skip_blocks(request)
         if not all(group.can_allocate(request, num_new_tokens) for group in self.groups):
@@ -347,7 +345,7 @@ class KVCacheGroups:
         del request.block_hashes[num_tokens // self.block_size:]
 
     def free(self, request: Request) -> None:
-        if len(request.block_tables) == len(self.groups):
+        if len(request.block_tables) == len(self.groups):  # else never admitted: it holds nothing
             for group in self.groups:
                 group.free_table(request)
         request.block_tables = [[] for _ in self.groups]

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 import heads
 from serving import targets
+from serving import kv_groups
 from serving.blocks import BlockManager, KVCacheGroups, SlidingWindowBlockManager
 from serving.request import Request, SamplingParams
 from serving.targets import build_tiny_model
@@ -124,6 +125,23 @@ def test_a_prefix_hit_needs_the_window_s_blocks_in_every_group():
     hit = groups.get_computed_tokens(third) // 4
     assert hit == window_hit(windowed.cached_blocks, hashes, 7, 2) < 7
     assert third.block_ids == full_table[:hit] and held(third.block_tables[1]) == min(hit, 2)
+
+
+def test_pools_are_sized_by_group():
+    """One group: the budget's blocks, as before. Gemma 3 270M's layout (window 512 on 15 layers of 18) in 1 GiB:
+    the window's group holds max_num_seqs windows when they fit in half the budget, else what half of it holds, and
+    the full group the rest; num_blocks set: every group that many."""
+    layer_block = 32 * 1024  # one layer's K/V of one block: 16 tokens, one head of 256, float32
+    sizes = dict(layer_block_bytes=layer_block, block_size=16, max_model_len=4096, max_num_batched_tokens=512)
+    (one,) = kv_groups.plan((0,) * 18, num_blocks=None, memory_bytes=2**30, max_num_seqs=64, **sizes)
+    assert one.num_blocks == 2**30 // (18 * layer_block)
+    gemma = tuple(0 if i % 6 == 5 else 512 for i in range(18))
+    for max_num_seqs, windowed in ((8, 8 * (32 + 2) + 32), (64, int((64 * 34 + 32) * 2**29 / ((64 * 34 + 32) * 15 * layer_block)))):
+        full, window = kv_groups.plan(gemma, num_blocks=None, memory_bytes=2**30, max_num_seqs=max_num_seqs, **sizes)
+        assert (window.window, len(window.layers), window.num_blocks) == (512, 15, windowed)
+        assert full.layers == (5, 11, 17) and full.num_blocks == (2**30 - windowed * 15 * layer_block) // (3 * layer_block)
+        assert kv_groups.pool_bytes([full, window], layer_block) <= 2**30 + 15 * layer_block  # and the null block
+    assert [g.num_blocks for g in kv_groups.plan(gemma, num_blocks=100, memory_bytes=0, max_num_seqs=1, **sizes)] == [100, 100]
 
 
 # ---- the engine ----------------------------------------------------------------------------------------------
