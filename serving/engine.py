@@ -91,6 +91,8 @@ class Engine:
 
     @property
     def cache(self) -> KVCache:
+        """The full-attention group's pool (every layer's when the target has no sliding window); each group's:
+        `runner.caches`."""
         return self.runner.cache
 
     def set_speculative_config(self, config: SpeculativeConfig | str | dict | None) -> None:
