@@ -97,6 +97,9 @@ TABLES = {
                      ("-m", "benchmarks.capture", "--num-prompts", "16")),
     "gemma3": Table("targets.md", "gemma3-270m's plain decoding against its bandwidth floor", (
         "-m", "benchmarks.weights", "--target", "gemma3-270m", "--num-prompts", "4", "--max-new-tokens", "64")),
+    "sliding-window-memory": Table("targets.md", "K/V held by a 4k-token request on gemma3-270m, by KV cache group", (
+        "-m", "benchmarks.sliding_window_memory", "--target", "gemma3-270m", "--prompt-tokens", "4096",
+        "--max-new-tokens", "32")),
 }
 
 

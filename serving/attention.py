@@ -53,6 +53,28 @@ class KVCache:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
+def kv_cache_groups(windows: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
+    """The model's layers grouped by how far back they attend: [(window, its layers)], the full-attention group
+    (window 0) first, however many layers it has (none when every layer has a window), then one group per distinct
+    window, narrowest first. Each group keeps its own pool and block tables (serving.blocks)."""
+    groups = [(0, tuple(i for i, w in enumerate(windows) if not w))]
+    for window in sorted(set(windows) - {0}):
+        groups.append((window, tuple(i for i, w in enumerate(windows) if w == window)))
+    return groups
+
+
+class GroupedAttention:
+    """The attention of a model whose layers fall into several KV cache groups: a layer attends through its group's
+    PagedAttention (its pool, and metadata built from its group's block tables), at its index within the group."""
+
+    def __init__(self, attentions: list[PagedAttention], layer_groups: tuple[tuple[int, int], ...]):
+        self.attentions, self.layer_groups = attentions, layer_groups  # layer -> (group, index within the group)
+
+    def __call__(self, layer_idx, q, k, v):
+        group, index = self.layer_groups[layer_idx]
+        return self.attentions[group](index, q, k, v)
+
+
 @dataclass
 class LongQuery:
     """A sequence whose query is longer than MAX_BATCHED_QUERY_LEN rows (a prefill chunk), attended on its own."""

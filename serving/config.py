@@ -23,7 +23,8 @@ HELP = {
                "where the kernels do not run, the rounded weights run in float32)",
     "device": "where the target runs: auto (the first CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N",
     "block_size": "K/V block size in tokens",
-    "num_blocks": "K/V blocks in the pool (default: as many as kv_cache_memory_gib holds)",
+    "num_blocks": "K/V blocks in the pool, in each KV cache group's on a target with sliding windows (default: as many as "
+                  "kv_cache_memory_gib holds)",
     "kv_cache_memory_gib": "memory for the K/V pool, GiB (at least one max_model_len request always fits)",
     "max_num_seqs": "most requests in the running batch; later ones wait",
     "max_num_batched_tokens": "tokens per engine step; longer prompts are prefilled in chunks",

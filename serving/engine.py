@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 
-from serving import targets
+from serving import kv_groups, targets
 from serving.attention import KVCache
-from serving.blocks import BlockManager
 from serving.config import EngineConfig, resolve_device
 from serving.drafters.context import StepOutputs
 from serving.model import Model
@@ -57,23 +56,25 @@ class Engine:
         self.tokenizer = _load_tokenizer(self.folder)
         self.grammars = Grammars.from_hf(self.tokenizer, model_config.vocab_size, model_config.eos_token_ids, self.folder)
         layer, block_size = model_config.layer, config.block_size
-        bytes_per_block = KVCache.bytes_per_block(model_config.num_layers, block_size, layer.num_kv_heads, layer.head_dim,
-                                                  self.dtype)
-        num_blocks = config.num_blocks
-        if num_blocks is None:
-            num_blocks = max(int(config.kv_cache_memory_gib * 2**30) // bytes_per_block, -(-self.max_model_len // block_size))
-        available = available_memory_bytes(self.device)
-        if num_blocks * bytes_per_block > 0.9 * available:
-            fits = int(0.9 * available) // bytes_per_block
-            raise ValueError(f"num_blocks={num_blocks} needs {num_blocks * bytes_per_block / 2**30:.1f} GiB of K/V cache but "
-                             f"only {available / 2**30:.1f} GiB is available on {self.device}: at most {fits} blocks of "
+        layer_block_bytes = KVCache.bytes_per_block(1, block_size, layer.num_kv_heads, layer.head_dim, self.dtype)
+        windows = model_config.windows or (0,) * model_config.num_layers
+        groups = kv_groups.plan(windows, num_blocks=config.num_blocks,
+                                memory_bytes=int(config.kv_cache_memory_gib * 2**30), layer_block_bytes=layer_block_bytes,
+                                block_size=block_size, max_model_len=self.max_model_len,
+                                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
+        needed, available = kv_groups.pool_bytes(groups, layer_block_bytes), available_memory_bytes(self.device)
+        if needed > 0.9 * available:
+            fits = int(0.9 * available) // (layer_block_bytes * len(windows))
+            raise ValueError(f"num_blocks={groups[0].num_blocks} needs {needed / 2**30:.1f} GiB of K/V cache but only "
+                             f"{available / 2**30:.1f} GiB is available on {self.device}: at most {fits} blocks of "
                              f"{block_size} tokens fit")
         self.block_size = block_size
-        cache = KVCache(model_config.num_layers, num_blocks, block_size, layer.num_kv_heads, layer.head_dim, self.dtype,
-                        self.device, model_config.windows, layer.attention_scale, model.attention_sinks())
-        self.runner = ModelRunner(model, cache, block_size, self.dtype, self.device)
+        caches, layer_groups = kv_groups.build_caches(groups, block_size, layer.num_kv_heads, layer.head_dim, self.dtype,
+                                                      self.device, layer.attention_scale, model.attention_sinks())
+        self.runner = ModelRunner(model, caches, block_size, self.dtype, self.device, layer_groups)
         # Prefix-cache hits skip the forward, so a capturing engine would miss those hidden states.
-        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching and not config.capture_hidden)
+        self.block_manager = kv_groups.build_manager(groups, block_size,
+                                                     config.enable_prefix_caching and not config.capture_hidden)
         self.scheduler = Scheduler(self.block_manager, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.capture_hidden = config.capture_hidden
@@ -90,6 +91,8 @@ class Engine:
 
     @property
     def cache(self) -> KVCache:
+        """The full-attention group's pool (every layer's when the target has no sliding window); each group's:
+        `runner.caches`."""
         return self.runner.cache
 
     def set_speculative_config(self, config: SpeculativeConfig | str | dict | None) -> None:

@@ -1,13 +1,15 @@
 """The model runner: the only place a step's tensors are made. It flattens every scheduled token of every request
 into one batch, builds the attention metadata (the one builder the drafters and the cost model use too), runs the
-target's forward over the paged K/V pool, and returns the logits rows, the hidden rows and each logits row's argmax."""
+target's forward over the paged K/V pool, and returns the logits rows, the hidden rows and each logits row's argmax.
+A target whose layers fall into several KV cache groups (sliding windows) has a pool per group and metadata per group
+(each group's block tables), its layers attending through GroupedAttention."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from serving.attention import KVCache, PagedAttention, PagedMetadata
+from serving.attention import GroupedAttention, KVCache, PagedAttention, PagedMetadata
 from serving.blocks import slot
 from serving.kernels import argmax
 from serving.model import Model, ModelOutput
@@ -21,7 +23,7 @@ class Batch:
     num_scheduled: list[int]
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
-    meta: PagedMetadata
+    metas: list[PagedMetadata | None]  # per KV cache group
     logits_rows: torch.Tensor  # [num_logits_rows] rows of the flat batch whose logits are needed
     logits_start: list[int]  # per request: its first row in the logits, or -1 when its chunk ends mid-prompt
     token_start: list[int]  # per request: its first row in the flat batch
@@ -38,8 +40,25 @@ class RunOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, cache: KVCache, block_size: int, dtype: torch.dtype, device: torch.device):
-        self.model, self.cache, self.block_size, self.dtype, self.device = model, cache, block_size, dtype, device
+    def __init__(self, model: Model, caches: list[KVCache], block_size: int, dtype: torch.dtype, device: torch.device,
+                 layer_groups: tuple[tuple[int, int], ...] = ()):
+        """caches: one pool per KV cache group, the full-attention group's first (serving.attention.kv_cache_groups);
+        layer_groups: each layer's (group, index within the group), when there are several."""
+        self.model, self.caches, self.block_size, self.dtype, self.device = model, caches, block_size, dtype, device
+        self.cache = caches[0]  # the full-attention group's pool: the one drafters size theirs by
+        self.layer_groups = layer_groups
+
+    def attention(self, metas: list[PagedMetadata]):
+        """The target's attention over its pools, given each group's metadata."""
+        if len(self.caches) == 1:
+            return PagedAttention(self.cache, metas[0])
+        return GroupedAttention([PagedAttention(c, m) if len(c.k) else None for c, m in zip(self.caches, metas)],
+                                self.layer_groups)
+
+    def move(self, request: Request, source: int, target: int) -> None:
+        """Copies the K/V of the request's position `source` into position `target`, in every group's pool."""
+        for cache, table in zip(self.caches, request.block_tables):
+            cache.move(table, source, target)
 
     def metadata(self, query_lens, context_lens, block_tables, tree_paths=None) -> PagedMetadata:
         """The attention metadata of one flat forward (serving.attention.PagedMetadata.build: what each argument
@@ -66,6 +85,15 @@ class ModelRunner:
         last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
         return model(ids, positions, PagedAttention(cache, meta), last_rows, num_layers=num_layers).logits
 
+    def forward_target_chunks(self, chunks, num_layers=None) -> torch.Tensor:
+        """forward_chunks of the target over its own pools: chunks (token ids, position of the first, request)."""
+        ids, positions, meta, query_lens = self.flatten([(tokens, start, r.block_ids) for tokens, start, r in chunks])
+        context_lens = [start + len(tokens) for tokens, start, _ in chunks]
+        metas = [meta] + [self.metadata(query_lens, context_lens, [r.block_tables[g] for _, _, r in chunks])
+                          for g in range(1, len(self.caches))]
+        last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+        return self.model(ids, positions, self.attention(metas), last_rows, num_layers=num_layers).logits
+
     def build_batch(self, scheduled: list[tuple[Request, int]]) -> Batch:
         """A request whose chunk reaches the end of its tokens needs logits for its last 1 + drafts rows (the
         target's next token after its last real token, and one per node of its draft tree). Node i of the tree
@@ -74,7 +102,9 @@ class ModelRunner:
         slot at its offset, seeing the real tokens and the lookahead rows it names; the logits of the last
         `num_outputs` of them follow the request's verify rows."""
         ids, positions, logits_rows, logits_start, token_start = [], [], [], [], []
-        query_lens, context_lens, tables, tree_paths, num_tree_rows, trees = [], [], [], [], [], []
+        num_groups = len(self.caches)
+        query_lens, context_lens, num_tree_rows, trees = [], [], [], []
+        tables, tree_paths = [[] for _ in range(num_groups)], [[] for _ in range(num_groups)]  # per group
         row = 0
         for request, num in scheduled:
             start = request.num_computed_tokens
@@ -86,14 +116,16 @@ class ModelRunner:
             assert not tree or start + num_real == request.num_tokens, "a step schedules all of a request's drafts or none"
             context = start + num_real
             positions.extend(range(start, context))
-            paths = []
+            rows_seen = []  # per tree row, the rows after the context it sees, its own last
             if tree:
                 positions.extend(context - 1 + d for d in tree.depths)
-                row_slot = lambda r: slot(request.block_ids, context + r, self.block_size)
-                paths = [[row_slot(n) for n in tree.path(i)] for i in range(len(tree))]
+                rows_seen = [tree.path(i) for i in range(len(tree))]
                 if lookahead:
                     positions.extend(context - 1 + offset for offset in lookahead.offsets)
-                    paths += [[row_slot(len(tree) + r) for r in seen] for seen in lookahead.sees]
+                    rows_seen += [[len(tree) + r for r in seen] for seen in lookahead.sees]
+            for table, group_paths, group_tables in zip(request.block_tables, tree_paths, tables):
+                group_paths.append([[slot(table, context + r, self.block_size) for r in seen] for seen in rows_seen])
+                group_tables.append(table)
             token_start.append(row)
             if context == request.num_tokens:
                 logits_start.append(len(logits_rows))
@@ -104,9 +136,7 @@ class ModelRunner:
                 logits_start.append(-1)
             query_lens.append(num_real)
             context_lens.append(context)
-            tables.append(request.block_ids)
-            tree_paths.append(paths)
-            num_tree_rows.append(len(paths))
+            num_tree_rows.append(len(rows_seen))
             trees.append(tree)
             row += num
         return Batch(
@@ -114,7 +144,8 @@ class ModelRunner:
             num_scheduled=[n for _, n in scheduled],
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            meta=self.metadata(query_lens, context_lens, tables, tree_paths),
+            metas=[self.metadata(query_lens, context_lens, t, p) if len(c.k) else None  # a group of no target layer
+                   for c, t, p in zip(self.caches, tables, tree_paths)],
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
             logits_start=logits_start,
             token_start=token_start,
@@ -125,7 +156,7 @@ class ModelRunner:
     def run(self, scheduled: list[tuple[Request, int]], return_hidden: bool, aux_layers=()) -> RunOutput:
         """One flattened forward of the target over the scheduled tokens; the argmax of every logits row in one call."""
         batch = self.build_batch(scheduled)
-        out = self.model(batch.input_ids, batch.positions, PagedAttention(self.cache, batch.meta), batch.logits_rows,
+        out = self.model(batch.input_ids, batch.positions, self.attention(batch.metas), batch.logits_rows,
                          return_hidden=return_hidden, aux_layers=aux_layers)
         tokens = out.argmax if out.argmax is not None else argmax(out.logits) if out.logits is not None else []
         return RunOutput(batch, out, tokens)

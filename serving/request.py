@@ -142,7 +142,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hits at the last admission
-        self.block_ids: list[int] = []
+        # one block table per KV cache group (serving.blocks): the full-attention group's first, then each window's
+        self.block_tables: list[list[int]] = [[]]
         self.block_hashes: list[int] = []
         self.spec = SpecState()
         # llguidance.LLMatcher of a structured-output request, in the state after every emitted token; it outlives
@@ -157,6 +158,11 @@ class Request:
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The full-attention group's block table: every position's block (drafters' own pools are indexed by it)."""
+        return self.block_tables[0]
 
     @property
     def num_tokens(self) -> int:

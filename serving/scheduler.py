@@ -98,7 +98,8 @@ class Scheduler:
         already holds, is served, each request's grant counted against the next one's. Speculation never preempts
         or delays another request."""
         num_spare_tokens = self.max_num_batched_tokens
-        num_spare_blocks = self.block_manager.num_free_blocks
+        groups = self.block_manager.groups  # each KV cache group's blocks are counted on their own
+        num_spare_blocks = [group.num_free_blocks for group in groups]
         asked = {request.request_id for request in requests}  # their trees, if any, are replaced: not counted
         cut = set()  # requests whose chunk does not reach the end: they verify nothing
         for other in self.running:
@@ -107,7 +108,8 @@ class Scheduler:
             if num_new < num_wanted:
                 cut.add(other.request_id)
             num_spare_tokens -= num_new
-            num_spare_blocks -= self.block_manager.num_new_blocks(other, num_new)
+            for g, group in enumerate(groups):
+                num_spare_blocks[g] -= group.num_new_blocks(other, num_new)
         room = {}
         for request in requests:
             assert request.status is RequestStatus.RUNNING, f"request {request.request_id} is not running"
@@ -115,15 +117,16 @@ class Scheduler:
                 room[request.request_id] = 0
                 continue
             num_base = request.num_tokens - request.num_computed_tokens
-            num_blocks = (len(request.block_ids) + self.block_manager.num_new_blocks(request, num_base)
-                          + max(0, num_spare_blocks))
-            num_spare_slots = num_blocks * self.block_manager.block_size - request.num_tokens
             most = max_drafts if isinstance(max_drafts, int) else max_drafts[request.request_id]
-            num = max(0, min(most, num_spare_tokens, num_spare_slots, self.max_model_len - request.num_tokens))
+            num = max(0, min(most, num_spare_tokens, self.max_model_len - request.num_tokens))
+            for g, group in enumerate(groups):  # a group's table counts every position's block, freed ones too
+                num_blocks = (len(request.block_tables[g]) + group.num_new_blocks(request, num_base)
+                              + max(0, num_spare_blocks[g]))
+                num = max(0, min(num, num_blocks * group.block_size - request.num_tokens))
             room[request.request_id] = num
             num_spare_tokens -= num
-            num_spare_blocks -= (self.block_manager.num_new_blocks(request, num_base + num)
-                                 - self.block_manager.num_new_blocks(request, num_base))
+            for g, group in enumerate(groups):
+                num_spare_blocks[g] -= group.num_new_blocks(request, num_base + num) - group.num_new_blocks(request, num_base)
         return room
 
     def finish(self, request: Request, reason: str) -> None:

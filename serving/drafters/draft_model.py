@@ -37,8 +37,10 @@ class DraftModelDrafter(Drafter):
                                  f"{target_fp['vocab_size']}, {target_fp['vocab_hash']}): it must share the target's tokenizer")
             self.model = Model.from_folder(folder, runner.dtype, runner.device)
         c = self.model.config
+        # indexed by the target's full-attention tables, which keep every position: its windowed layers only mask
         self.cache = KVCache(c.num_layers, runner.cache.num_blocks, runner.block_size, c.layer.num_kv_heads,
-                             c.layer.head_dim, runner.dtype, runner.device)
+                             c.layer.head_dim, runner.dtype, runner.device, c.windows, c.layer.attention_scale,
+                             self.model.attention_sinks())
         self.temperature = config.draft_temperature
 
     def propose(self, ctx, requests, budgets):

@@ -25,14 +25,14 @@ class EarlyExitDrafter(Drafter):
         budgets = {rid: budget.chain_length for rid, budget in budgets.items()}  # a chain
         runner = ctx.runner
         drafts = {r.request_id: [] for r in requests}
-        chunks = [([r.token_ids[-1]], r.num_tokens - 1, r.block_ids) for r in requests]
+        chunks = [([r.token_ids[-1]], r.num_tokens - 1, r) for r in requests]
         active = list(requests)
         for i in range(max(budgets.values())):
-            logits = runner.forward_chunks(runner.model, runner.cache, chunks, num_layers=self.num_layers)
+            logits = runner.forward_target_chunks(chunks, num_layers=self.num_layers)
             for r, token in zip(active, logits.argmax(-1).tolist()):
                 drafts[r.request_id].append(token)
             active = [r for r in active if budgets[r.request_id] > i + 1]
-            chunks = [([drafts[r.request_id][-1]], r.num_tokens + i, r.block_ids) for r in active]
+            chunks = [([drafts[r.request_id][-1]], r.num_tokens + i, r) for r in active]
             if not active:
                 break
         return {rid: DraftTree.chain(chain) for rid, chain in drafts.items()}

@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 from serving import kernels
-from serving.attention import PagedAttention
 from serving.cache_dir import cache_dir
 from serving.spec_decode.tree import path_to
 
@@ -148,17 +147,18 @@ def measure(engine, repeats: int = 5) -> StepCost:
     interleaved so that drift hits every size alike."""
     assert not engine.has_unfinished(), "the step cost is measured while the engine is idle"
     size = engine.block_size
-    pool = engine.cache.num_blocks * size
+    pool = min(cache.num_blocks for cache in engine.runner.caches) * size  # one table addresses every group's pool
     most = min(engine.scheduler.max_num_batched_tokens, pool // 2, engine.max_model_len // 2)
     rows = [n for n in ROWS if n <= max(2, most)]  # two at least, to draw a line
     context = max(1, min(256, engine.max_model_len - max(rows) - 1, pool - max(rows) - 1))
     table = list(range(-(-(context + max(rows)) // size)))
     seqs = [s for s in SEQS if s <= engine.scheduler.max_num_seqs]
     runner = engine.runner
-    device, model, cache = runner.device, runner.model, runner.cache
+    device, model = runner.device, runner.model
+    attention = lambda meta: runner.attention([meta] * len(runner.caches))  # every group's pool through one table
     ids = torch.randint(0, model.config.vocab_size, (context + max(max(rows), max(seqs, default=1)),), device=device)
     model(ids[:context], torch.arange(context, device=device),
-          PagedAttention(cache, runner.metadata([context], [context], [table])))
+          attention(runner.metadata([context], [context], [table])))
 
     def tree_step(num_rows: int) -> float:
         slot = lambda node: context + 1 + node  # the table is the identity; nodes hang off node i // 4 - 1
@@ -167,20 +167,20 @@ def measure(engine, repeats: int = 5) -> StepCost:
         meta = runner.metadata([1], [context + 1], [table], [paths])
         depths = [len(p) for p in paths]
         positions = torch.tensor([context] + [context + d for d in depths], device=device)
-        return _timed(lambda: model(ids[context:context + num_rows], positions, PagedAttention(cache, meta),
+        return _timed(lambda: model(ids[context:context + num_rows], positions, attention(meta),
                                     torch.arange(num_rows, device=device)), device)
 
     def chunk_step(num_rows: int, every_logits_row: bool = False) -> float:  # a prefill chunk: causal rows
         meta = runner.metadata([num_rows], [context + num_rows], [table])
         positions = torch.arange(context, context + num_rows, device=device)
         logits_rows = torch.arange(0 if every_logits_row else num_rows - 1, num_rows, device=device)
-        return _timed(lambda: model(ids[context:context + num_rows], positions, PagedAttention(cache, meta),
+        return _timed(lambda: model(ids[context:context + num_rows], positions, attention(meta),
                                     logits_rows), device)
 
     def seqs_step(num_seqs: int) -> float:  # every sequence reads the same context blocks: the cost is the same
         meta = runner.metadata([1] * num_seqs, [context + 1] * num_seqs, [table] * num_seqs)
         positions = torch.full((num_seqs,), context, device=device)
-        return _timed(lambda: model(ids[context:context + num_seqs], positions, PagedAttention(cache, meta),
+        return _timed(lambda: model(ids[context:context + num_seqs], positions, attention(meta),
                                     torch.arange(num_seqs, device=device)), device)
 
     tree_step(max(rows)), tree_step(1)  # warm-up

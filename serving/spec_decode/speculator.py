@@ -48,7 +48,7 @@ EMPTY = DraftTree()
 class Speculator:
     def __init__(self, engine, config: SpeculativeConfig):
         self.config = config
-        self.scheduler, self.block_manager, self.cache = engine.scheduler, engine.block_manager, engine.runner.cache
+        self.scheduler, self.block_manager, self.runner = engine.scheduler, engine.block_manager, engine.runner
         self.ctx = DraftContext(engine.runner, engine.folder, engine.fingerprint, engine.scheduler.max_num_seqs,
                                 engine.block_manager.enable_prefix_caching)
         self.drafter = make_drafter(self.ctx, config)
@@ -110,7 +110,7 @@ class Speculator:
         newest = request.num_computed_tokens - 1 - tree.num_rows
         for depth, node in enumerate(path, start=1):
             if node != depth - 1:
-                self.cache.move(request.block_ids, newest + 1 + node, newest + depth)
+                self.runner.move(request, newest + 1 + node, newest + depth)
         request.num_computed_tokens = newest + 1 + len(path)
         self.block_manager.trim(request, request.num_computed_tokens)
         return tree, path, emitted

@@ -45,7 +45,7 @@ def plain_outputs(folder, prompts, params, **engine_settings) -> list[list[int]]
 
 
 def assert_pool_idle(engine) -> None:
-    """Every request finished: no block is held, rollback and draft reservations leaked nothing."""
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+    """Every request finished: no block of any KV cache group is held, rollback and draft reservations leaked nothing."""
+    for bm in engine.block_manager.groups:
+        assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
     assert not engine.scheduler.running and not engine.scheduler.waiting

@@ -89,7 +89,7 @@ def run_arrivals(engine, arrivals):
 
 
 def assert_no_blocks_held(engine):
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert all(group.num_free_blocks == group.num_blocks for group in engine.block_manager.groups)
     assert not engine.requests and not engine.has_unfinished()
 
 
