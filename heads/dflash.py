@@ -114,7 +114,7 @@ class DFlash(DraftHead):
         attention(layer_idx, q, k, v) attends to the block's own K/V and to the context's, which the caller holds
         (the engine's pool); with `context` = (features [..., C, hidden] fused, their positions), the context's K/V
         are made here and given as attention(layer_idx, q, k, v, context_k, context_v)."""
-        hidden = self.target.embed(input_ids)
+        hidden = self.input_embedding()(input_ids)
         cos, sin = self.rope_tables(positions, hidden.dtype)
         context_kv = self.context_kv(*context) if context is not None else [None] * len(self.layers)
         for layer, kv in zip(self.layers, context_kv):

@@ -62,6 +62,11 @@ class DraftHead(nn.Module):
                                "call head.bind_target(heads.load_target_parts(folder)) first")
         return self._target
 
+    def input_embedding(self) -> nn.Embedding:
+        """The embedding the head reads its input tokens with: the target's (a kind with an embedding of its own
+        returns that one)."""
+        return self.target.embed
+
     def init_from_target(self) -> "DraftHead":
         """Copy the target tensors a new head starts from into its own; heads that start from scratch copy none."""
         return self

@@ -39,7 +39,7 @@ class Eagle(DraftHead):
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
         """input_ids: [...] x_{t+1}; hidden: [..., hidden] h_t; positions: [...] t -> features [..., hidden] ~ h_{t+1}."""
-        embeds = self.target.embed(input_ids)  # [..., hidden]
+        embeds = self.input_embedding()(input_ids)  # [..., hidden]
         x = self.fc(torch.cat([embeds, hidden], dim=-1))  # [..., hidden]
         cos, sin = self.rope_tables(positions, x.dtype)
         return self.layer(x, cos, sin, attention)

@@ -23,7 +23,10 @@ layer's residual stream: the attention and MLP outputs are added to the normed g
 The draft vocabulary is stored as EAGLE-3 and vLLM store it: `d2t[draft_id]` is the offset to the target id
 (`target_id = draft_id + d2t[draft_id]`, draft ids in ascending target-id order) and `t2d` marks the target
 ids that are in it. A new head takes its `norm` and its `lm_head` rows from the target's (the rows of the
-draft vocabulary's tokens); the fused embedding stays the target's, frozen.
+draft vocabulary's tokens). The embedding of x_{t+1} is the target's, frozen, unless `own_embedding`: then the head
+keeps an embedding of its own (`embed_tokens`, over the whole vocabulary), started from the target's and trained with
+it, as speculators trains P-EAGLE by default (embed_requires_grad) and as vLLM serves a draft whose file carries an
+embedding unlike the target's.
 """
 from __future__ import annotations
 
@@ -48,10 +51,11 @@ class Eagle3Config(HeadConfig):
     fc_norm: bool = False
     norm_output: bool = False
     norm_before_residual: bool = False  # the layer's residual stream is hidden_norm(g) (module docstring)
+    own_embedding: bool = False  # the head embeds its input tokens with embed_tokens of its own (module docstring)
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual"):
+        for name in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual", "own_embedding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if self.norm_before_fc and self.fc_norm:
@@ -84,6 +88,8 @@ class Eagle3(DraftHead):
             self.fc_input_norm = RMSNorm(num_aux * h, c.rms_norm_eps)
         if c.fc_norm:
             self.fc_norm = nn.ModuleList(RMSNorm(h, c.rms_norm_eps) for _ in range(num_aux))
+        if c.own_embedding:
+            self.embed_tokens = nn.Embedding(c.vocab_size, h)
         self.input_norm = RMSNorm(h, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, c.rms_norm_eps)
         self.layer = DecoderLayer(c.layer_config(attention_input_size=2 * h), layer_idx=0, input_norm=False)
@@ -131,8 +137,14 @@ class Eagle3(DraftHead):
         """[vocab] the draft id of each target id (meaningful where t2d holds)."""
         return self.t2d.cumsum(0) - 1
 
+    def input_embedding(self) -> nn.Embedding:
+        """Its own embedding with own_embedding, else the target's."""
+        return self.embed_tokens if self.config.own_embedding else self.target.embed
+
     def init_from_target(self) -> "Eagle3":
         with torch.no_grad():
+            if self.config.own_embedding:
+                self.embed_tokens.weight.copy_(self.target.embed.weight)
             self.norm.weight.copy_(self.target.norm.weight)
             self.lm_head.weight.copy_(self.target.lm_head.weight[self.draft_token_ids.to(self.target.lm_head.weight.device)])
         return self
@@ -152,7 +164,7 @@ class Eagle3(DraftHead):
         """input_ids: [...] x_{t+1}; g: [..., hidden] fuse(aux) at the first step, the previous output after;
         positions: [...] t -> out: [..., hidden], what the next step reads as g (before the final norm, or after it
         with norm_output)."""
-        embeds = self.input_norm(self.target.embed(input_ids))  # [..., hidden]
+        embeds = self.input_norm(self.input_embedding()(input_ids))  # [..., hidden]
         normed = self.hidden_norm(g)
         attention_input = torch.cat([embeds, normed], dim=-1)  # [..., 2 * hidden]
         cos, sin = self.rope_tables(positions, g.dtype)

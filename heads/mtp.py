@@ -67,7 +67,7 @@ class Mtp(DraftHead):
                        attention) -> torch.Tensor:
         """input_ids: [...] x_{t+j+1}; hidden: [..., hidden] h^j_t; positions: [...] t -> h^{j+1}_t [..., hidden]."""
         block = self.blocks[j]
-        embeds = block.enorm(self.target.embed(input_ids))  # [..., hidden]
+        embeds = block.enorm(self.input_embedding()(input_ids))  # [..., hidden]
         x = block.eh_proj(torch.cat([embeds, block.hnorm(hidden)], dim=-1))  # [..., hidden]
         cos, sin = self.rope_tables(positions, x.dtype)
         return block.layer(x, cos, sin, attention)

@@ -19,7 +19,7 @@ from serving.drafters.context import StepOutputs
 from serving.model import Model
 from serving.model_runner import ModelRunner, RunOutput
 from serving.request import Request, RequestOutput, SamplingParams
-from serving.sampler import make_generator, next_token, token_logprobs
+from serving.sampler import make_generator, next_token, prompt_ranks, token_logprobs
 from serving.scheduler import Scheduler
 from serving.spec_decode.config import SpeculativeConfig
 from serving.spec_decode.grammar import row_masks
@@ -221,6 +221,8 @@ class Engine:
             if self.capture_hidden:
                 rows = slice(batch.token_start[i], batch.token_start[i] + num)
                 request.captured.append((_to_host(out.hidden[rows]), {k: _to_host(v[rows]) for k, v in out.aux.items()}))
+            if i in batch.prompt_rows:
+                self._prompt_logprobs(request, out.logits, *batch.prompt_rows[i], request.num_computed_tokens + num)
             request.num_computed_tokens += num
             row = batch.logits_start[i]
             if row < 0 or request.finish_reason:
@@ -248,6 +250,19 @@ class Engine:
                 if speculating and is_decode:  # counted as a verify step
                     self.speculator.record_undrafted(request, request.num_tokens - num_before)
         return accepted_paths
+
+    @staticmethod
+    def _prompt_logprobs(request: Request, logits: torch.Tensor, first_row: int, first_token: int, end: int) -> None:
+        """The logprobs of the prompt tokens after a chunk's rows (first_token .. the token after the chunk's last,
+        `end` its end) from the logits rows before each, from first_row on (a preempted request recomputes them into
+        the same places)."""
+        positions = range(first_token, min(end + 1, request.num_prompt_tokens))
+        tokens = [request.token_ids[p] for p in positions]
+        rows = logits[first_row:first_row + len(tokens)]
+        chosen, top = token_logprobs(rows, tokens, request.params.prompt_logprobs)
+        ranks = prompt_ranks(rows, tokens)
+        for p, logprob, rank, likeliest in zip(positions, chosen, ranks, top):
+            request.prompt_logprobs[p] = (logprob, rank, likeliest)
 
     def _finish(self, request: Request) -> RequestOutput:
         self._cache_blocks(request)
@@ -322,7 +337,9 @@ class Engine:
         output = RequestOutput(request.request_id, request.token_ids[:request.num_prompt_tokens], request.output_token_ids,
                                text, request.finish_reason, request.is_finished,
                                request.logprobs if request.params.logprobs else None, metrics=metrics,
-                               top_logprobs=request.top_logprobs if request.params.top_logprobs else None)
+                               top_logprobs=request.top_logprobs if request.params.top_logprobs else None,
+                               prompt_logprobs=request.prompt_logprobs if request.params.prompt_logprobs is not None
+                               else None)
         if self.capture_hidden and request.is_finished:
             output.hidden = torch.cat([hidden for hidden, _ in request.captured])
             output.aux = {layer: torch.cat([aux[layer] for _, aux in request.captured]) for layer in self.aux_layers}

@@ -29,6 +29,10 @@ class Batch:
     token_start: list[int]  # per request: its first row in the flat batch
     num_tree_rows: list[int]  # per request: its draft tree's rows (nodes, then lookahead rows), the last of its chunk
     trees: list[DraftTree]  # per request: the tree it carried this step
+    # per request asking for its prompt's logprobs: (its first row in the logits, past every other request's rows,
+    # and the position of the first prompt token those rows predict); the rest of its chunk's rows before its last
+    # prompt token follow. Empty unless a request asks.
+    prompt_rows: dict[int, tuple[int, int]]
 
 
 @dataclass
@@ -105,8 +109,9 @@ class ModelRunner:
         num_groups = len(self.caches)
         query_lens, context_lens, num_tree_rows, trees = [], [], [], []
         tables, tree_paths = [[] for _ in range(num_groups)], [[] for _ in range(num_groups)]  # per group
+        prompt_rows, prompt_logits_rows = {}, []
         row = 0
-        for request, num in scheduled:
+        for i, (request, num) in enumerate(scheduled):
             start = request.num_computed_tokens
             tree = request.spec.tree
             lookahead = tree.lookahead
@@ -127,6 +132,11 @@ class ModelRunner:
                 group_paths.append([[slot(table, context + r, self.block_size) for r in seen] for seen in rows_seen])
                 group_tables.append(table)
             token_start.append(row)
+            # the rows before the last prompt token predict prompt tokens start + 1 .. (the last one samples)
+            predicting = range(start, min(context, request.num_prompt_tokens - 1))
+            if request.params.prompt_logprobs is not None and predicting:
+                prompt_rows[i] = (len(prompt_logits_rows), start + 1)
+                prompt_logits_rows.extend(row + p - start for p in predicting)
             if context == request.num_tokens:
                 logits_start.append(len(logits_rows))
                 logits_rows.extend(range(row + num_real - 1, row + num_real + len(tree)))
@@ -139,6 +149,8 @@ class ModelRunner:
             num_tree_rows.append(len(rows_seen))
             trees.append(tree)
             row += num
+        prompt_rows = {i: (len(logits_rows) + first, token) for i, (first, token) in prompt_rows.items()}
+        logits_rows.extend(prompt_logits_rows)
         return Batch(
             requests=[r for r, _ in scheduled],
             num_scheduled=[n for _, n in scheduled],
@@ -151,6 +163,7 @@ class ModelRunner:
             token_start=token_start,
             num_tree_rows=num_tree_rows,
             trees=trees,
+            prompt_rows=prompt_rows,
         )
 
     def run(self, scheduled: list[tuple[Request, int]], return_hidden: bool, aux_layers=()) -> RunOutput:

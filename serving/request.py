@@ -29,6 +29,10 @@ class SamplingParams:
     # penalties, biases and temperature: vLLM's raw_logprobs), and the top_logprobs most likely tokens there
     logprobs: bool = False
     top_logprobs: int = 0
+    # each prompt token's logprob under the target's distribution at the row before it (the first has none) and the
+    # prompt_logprobs most likely tokens there; None: not asked. Such a request computes its whole prompt (it takes
+    # no prefix-cache hits, whose rows are never computed).
+    prompt_logprobs: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -76,6 +80,9 @@ class SamplingParams:
             bad("top_logprobs", self.top_logprobs, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.top_logprobs and not self.logprobs:
             bad("top_logprobs", self.top_logprobs, "0 unless logprobs is true")
+        if self.prompt_logprobs is not None and (not integer(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            bad("prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "a list of integer token ids")
         if isinstance(self.structured_outputs, dict):
@@ -155,6 +162,9 @@ class Request:
         self.num_preemptions = 0
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []  # per emitted token: (token, logprob), likeliest first
+        # with params.prompt_logprobs, per prompt token: None (the first), else (its logprob, its rank in the
+        # vocabulary, the likeliest (token, logprob) there), filled as its row is computed
+        self.prompt_logprobs: list[tuple | None] = [None] * self.num_prompt_tokens
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -203,6 +213,7 @@ class RequestOutput:
     finished: bool
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # with params.top_logprobs
+    prompt_logprobs: list[tuple | None] | None = None  # with params.prompt_logprobs: Request.prompt_logprobs
     metrics: dict = field(default_factory=dict)  # timings, and acceptance counts when speculating
     hidden: object = None  # [prompt + output tokens, hidden] final hidden states (after the final norm), when captured
     aux: dict = field(default_factory=dict)  # layer id -> [prompt + output tokens, hidden], the input of that layer

@@ -83,6 +83,12 @@ def next_token(logits: torch.Tensor, request: Request, generator: torch.Generato
     return sample(target_probs(logits[None], p)[0], generator)
 
 
+def prompt_ranks(rows: torch.Tensor, tokens: list[int]) -> list[int]:
+    """Each token's rank among its row's logits, 1 for the likeliest (vLLM's Logprob.rank)."""
+    chosen = rows.float().gather(-1, torch.tensor(tokens, device=rows.device)[:, None])
+    return (1 + (rows.float() > chosen).sum(-1)).tolist()
+
+
 def token_logprobs(rows: torch.Tensor, tokens: list[int], k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
     """rows: [len(tokens), vocab] the target's logits at the rows that emitted `tokens` (before penalties, biases and
     temperature, as vLLM's default raw_logprobs). Returns each token's logprob, and the k likeliest tokens of each

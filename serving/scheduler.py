@@ -76,7 +76,9 @@ class Scheduler:
                and not output.preempted):
             request = self.waiting[0]
             assert request.num_computed_tokens == 0 and not request.spec.tree
-            request.num_computed_tokens = request.num_cached_tokens = self.block_manager.get_computed_tokens(request)
+            # a request asking for its prompt's logprobs computes every prompt row, so it takes no cached blocks
+            request.num_computed_tokens = request.num_cached_tokens = 0 if request.params.prompt_logprobs is not None \
+                else self.block_manager.get_computed_tokens(request)
             num_new = min(self._num_wanted(request), num_budget_tokens)
             if not self.block_manager.allocate_slots(request, num_new):
                 self.block_manager.free(request)

@@ -12,8 +12,11 @@ an EAGLE-3 export given as its model: `vllm serve OUT`, draft length from --num-
 an EAGLE-1 head with a bias is refused for vLLM (SGLang and speculators keep it). vLLM captures each EAGLE-3 aux
 layer once, in ascending order: the export orders fc's blocks so (adding those of a layer named twice). Every
 export records what wrote it (config.json's "draftheads": version, kind, format), so `draftheads import` reads
-it back without --from. The decoder layer's fused projections are split back into q/k/v_proj and gate/up_proj. Neither engine reads the
-embedding or (EAGLE-1) the LM head from the draft: both share the target's. EAGLE-3's aux layer ids mean the
+it back without --from. The decoder layer's fused projections are split back into q/k/v_proj and gate/up_proj. The
+engines share the target's embedding and (EAGLE-1) LM head with the draft, but vLLM embeds an EAGLE-3 or P-EAGLE
+draft's tokens with the file's embedding where it differs from the target's: a head with an embedding of its own
+(embed_requires_grad) goes out with it to vllm and speculators, and is refused for SGLang. A speculators EAGLE-3 or
+P-EAGLE export always carries embed_tokens.weight (the target's for a head without its own), as speculators writes it. EAGLE-3's aux layer ids mean the
 input of layer i in this project and in vLLM; SGLang captures the output of layer i, so its file says i - 1.
 A Medusa head sharing the target's LM head over a token map keeps it (vLLM's `token_map` tensor and
 truncated_vocab_size); one with its own LM heads over a map, which vLLM cannot load, goes out with each LM head over
@@ -84,7 +87,8 @@ def run(args) -> int:
 
 
 def export(head, engine: str, out, *, verifier=None, num_speculative_tokens: int = 4):
-    """Write `head` (its own tensors; the target's are not needed) to folder `out` for `engine`. The speculators
+    """Write `head` to folder `out` for `engine`: its own tensors, and the target's where the layout carries them
+    (the head bound to its target then). The speculators
     format names `verifier`, the target's folder (or hub id), and proposes `num_speculative_tokens` drafts."""
     kind = head.config.kind
     if engine not in FORMATS:

@@ -15,7 +15,10 @@ A captured layer's id means the input of layer i in this project, in vLLM, in sp
 repository; SGLang's EAGLE-3 files and z-lab's DFlash files name the layer before (they capture the output of the
 layer they name): their layer_offset is -1. Files may also hold tensors of the target (EAGLE's embed_tokens.weight;
 vLLM Medusa's one shared LM head; speculators DFlash's embedding and LM head): an import checks their shapes and
-leaves them out, since a head reads the target's own.
+leaves them out, since a head reads the target's own. An EAGLE-3 or P-EAGLE file's embed_tokens.weight is the
+exception where vLLM reads it (vLLM's and speculators' layouts): vLLM embeds the draft's tokens with the file's
+embedding unless it equals the target's, so one that differs (speculators trains P-EAGLE's by default,
+embed_requires_grad) is imported as the head's own embedding, and a head with its own goes out with it.
 """
 from __future__ import annotations
 
@@ -117,6 +120,10 @@ class Layout:
     def check_target(self, theirs: dict[str, torch.Tensor], head, where: str) -> None:
         """Refuse tensors of the target in the file (target_tensors) whose values the bound head would not read."""
 
+    def tensor_fields(self, theirs: dict[str, torch.Tensor], parts, where: str) -> dict:
+        """Our head config's fields that their tensors `theirs` decide, against the target's parts `parts`."""
+        return {}
+
     def exported(self, head) -> dict[str, torch.Tensor]:
         """The head's tensors to write under their names: its state_dict."""
         return head.state_dict()
@@ -212,16 +219,21 @@ EAGLE3_NORMS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residua
 class Eagle3Layout(Layout):
     """EAGLE-3 (and, subclassed, P-EAGLE). `eagle_config`: config.json repeats the aux layers in an eagle_config
     object (the Llama-architecture files); `distinct_aux`: the format sizes fc by the distinct layers it captures, so
-    a layer named twice is refused rather than merged; `own_embedding`: its files carry the embedding the head was
-    trained with (speculators': the verifier's), which vLLM reads, so it must be the target's."""
+    a layer named twice is refused rather than merged; `reads_embedding`: its engine (vLLM) embeds the draft's tokens
+    with a file's embed_tokens.weight where it differs from the target's, so such a file imports as a head with its
+    own embedding and a head with its own goes out with it (elsewhere the engine reads the target's: a file's is
+    checked for shape and left out); `carries_embedding`: its files always hold the embedding, the target's where the
+    head has none of its own (speculators: its loader does not always fill a missing one from the verifier)."""
     eagle_config: bool = True
     distinct_aux: bool = False
-    own_embedding: bool = False
+    reads_embedding: bool = False
+    carries_embedding: bool = False
 
     def notes(self):
         f = self.format
         return [*super().notes(), *([f"layer ids {f.layer_offset:+d}"] if f.layer_offset else []),
-                *(["aux layers sorted"] if f.captures_sorted else []), *([", ".join(f.eagle3_norms)] if f.eagle3_norms else [])]
+                *(["aux layers sorted"] if f.captures_sorted else []), *([", ".join(f.eagle3_norms)] if f.eagle3_norms else []),
+                "own embedding: " + ("carried" if self.carries_embedding else "read" if self.reads_embedding else "no")]
 
     def kind_fields(self, config, where):
         _num_layers(config, where)
@@ -261,6 +273,10 @@ class Eagle3Layout(Layout):
                              f"this EAGLE-3 head has norm_before_residual (its residual stream is hidden_norm(g)), which "
                              f"{self.source}'s EAGLE-3 layer does not have: export it --format vllm or --format "
                              "speculators (vLLM loads both)")
+        if c.own_embedding and not self.reads_embedding:
+            raise ValueError(f"this {self.kind} head has an embedding of its own (trained with embed_requires_grad), "
+                             f"and {self.source}'s engine embeds the draft's tokens with the target's: export it "
+                             "--format vllm or --format speculators (vLLM reads a draft's own embedding)")
         ours = head.state_dict()
         if self.format.captures_sorted:
             ours.update(sorted_aux(head)[1])
@@ -281,6 +297,8 @@ class Eagle3Layout(Layout):
         norms = {name: getattr(c, name) for name in self.format.eagle3_norms}
         config = {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size,
                   "eagle_aux_hidden_state_layer_ids": layers, **norms}
+        if self.carries_embedding:  # speculators' name for a trained embedding
+            config["embed_requires_grad"] = c.own_embedding
         if self.eagle_config:
             config["eagle_config"] = {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": layers}
         return config
@@ -288,16 +306,22 @@ class Eagle3Layout(Layout):
     def target_tensors(self, config):
         return {EMBED: (config.vocab_size, config.hidden_size)}
 
-    def check_target(self, theirs, head, where):
-        """vLLM embeds the draft's tokens with a file's own embedding when it differs from the target's; this head
-        reads the target's, so a file whose embedding is another (trained, or never loaded) would draft otherwise."""
-        if self.own_embedding and EMBED in theirs:
-            ours = head.target.embed.weight.detach().float().cpu()
-            if not torch.allclose(theirs[EMBED].float(), ours, rtol=1e-2, atol=1e-3):
-                raise ValueError(f"{where}: its embed_tokens.weight is not the target's embedding (trained with "
-                                 "embed_requires_grad, P-EAGLE's default in speculators, or made for another target), "
-                                 "and this project's EAGLE-3 and P-EAGLE heads read the target's while vLLM reads the "
-                                 "file's: only a head trained with embed_requires_grad false imports")
+    def tensor_fields(self, theirs, parts, where):
+        """own_embedding where the engine reads the file's embedding and it is not the target's (as vLLM compares
+        them: equal values, here in the file's dtype). A misshapen one is left to the shape check, which names it."""
+        embed = theirs.get(EMBED)
+        if not self.reads_embedding or embed is None or tuple(embed.shape) != tuple(parts.embed.weight.shape):
+            return {}
+        target = parts.embed.weight.detach().to("cpu", embed.dtype)
+        return {"own_embedding": not torch.equal(embed, target)}
+
+    def needs_target(self, head):
+        return self.carries_embedding and not head.config.own_embedding
+
+    def target_values(self, head):
+        if self.needs_target(head):
+            return {EMBED: head.target.embed.weight}
+        return {}
 
 
 @dataclass(frozen=True)
@@ -515,7 +539,7 @@ class DFlashLayout(Layout):
 
 VLLM = Format("vllm", captures_sorted=True, eagle3_norms=EAGLE3_NORMS, layouts={
     "eagle": EagleLayout("EagleLlamaForCausalLM", EAGLE, fc_bias=False),
-    "eagle3": Eagle3Layout("LlamaForCausalLMEagle3", EAGLE3),
+    "eagle3": Eagle3Layout("LlamaForCausalLMEagle3", EAGLE3, reads_embedding=True),
     "medusa": MedusaLayout("MedusaModel", MEDUSA_VLLM),
 })
 SGLANG = Format("sglang", layer_offset=-1, layouts={
@@ -530,9 +554,9 @@ SPECULATORS = Format("speculators", captures_sorted=True, eagle3_norms=EAGLE3_NO
     "eagle": EagleLayout("EagleSpeculator", EAGLE_SPECULATORS, fc_bias="fusion_bias", absent={
         "layernorms": "norms after the embedding, the fusion and before the LM head"}),
     "eagle3": Eagle3Layout("Eagle3Speculator", EAGLE3_SPECULATORS, eagle_config=False, distinct_aux=True,
-                           own_embedding=True),
+                           reads_embedding=True, carries_embedding=True),
     "peagle": PeagleLayout("PEagleSpeculator", PEAGLE_SPECULATORS, eagle_config=False, distinct_aux=True,
-                           own_embedding=True),
+                           reads_embedding=True, carries_embedding=True),
     "dflash": DFlashLayout("DFlashSpeculator", DFLASH, carries_target=True, keys={
         "target_layers": ("aux_hidden_state_layer_ids",), "block_size": ("block_size",),
         "mask_token_id": ("mask_token_id",)}, refused={"sample_from_anchor": "DSpark's slot 0 drafts too"},

@@ -20,7 +20,9 @@ not present here is imported for --target, whose sizes are checked against the c
 Every tensor is checked against the shape the target's sizes and the checkpoint's config.json imply, and a wrong
 one is named with both shapes. The head's attention geometry, norm epsilon and rope are the target's (config.json
 must agree on the sizes); its MLP width, and each kind's own settings, are the checkpoint's. Tensors of the target
-a file carries (EAGLE's embed_tokens, vLLM Medusa's shared LM head) are checked and left out. Calibrated confidence
+a file carries (EAGLE's embed_tokens, vLLM Medusa's shared LM head) are checked and left out; an EAGLE-3 or P-EAGLE
+embed_tokens that vLLM reads and that differs from the target's (speculators trains P-EAGLE's by default) becomes the
+head's own embedding, as vLLM serves it. Calibrated confidence
 temperatures are not part of these layouts: `draftheads fit --model.init_args.init_from OUT` recalibrates them.
 """
 from __future__ import annotations
@@ -89,13 +91,15 @@ def import_head(src, kind: str, target, source: str | None = None) -> tuple[Draf
     _check_sizes(config, parts, where)
     _check_verifier(config, parts.fingerprint, target, where)
     cls = HEADS[kind]
+    theirs = _read_tensors(src)
     try:
-        head_config = cls.config_class.from_target(parts, **layout.kind_fields(config, where))
+        head_config = cls.config_class.from_target(parts, **layout.kind_fields(config, where),
+                                                   **layout.tensor_fields(theirs, parts, where))
     except (TypeError, ValueError) as error:
         raise ValueError(f"{where}: its config.json does not make a {kind} head for this target: {error}") from None
     with torch.device("cpu"):
         head = cls(head_config)
-    theirs = layout.fill(config, head_config, _read_tensors(src), where)
+    theirs = layout.fill(config, head_config, theirs, where)
     ours, used = to_ours(layout.names, head_config, theirs, head.state_dict(), where)
     for name, shape in layout.target_tensors(head_config).items():
         if name in theirs and tuple(theirs[name].shape) != shape:

@@ -36,7 +36,8 @@ def _eagle3(layer: str) -> Names:
     """EAGLE-3's names with its decoder layer under `layer` (midlayer. or layers.0.)."""
     return {"fc.weight": "fc.weight", **EAGLE31_NORMS, "input_norm.weight": f"{layer}input_layernorm.weight",
             "hidden_norm.weight": f"{layer}hidden_norm.weight", **_under("layer.", layer, LLAMA_LAYER),
-            "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d"}
+            "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d",
+            "embed_tokens.weight": "embed_tokens.weight"}  # a head's own embedding (own_embedding)
 
 
 EAGLE3 = _eagle3("midlayer.")

@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -100,7 +101,11 @@ class OpenAIServer:
         self._check_model(body.model)
         prompt_ids = self._encode(body.prompt)
         reply = Reply(self.model_name, chat=False, with_token_ids=body.return_token_ids)
-        return await self._serve(request, body, prompt_ids, reply, body.logprobs is not None, body.logprobs or 0)
+        if body.echo:  # the prompt as given, or its token ids decoded
+            reply.echo = Echo(body.prompt if isinstance(body.prompt, str) else self._decode(prompt_ids),
+                              answer=body.max_tokens != 0)
+        return await self._serve(request, body, prompt_ids, reply, body.logprobs is not None, body.logprobs or 0,
+                                 body.prompt_logprobs_asked)
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
@@ -131,6 +136,9 @@ class OpenAIServer:
         except ValueError as error:
             raise APIError(400, str(error), "messages" if isinstance(prompt, list) and prompt else "prompt") from None
 
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
     def _max_tokens(self, body: SamplingFields, num_prompt_tokens: int) -> int:
         limit = self.engine.max_model_len
         if num_prompt_tokens >= limit:
@@ -150,8 +158,8 @@ class OpenAIServer:
         return asked
 
     async def _serve(self, request: Request, body: SamplingFields, prompt_ids: list[int], reply: "Reply",
-                     logprobs: bool, top_logprobs: int):
-        samples = body.samples(self._max_tokens(body, len(prompt_ids)), logprobs, top_logprobs)
+                     logprobs: bool, top_logprobs: int, prompt_logprobs: int | None = None):
+        samples = body.samples(self._max_tokens(body, len(prompt_ids)), logprobs, top_logprobs, prompt_logprobs)
         ids = [reply.request_id] if len(samples) == 1 else [f"{reply.request_id}-{i}" for i in range(len(samples))]
         streams = self.loop.submit(prompt_ids, list(zip(ids, samples)))
         try:
@@ -191,8 +199,10 @@ class OpenAIServer:
                 if isinstance(event, Finished):
                     outputs[index] = event.output
             outputs = [outputs[i] for i in range(len(ids))]
-            logprobs = [reply.logprobs(self.tokenizer, o.token_ids, o.logprobs, o.top_logprobs) for o in outputs]
-            return reply.whole(outputs, logprobs, usage.of(outputs))
+            logprobs = [reply.logprobs(self.tokenizer, *reply.scored(o)) for o in outputs]
+            prompt_logprobs = None if outputs[0].prompt_logprobs is None else \
+                reply.prompt_logprobs(self.tokenizer, outputs[0].prompt_token_ids, outputs[0].prompt_logprobs)
+            return reply.whole(outputs, logprobs, usage.of(outputs), prompt_logprobs)
         finally:
             events.close()
             if len(outputs) < len(ids):
@@ -283,11 +293,19 @@ class Usage:
         return usage
 
 
+@dataclass
+class Echo:
+    """A text completion's echoed prompt: its text, and whether the answer follows (max_tokens 0: the prompt only)."""
+    text: str
+    answer: bool
+
+
 class Reply:
     """The shape of one answer: a chat completion or a text completion, whole or as chunks."""
 
     def __init__(self, model: str, chat: bool, with_token_ids: bool = False):
         self.model, self.chat, self.with_token_ids = model, chat, with_token_ids
+        self.echo: Echo | None = None  # a text completion that echoes its prompt
         self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.tool_calls: list[ToolCalls] | None = None  # per choice, when the request reads tool calls
         self.created = int(time.time())
@@ -297,11 +315,15 @@ class Reply:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def whole(self, outputs: list, logprobs: list, usage: dict) -> dict:
+    def whole(self, outputs: list, logprobs: list, usage: dict, prompt_logprobs: list | None = None) -> dict:
         choices = []
         for index, (output, output_logprobs) in enumerate(zip(outputs, logprobs)):
             choice = {"index": index, "logprobs": output_logprobs, "finish_reason": output.finish_reason}
             text = output.text
+            if self.echo:
+                text = self.echo.text + (text if self.echo.answer else "")
+            if prompt_logprobs is not None:  # vLLM's extra field, in every choice
+                choice["prompt_logprobs"] = prompt_logprobs
             if self.tool_calls:
                 content, calls, choice["finish_reason"] = self.tool_calls[index].whole(text, output.finish_reason)
                 choice["message"] = {"role": "assistant", "content": content,
@@ -331,10 +353,36 @@ class Reply:
     def usage_chunk(self, usage: dict) -> dict:
         return {**self._envelope("chat.completion.chunk" if self.chat else "text_completion", []), "usage": usage}
 
-    def logprobs(self, tokenizer, token_ids: list[int], logprobs: list[float] | None,
-                 top: list[list[tuple[int, float]]] | None):
+    def scored(self, output) -> tuple[list[int], list | None, list | None]:
+        """(token ids, their logprobs, their alternatives) that a whole answer's logprobs object covers: the answer's,
+        after the prompt's when echoing (the first prompt token's logprob is None: nothing comes before it)."""
+        if not self.echo or output.logprobs is None:
+            return output.token_ids, output.logprobs, output.top_logprobs
+        prompt = output.prompt_logprobs
+        answer = self.echo.answer
+        token_ids = list(output.prompt_token_ids) + (list(output.token_ids) if answer else [])
+        logprobs = [None if p is None else p[0] for p in prompt] + (list(output.logprobs) if answer else [])
+        top = [None if p is None else p[2] for p in prompt] + (list(output.top_logprobs or [[]] * len(
+            output.token_ids)) if answer else [])
+        return token_ids, logprobs, top
+
+    def prompt_logprobs(self, tokenizer, token_ids: list[int], logprobs: list) -> list:
+        """vLLM's prompt_logprobs: per prompt token None (the first), else {token id: {logprob, rank, decoded_token}}
+        for the prompt token, then its row's likeliest."""
+        decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
+        entries = [None]
+        for token, scored in zip(token_ids[1:], logprobs[1:]):
+            logprob, rank, likeliest = scored
+            entry = {str(token): {"logprob": logprob, "rank": rank, "decoded_token": decode(token)}}
+            for r, (t, lp) in enumerate(likeliest, start=1):
+                entry.setdefault(str(t), {"logprob": lp, "rank": r, "decoded_token": decode(t)})
+            entries.append(entry)
+        return entries
+
+    def logprobs(self, tokenizer, token_ids: list[int], logprobs: list[float | None] | None,
+                 top: list[list[tuple[int, float]] | None] | None):
         """OpenAI's logprobs object for these tokens, with each one's most likely alternatives where asked (`top`);
-        None when no logprobs were asked."""
+        None when no logprobs were asked. An echoed prompt's first token has neither (None)."""
         if logprobs is None:
             return None
         decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
@@ -348,7 +396,7 @@ class Reply:
                 for token, logprob, alternatives in zip(tokens, logprobs, top)]}
         offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
         # the completions API's alternatives: the sampled token's and the most likely ones' logprobs by text, as vLLM's
-        tops = [{**{decode(t): lp for t, lp in alternatives}, token: logprob}
+        tops = [None if logprob is None else {**{decode(t): lp for t, lp in alternatives}, token: logprob}
                 for token, logprob, alternatives in zip(tokens, logprobs, top)] if any(top) else None
         return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": tops, "text_offset": offsets}
 

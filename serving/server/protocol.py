@@ -199,14 +199,16 @@ class SamplingFields(StrictModel):
             return self.response_format.structured_outputs(), "response_format"
         return None, None
 
-    def samples(self, max_tokens: int, logprobs: bool, top_logprobs: int) -> list[SamplingParams]:
+    def samples(self, max_tokens: int, logprobs: bool, top_logprobs: int,
+                prompt_logprobs: int | None = None) -> list[SamplingParams]:
         """The n samples' params: the same but for the seed, seed + i for sample i where a seed is given."""
-        params = self.sampling_params(max_tokens, logprobs, top_logprobs)
+        params = self.sampling_params(max_tokens, logprobs, top_logprobs, prompt_logprobs)
         if params.seed is None:
             return [params] * self.n
         return [dataclasses.replace(params, seed=(params.seed + i) % 2**64) for i in range(self.n)]
 
-    def sampling_params(self, max_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: bool, top_logprobs: int,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         structured, structured_field = self.structured()
         try:
             structured = None if structured is None else StructuredOutputs.from_dict(structured)
@@ -218,7 +220,7 @@ class SamplingFields(StrictModel):
                 top_k=0 if self.top_k == -1 else self.top_k, min_p=self.min_p, seed=self.seed,
                 repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias, logprobs=logprobs,
-                top_logprobs=top_logprobs,
+                top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                 stop=self.stop or None, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 structured_outputs=structured, grammar_drafts=self.grammar_drafts)
         except ValueError as error:
@@ -281,23 +283,41 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    """OpenAI's text completions. With echo, the prompt's logprobs are the target's at the rows before each prompt
+    token (vLLM's prompt_logprobs, taken from `logprobs` unless given); max_tokens 0 with echo scores the prompt only
+    (as vLLM, one token is computed and left out of the text)."""
     prompt: str | list[int]
     logprobs: int | None = None  # OpenAI's completions: how many top alternatives; 0 is the sampled token only
-    echo: bool = False
+    echo: bool = False  # the prompt before the answer, in the text and (with logprobs) the logprobs
+    prompt_logprobs: int | None = None  # vLLM's extra field: each prompt token's logprob and this many alternatives
 
     def check(self) -> None:
         super().check()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise APIError(400, f"logprobs={self.logprobs} is invalid: ask for 0 to {MAX_TOP_LOGPROBS} alternatives",
                            "logprobs")
-        if self.echo:
-            raise APIError(400, "echo is not supported", "echo")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"prompt_logprobs={self.prompt_logprobs} is invalid: ask for 0 to {MAX_TOP_LOGPROBS} "
+                                "alternatives", "prompt_logprobs")
+        for name in ("echo", "prompt_logprobs"):
+            if self.stream and getattr(self, name) not in (False, None):
+                raise APIError(400, f"{name} is only supported for whole answers (stream: false)", name)
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens=0 generates nothing: ask for at least one token, or echo the prompt "
+                                "(echo: true) to score it", "max_tokens")
         if not self.prompt:
             raise APIError(400, "prompt is empty: give a string or at least one token id", "prompt")
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
-        return self.max_tokens, "max_tokens"
+        return (1 if self.max_tokens == 0 else self.max_tokens), "max_tokens"
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        """The alternatives per prompt token to compute: prompt_logprobs, else logprobs when echoing, else None."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
 
 def parse(model: type[SamplingFields], data) -> SamplingFields:

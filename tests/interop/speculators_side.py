@@ -3,7 +3,8 @@ tiny draft model of speculators' own classes for a target folder, as its trainer
 target's sizes in a one-layer transformer_layer_config, its defaults otherwise, the verifier's embedding and LM head
 loaded), saves it with save_pretrained, and runs its forward on given inputs.
 
-    python speculators_side.py build KIND TARGET OUT [--draft-ids IDS.pt] [--block-size B]
+    python speculators_side.py build KIND TARGET OUT [--draft-ids IDS.pt] [--block-size B] [--embed-requires-grad]
+                                 [--perturb-embedding]
     python speculators_side.py drafts KIND FOLDER INPUTS.pt OUTPUT.pt
     python speculators_side.py resave KIND FOLDER OUT
 """
@@ -52,13 +53,17 @@ def build(args) -> None:
     num_layers = 2 if args.kind == "dflash" else 1
     kwargs = dict(verifier_name_or_path=str(target), draft_vocab_size=draft_vocab_size, norm_before_residual=True,
                   ttt_steps=3, draft_attn_impl=ATTENTION, num_depths=4, block_size=args.block_size,
-                  mask_token_id=MASK_TOKEN)
+                  mask_token_id=MASK_TOKEN, **({"embed_requires_grad": True} if args.embed_requires_grad else {}))
     model = MODELS[args.kind].from_training_args(layer_config(args.kind, target, num_layers), t2d=t2d, d2t=d2t,
                                                  **kwargs)
     with torch.no_grad():  # its fresh norms are ones: make them matter in the comparison
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") and "verifier" not in name:
                 param.add_(0.1 * torch.randn(param.shape))
+        if args.perturb_embedding:  # as its training moves a trainable embedding (embed_requires_grad) ...
+            model.embed_tokens.weight.add_(0.05 * torch.randn(model.embed_tokens.weight.shape))
+            # ... and weighs it: at its random init the attention over the embedding barely moves the drafts
+            model.layers[0].input_layernorm.weight.mul_(30)
     model.save_pretrained(args.out)
 
 
@@ -93,6 +98,8 @@ def main() -> None:
     b.add_argument("--draft-ids")
     b.add_argument("--block-size", type=int, default=4)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--embed-requires-grad", action="store_true", help="its EAGLE-3 option (P-EAGLE's default: on)")
+    b.add_argument("--perturb-embedding", action="store_true")
     d = commands.add_parser("drafts")
     d.add_argument("kind", choices=MODELS)
     d.add_argument("folder")

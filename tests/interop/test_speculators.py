@@ -25,8 +25,8 @@ def target(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("target8"), "llama", num_hidden_layers=8)
 
 
-def built(kind, target, folder, reduced: bool, **options):
-    args = ["build", kind, target, folder]
+def built(kind, target, folder, reduced: bool, *flags, **options):
+    args = ["build", kind, target, folder, *(f"--{flag.replace('_', '-')}" for flag in flags)]
     if reduced:
         torch.save(torch.arange(3, 256, 3), folder.parent / f"{folder.name}-ids.pt")
         args += ["--draft-ids", folder.parent / f"{folder.name}-ids.pt"]
@@ -70,8 +70,10 @@ def test_speculators_checkpoints_import_and_draft_as_its_forward(kind, reduced, 
     config = json.loads((folder / "config.json").read_text())
     assert config["norm_before_residual"] is True and config["target_hidden_size"] is None
     assert ("d2t" in load_file(str(folder / "model.safetensors"))) == reduced
+    assert config["embed_requires_grad"] is (kind == "peagle")  # its defaults
     head, layout = import_head(folder, kind, target)
     assert layout.source == "speculators" and head.config.norm_before_residual
+    assert not head.config.own_embedding  # trainable, but untrained: still the verifier's
     assert head.config.draft_vocab_size == (85 if reduced else 256)
     assert head.config.aux_layers == (2, 4, 5)
     steps = STEPS if kind == "eagle3" else 1  # P-EAGLE's depth 0 is EAGLE-3's first step
@@ -104,3 +106,26 @@ def test_speculators_dflash_checkpoints_import_with_each_tensor_where_it_belongs
         torch.testing.assert_close(head.target.lm_head.weight, theirs["lm_head.weight"])
     else:
         assert head.token_map is None
+
+
+@pytest.mark.parametrize("kind, flags", [("peagle", ()), ("eagle3", ("embed_requires_grad",))],
+                         ids=["peagle-defaults", "eagle3-embed-requires-grad"])
+def test_a_trained_embedding_imports_as_the_heads_own_and_drafts_as_its_forward(kind, flags, target,
+                                                                               speculators_python, tmp_path):
+    """speculators' P-EAGLE trains its embedding by default (embed_requires_grad), its EAGLE-3 when asked: the
+    file's embedding, moved away from the verifier's as training moves it, is the imported head's own, and the head
+    drafts what speculators' forward drafts with it."""
+    folder = built(kind, target, tmp_path / kind, False, *flags, "perturb_embedding")
+    assert json.loads((folder / "config.json").read_text())["embed_requires_grad"] is True
+    theirs = load_file(str(folder / "model.safetensors"))
+    head, _ = import_head(folder, kind, target)
+    assert head.config.own_embedding
+    assert torch.equal(head.embed_tokens.weight, theirs["embed_tokens.weight"])
+    assert not torch.equal(head.embed_tokens.weight, head.target.embed.weight)
+    steps = STEPS if kind == "eagle3" else 1
+    hidden_states, input_ids = inputs(head, seed=2)
+    ours = our_drafts(head, hidden_states, input_ids, steps)
+    assert torch.equal(ours, their_drafts(kind, folder, hidden_states, input_ids, steps, tmp_path))
+    with torch.no_grad():  # the embedding decides drafts here: the target's would draft otherwise
+        head.embed_tokens.weight.copy_(head.target.embed.weight)
+    assert not torch.equal(our_drafts(head, hidden_states, input_ids, steps), ours)

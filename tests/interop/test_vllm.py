@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import heads
 import speculators_process
@@ -128,10 +128,13 @@ def plain(workspace, prompt_ids):
     return ours(target, None, prompt_ids)[0]
 
 
+def bound(folder, target):
+    """The head in `folder` bound to the target (the speculators format carries the target's embedding)."""
+    return heads.load(folder).bind_target(heads.load_target_parts(target))
+
+
 def export_for_vllm(kind, folder, target, out):
-    head = heads.load(folder)
-    head.bind_target(heads.load_target_parts(target))
-    return exporting.export(head, "vllm", out)
+    return exporting.export(bound(folder, target), "vllm", out)
 
 
 def compare(target, trained, spec, server, prompt_ids, plain) -> None:
@@ -148,8 +151,7 @@ def speculators_server(workspace):
     """vLLM serving the EAGLE-3 head's speculators export as its model, as vLLM's docs serve speculators: the
     target is the verifier its config.json names, the draft length the one it proposes."""
     root, target, trained = workspace
-    head = heads.load(trained["eagle3"])
-    exported = exporting.export(head, "speculators", root / "speculators-eagle3", verifier=target,
+    exported = exporting.export(bound(trained["eagle3"], target), "speculators", root / "speculators-eagle3", verifier=target,
                                 num_speculative_tokens=K)
     with VllmServer(exported, None) as server:
         yield server
@@ -165,7 +167,7 @@ def test_vllm_serves_our_speculators_peagle_export_with_parallel_drafting(worksp
     """vLLM reads a speculators P-EAGLE export as EAGLE-3 with parallel drafting (all drafts from one forward, the
     mask token and mask_hidden in the placeholder rows): the same outputs and accepted drafts per position as ours."""
     root, target, trained = workspace
-    exported = exporting.export(heads.load(trained["peagle"]), "speculators", root / "speculators-peagle",
+    exported = exporting.export(bound(trained["peagle"], target), "speculators", root / "speculators-peagle",
                                 verifier=target, num_speculative_tokens=K)
     with VllmServer(exported, None) as server:
         compare(target, trained["peagle"], {"method": "peagle", "num_speculative_tokens": K}, server, prompt_ids,
@@ -202,7 +204,7 @@ def test_vllm_serves_eagle31_norms_with_our_outputs_and_acceptance(norms, layout
     with torch.random.fork_rng():
         trained = tiny_heads.train("eagle3", target, tiny_heads.store(target, root / "data"), root / f"eagle31-{norms}",
                                    tuple(tiny_heads.EAGLE31[norms]))
-    head = heads.load(trained)
+    head = bound(trained, target)
     assert head.config.norm_output and getattr(head.config, norms)
     spec = {"method": "eagle3", "num_speculative_tokens": K}
     if layout == "vllm":
@@ -305,14 +307,34 @@ def test_vllm_serves_what_speculators_writes_of_a_head_trained_with_norm_before_
         trained = tiny_heads.train("eagle3", target, root / "data" / "store", root / "eagle3-normed-residual",
                                    ("--model.init_args.norm_before_residual=true",))
     assert heads.load(trained).config.norm_before_residual
-    exported = exporting.export(heads.load(trained), "speculators", root / "normed-residual-export", verifier=target,
+    exported = exporting.export(bound(trained, target), "speculators", root / "normed-residual-export", verifier=target,
                                 num_speculative_tokens=K)
-    # speculators' files carry the verifier's embedding, and its from_pretrained leaves a missing one uninitialised
-    tensors = load_file(str(exported / "model.safetensors"))
-    tensors["embed_tokens.weight"] = heads.load_target_parts(target).embed.weight.detach().contiguous()
-    save_file(tensors, str(exported / "model.safetensors"))
     written = root / "normed-residual-speculators"
     speculators_process.run("resave", "eagle3", exported, written)
     imported = heads.save(import_head(written, "eagle3", target)[0], root / "normed-residual-imported")
     with VllmServer(written, None) as server:
         compare(target, imported, {"method": "eagle3", "num_speculative_tokens": K}, server, prompt_ids, plain)
+
+
+def test_vllm_serves_a_peagle_with_its_own_embedding_as_speculators_writes_it_as_we_do(workspace, prompt_ids, plain,
+                                                                                    speculators_python):
+    """A P-EAGLE head trained here with an embedding of its own (embed_requires_grad, speculators' P-EAGLE default),
+    exported, read and written again by speculators' own from_pretrained / save_pretrained: the file keeps the head's
+    embedding, vLLM drafts with it (it differs from the target's), and this engine serving its import drafts the
+    same."""
+    root, target, _ = workspace
+    with torch.random.fork_rng():
+        trained = tiny_heads.train("peagle", target, root / "data" / "store", root / "peagle-own-embedding",
+                                   ("--model.init_args.embed_requires_grad=true",))
+    head = bound(trained, target)
+    assert head.config.own_embedding and not torch.equal(head.embed_tokens.weight, head.target.embed.weight)
+    exported = exporting.export(head, "speculators", root / "own-embedding-export", verifier=target,
+                                num_speculative_tokens=K)
+    written = root / "own-embedding-speculators"
+    speculators_process.run("resave", "peagle", exported, written)
+    assert torch.equal(load_file(str(written / "model.safetensors"))["embed_tokens.weight"], head.embed_tokens.weight)
+    imported = import_head(written, "peagle", target)[0]
+    assert imported.config.own_embedding
+    with VllmServer(written, None) as server:
+        compare(target, heads.save(imported, root / "own-embedding-imported"),
+                {"method": "peagle", "num_speculative_tokens": K}, server, prompt_ids, plain)

@@ -654,3 +654,92 @@ def test_sigterm_mid_run_exits_zero_without_traceback(target):
     assert "Traceback" not in log and "Exception in ASGI" not in log, log
     for stream in received:  # each response ended properly: the shutdown error event, then [DONE]
         assert stream[-1] == "data: [DONE]" and "shut down" in stream[-2], stream[-2:]
+
+
+# ---- scoring a prompt: echo and prompt_logprobs ------------------------------------------------------------------
+
+
+def reference_logprobs(target, ids: list[int]) -> torch.Tensor:
+    """transformers' forward over `ids`: [len(ids), vocab] the log-softmax at each position."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def scored_prompt(target) -> list[int]:
+    return torch.randint(3, 4000, (41,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def test_the_engine_scores_a_prompt_over_chunks_and_takes_no_cached_blocks_for_it(target):
+    """Prompt logprobs are computed in prefill, chunk by chunk (16 tokens a step here), equal to transformers' log
+    softmax at the row before each token; a request asking for them computes its whole prompt even where the prefix
+    cache holds it, and a preempted request's recomputation writes the same values."""
+    ids = scored_prompt(target)
+    reference = reference_logprobs(target, ids)
+    engine = Engine(EngineConfig(str(target), max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS, block_size=8,
+                                 max_num_batched_tokens=16))
+    [plain] = engine.generate([ids], SamplingParams(max_tokens=2))
+    [scored] = engine.generate([ids], SamplingParams(max_tokens=2, prompt_logprobs=3))
+    [cached] = engine.generate([ids], SamplingParams(max_tokens=2))
+    assert cached.metrics["num_cached_tokens"] > 0 and scored.metrics["num_cached_tokens"] == 0
+    assert plain.prompt_logprobs is None and scored.token_ids == plain.token_ids
+    prompt = scored.prompt_logprobs
+    assert len(prompt) == len(ids) and prompt[0] is None
+    expected = reference[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    torch.testing.assert_close(torch.tensor([p[0] for p in prompt[1:]]), expected, rtol=0, atol=1e-4)
+    ranks = (reference[:-1] > expected[:, None]).sum(-1) + 1
+    assert [p[1] for p in prompt[1:]] == ranks.tolist()
+    top = reference[:-1].topk(3, -1)
+    assert [[t for t, _ in p[2]] for p in prompt[1:]] == top.indices.tolist()
+    torch.testing.assert_close(torch.tensor([[v for _, v in p[2]] for p in prompt[1:]]), top.values, rtol=0, atol=1e-4)
+
+
+def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt_as_lm_eval_asks(server, target):
+    """lm-eval-harness's loglikelihood request (echo, logprobs, max_tokens 0) with the openai client, against a
+    prompt the prefix cache already holds: the text is the prompt, the logprobs the target's (transformers' log
+    softmax), the first token's None; vLLM's prompt_logprobs beside them; with max_tokens > 0 the answer follows."""
+    url, _ = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    tokenizer = client_tokenizer(server)
+    ids = scored_prompt(target)
+    reference = reference_logprobs(target, ids)
+    client.completions.create(model=MODEL, prompt=ids, max_tokens=1)  # its blocks are cached now
+    scored = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    choice = scored.choices[0]
+    assert choice.text == tokenizer.decode(ids)
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in ids]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected = reference[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    torch.testing.assert_close(torch.tensor(logprobs.token_logprobs[1:]), expected, rtol=0, atol=1e-4)
+    for row, alternatives, token in zip(reference[:-1], logprobs.top_logprobs[1:], logprobs.tokens[1:]):
+        best = row.topk(2)
+        assert {tokenizer.decode([t]) for t in best.indices.tolist()} | {token} == alternatives.keys()
+    prompt_logprobs = choice.model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(ids) and prompt_logprobs[0] is None
+    first = prompt_logprobs[1][str(ids[1])]
+    assert first["decoded_token"] == tokenizer.decode([ids[1]])
+    assert abs(first["logprob"] - expected[0].item()) < 1e-4 and first["rank"] == int((reference[0] > expected[0]).sum()) + 1
+
+    text = "Score this sentence, then carry on:"
+    plain = client.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0, logprobs=0)
+    echoed = client.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0, logprobs=0, echo=True)
+    assert echoed.choices[0].text == text + plain.choices[0].text
+    num_prompt = echoed.usage.prompt_tokens
+    assert echoed.choices[0].logprobs.token_logprobs[num_prompt:] == plain.choices[0].logprobs.token_logprobs
+    assert len(echoed.choices[0].logprobs.tokens) == num_prompt + 6 and "prompt_logprobs" not in plain.choices[0].model_extra
+
+
+@pytest.mark.parametrize("body, message, param", [
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens=0 generates nothing", "max_tokens"),
+    ({"prompt": "hi", "echo": True, "stream": True}, "echo is only supported for whole answers", "echo"),
+    ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs=21 is invalid", "prompt_logprobs"),
+])
+def test_scoring_requests_it_cannot_serve_are_refused_by_name(server, body, message, param):
+    url, _ = server
+    response = httpx.post(url + "/v1/completions", json={"model": MODEL, **body})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert message in error["message"] and error["param"] == param

@@ -31,10 +31,14 @@ CASES = {  # case: (kind, layout)
     "eagle-speculators": ("eagle", "speculators"), "eagle3-speculators": ("eagle3", "speculators"),
     "eagle31-vllm": ("eagle3", "vllm"), "eagle31-speculators": ("eagle3", "speculators"),
     "peagle-speculators": ("peagle", "speculators"), "eagle3-residual-vllm": ("eagle3", "vllm"),
+    "eagle3-own-embedding-vllm": ("eagle3", "vllm"), "peagle-own-embedding-speculators": ("peagle", "speculators"),
 }
 EAGLE3_OPTIONS = {"eagle31-vllm": {"norm_before_fc": True, "norm_output": True},  # EAGLE 3.1's norms
                   "eagle31-speculators": {"fc_norm": True, "norm_output": True},
-                  "eagle3-residual-vllm": {"norm_before_residual": True}}  # speculators' default
+                  "eagle3-residual-vllm": {"norm_before_residual": True},  # speculators' default
+                  # an embedding of the head's own (speculators' embed_requires_grad, P-EAGLE's default there)
+                  "eagle3-own-embedding-vllm": {"own_embedding": True},
+                  "peagle-own-embedding-speculators": {"own_embedding": True, "norm_before_residual": True}}
 
 
 def target_parts(folder):
@@ -61,7 +65,7 @@ def new_head(case: str, folder):
     if case.startswith("peagle"):
         ids = torch.arange(1, VOCAB, 3)
         return perturbed(heads.Peagle.from_target(parts, draft_token_ids=ids, aux_layers=(1, 2, 3), mask_token_id=7,
-                                                  num_depths=5), 7)
+                                                  num_depths=5, **EAGLE3_OPTIONS.get(case, {})), 7)
     if case.startswith("eagle3"):
         ids = torch.arange(1, VOCAB, 3)
         return perturbed(heads.Eagle3.from_target(parts, draft_token_ids=ids, aux_layers=(1, 2, 3),
@@ -117,25 +121,40 @@ def record_drafts(engine) -> list:
     return records
 
 
+def without_own_embedding(head):
+    """`head` reading the target's embedding instead of its own: everything else the same."""
+    other = type(head)(type(head).config_class.from_dict({**head.config.to_dict(), "own_embedding": False}))
+    other.load_state_dict({name: t for name, t in head.state_dict().items() if name != "embed_tokens.weight"})
+    return other.bind_target(head.target)
+
+
+def served_drafts(target, kind, folder, spec) -> tuple:
+    """The engine serving head folder `folder` on two prompts: (its drafts, the outputs, tau and the counts)."""
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 13)]
+    engine = Engine(EngineConfig(str(target), block_size=4, num_blocks=64, max_model_len=64, speculative_config={
+        "method": kind, "model": str(folder), "num_speculative_tokens": 3, **spec}))
+    drafts = record_drafts(engine)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    stats = engine.speculator.stats
+    return drafts, [o.token_ids for o in outputs], (stats.tau, stats.proposed, stats.accepted)
+
+
 @pytest.mark.parametrize("case, spec", [("eagle-sglang", {"topk": 2, "num_draft_tokens": 6}), ("eagle3-vllm", {}),
                                         ("medusa-token-map", {}), ("eagle31-vllm", {}),
-                                        ("eagle3-residual-vllm", {})])
+                                        ("eagle3-residual-vllm", {}), ("eagle3-own-embedding-vllm", {}),
+                                        ("peagle-own-embedding-speculators", {})])
 def test_a_reimported_head_drafts_as_the_original_in_the_engine(case, spec, tiny_llama, tmp_path):
     kind, layout = CASES[case]
     head = new_head(case, tiny_llama)
-    original, exported = heads.save(head, tmp_path / "original"), export(head, layout, tmp_path / "exported")
+    original = heads.save(head, tmp_path / "original")
+    exported = export(head, layout, tmp_path / "exported", verifier=tiny_llama)
     assert cli_main(import_args(exported, kind, tiny_llama, tmp_path / "back", "--from", layout)) == 0
-    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 13)]
-    runs = []
-    for folder in (original, tmp_path / "back"):
-        engine = Engine(EngineConfig(str(tiny_llama), block_size=4, num_blocks=64, max_model_len=64, speculative_config={
-            "method": kind, "model": str(folder), "num_speculative_tokens": 3, **spec}))
-        drafts = record_drafts(engine)
-        outputs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
-        stats = engine.speculator.stats
-        runs.append((drafts, [o.token_ids for o in outputs], (stats.tau, stats.proposed, stats.accepted)))
+    runs = [served_drafts(tiny_llama, kind, folder, spec) for folder in (original, tmp_path / "back")]
     assert len(runs[0][0]) >= 8 and any(len(set(parents)) < len(parents) for _, _, parents in runs[0][0]) == bool(spec)
     assert runs[1] == runs[0]
+    if "own-embedding" in case:  # the engine drafts with the head's own embedding, not the target's
+        target_embedding = heads.save(without_own_embedding(head), tmp_path / "target-embedding")
+        assert served_drafts(tiny_llama, kind, target_embedding, spec)[0] != runs[0][0]
 
 
 # ---- published layouts ----------------------------------------------------------------------------------------
@@ -308,6 +327,20 @@ def test_a_fit_starts_from_an_imported_head(debug_store, tmp_path, in_tmp_path):
     assert 0 < float(moved.detach().abs().max()) < 0.1  # one step away from the folder's weights
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "peagle"])
+def test_embed_requires_grad_trains_an_embedding_of_the_heads_own(kind, debug_store, tmp_path, in_tmp_path):
+    """speculators' option: the head's embedding starts as the target's and moves with training, the target's stays
+    frozen, and the head folder keeps it."""
+    cli = fit(kind, debug_store, "--model.init_args.embed_requires_grad=true")
+    head, start = cli.model.head, target_parts(targets.resolve("debug")).embed.weight
+    assert head.config.own_embedding and head.embed_tokens.weight.requires_grad
+    assert torch.equal(cli.model.target_parts.embed.weight.cpu(), start)
+    moved = (head.embed_tokens.weight.detach().cpu() - start).abs().amax(-1)
+    assert 0 < int((moved > 0).sum()) < len(moved)  # the rows of the batch's tokens
+    saved = heads.load(heads.save(head, tmp_path / "saved"))
+    assert torch.equal(saved.embed_tokens.weight, head.embed_tokens.weight.detach().cpu())
+
+
 def test_a_fit_refuses_a_head_folder_of_another_kind_shape_or_target(debug_store, tiny_llama, tmp_path, in_tmp_path):
     debug = target_parts(targets.resolve("debug"))
     folders = {"medusa": heads.save(heads.Medusa.from_target(debug, num_heads=4), tmp_path / "medusa"),
@@ -440,8 +473,7 @@ def test_a_verifier_present_here_must_be_the_target(tiny_llama, tiny_qwen2, tmp_
                                  tiny_llama)[0], head)
 
 
-def test_a_vllm_medusa_without_biases_imports_with_zero_ones_and_an_eagle3_embedding_not_the_targets_is_refused(tiny_llama,
-                                                                                                      tmp_path):
+def test_a_vllm_medusa_without_biases_imports_with_zero_ones(tiny_llama, tmp_path):
     head = new_head("medusa-own", tiny_llama)
     with torch.no_grad():
         for block in head.heads:
@@ -454,17 +486,50 @@ def test_a_vllm_medusa_without_biases_imports_with_zero_ones_and_an_eagle3_embed
     tensors = load_file(str(exported / "model.safetensors"))
     save_file({name: t for name, t in tensors.items() if not name.endswith(".bias")}, str(exported / "model.safetensors"))
     assert_same_head(import_head(exported, "medusa", tiny_llama)[0], head)
-    def embedding(weight):
-        def change(config, tensors):
-            config["embed_requires_grad"] = True
-            tensors["embed_tokens.weight"] = weight
-        return change
 
-    reduced = new_head("eagle3-speculators", tiny_llama)
-    src = speculators_trainer_checkpoint(tmp_path / "embed", tiny_llama, reduced,
-                                         embedding(target_parts(tiny_llama).embed.weight.detach()))
-    assert_same_head(import_head(src, "eagle3", tiny_llama)[0], reduced)  # trainable, but still the target's
-    src = speculators_trainer_checkpoint(tmp_path / "other-embed", tiny_llama, reduced, embedding(torch.randn(VOCAB, H)))
-    with pytest.raises(ValueError, match="its embed_tokens.weight is not the target's embedding .* only a head trained "
-                                         "with embed_requires_grad false imports"):
-        import_head(src, "eagle3", tiny_llama)
+
+def with_embedding(src, weight):
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({**tensors, "embed_tokens.weight": weight.detach().contiguous()}, str(src / "model.safetensors"))
+    return src
+
+
+@pytest.mark.parametrize("kind, layout", [("eagle3", "speculators"), ("eagle3", "vllm"), ("peagle", "speculators")])
+def test_an_embedding_unlike_the_targets_imports_as_the_heads_own_where_vllm_reads_it(kind, layout, tiny_llama,
+                                                                                      tmp_path):
+    """vLLM embeds an EAGLE-3 (P-EAGLE) draft's tokens with the file's embed_tokens unless it equals the target's:
+    a file's other embedding (speculators trains P-EAGLE's by default) becomes the head's own, the target's (in the
+    file's dtype) is left out; speculators' files carry the target's for a head without one (its loader does not
+    always fill it from the verifier), with embed_requires_grad saying which."""
+    own = new_head(f"{kind}-own-embedding-speculators" if kind == "peagle" else "eagle3-own-embedding-vllm", tiny_llama)
+    target_embedding = target_parts(tiny_llama).embed.weight
+    assert not torch.equal(own.embed_tokens.weight, target_embedding)
+    exported = export(own, layout, tmp_path / "own", verifier=tiny_llama)
+    assert torch.equal(load_file(str(exported / "model.safetensors"))["embed_tokens.weight"], own.embed_tokens.weight)
+    imported, _ = import_head(exported, kind, tiny_llama)
+    assert imported.config.own_embedding
+    assert_same_head(imported, own)
+    plain = without_own_embedding(own)
+    exported = export(plain, layout, tmp_path / "plain", verifier=tiny_llama)
+    stored = load_file(str(exported / "model.safetensors"))
+    if layout == "speculators":
+        assert torch.equal(stored["embed_tokens.weight"], target_embedding)
+        assert json.loads((exported / "config.json").read_text())["embed_requires_grad"] is False
+    else:  # vLLM shares the target's embedding with a draft whose file has none
+        assert "embed_tokens.weight" not in stored
+    assert_same_head(import_head(exported, kind, tiny_llama)[0], plain)
+    as_bfloat16 = with_embedding(exported, target_embedding.to(torch.bfloat16))
+    assert not import_head(as_bfloat16, kind, tiny_llama)[0].config.own_embedding
+    changed = target_embedding.clone()
+    changed[3, 0] += 1e-3
+    assert import_head(with_embedding(exported, changed), kind, tiny_llama)[0].config.own_embedding
+
+
+def test_sglang_reads_the_targets_embedding_so_a_heads_own_is_refused_and_a_files_left_out(tiny_llama, tmp_path):
+    own = new_head("eagle3-own-embedding-vllm", tiny_llama)
+    with pytest.raises(ValueError, match="has an embedding of its own .* sglang's engine embeds the draft's tokens "
+                                         "with the target's: export it --format vllm or --format speculators"):
+        export(own, "sglang", tmp_path / "own")
+    plain = without_own_embedding(own)
+    exported = with_embedding(export(plain, "sglang", tmp_path / "plain"), own.embed_tokens.weight)
+    assert_same_head(import_head(exported, "eagle3", tiny_llama)[0], plain)
