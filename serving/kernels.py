@@ -61,6 +61,16 @@ def build_id() -> str:
     return "torch" if lib is None else Path(lib._name).stem
 
 
+def product_path(weight_dtype: torch.dtype, compute: torch.dtype) -> str:
+    """How PackedLinears of these dtypes multiply on this CPU, for bench headers."""
+    if library() is None:
+        return "torch operators"
+    if compute == torch.bfloat16:
+        return {"avx512_bf16": "bfloat16 x bfloat16 on AVX512-BF16 dot products (vdpbf16ps), float32 sums",
+                "widened": "bfloat16 x bfloat16 widened to float32 FMA tiles"}[bf16_path()]
+    return f"float32 FMA tiles over {str(weight_dtype).removeprefix('torch.')} weights"
+
+
 def compile_flags() -> list[str]:
     """The C compiler's flags for this CPU: AVX-512's 32 vector registers let a tile hold 12 rows (kernels.c, MR);
     the arithmetic stays 8 lanes wide."""
