@@ -223,3 +223,26 @@ def test_speculation_reproduces_plain_greedy_in_the_mode(drafter, concurrency, o
     assert sum(engine.speculator.stats.proposed) > 0, "nothing was drafted: the case tests nothing"
     if concurrency == 8:
         assert sum(o.metrics["num_preemptions"] for o in outputs) > 0
+
+
+@pytest.mark.skipif(kernels.library() is None, reason="the kernels do not build here")
+def test_an_avx2_build_loads_and_widens_as_the_avx512_build_does(monkeypatch, tmp_path):
+    """The library built for an AVX2-only CPU (Zen 3: no -mavx512f) still holds the dot products under their own
+    target attribute and loads; its widened path sums each output in the same order as the AVX-512 build's (6-row
+    tiles instead of 12), so the same bits."""
+    monkeypatch.setenv(BF16_PATH_ENV, "widened")
+    _, wide512 = bf16_linear(577, 100)
+    x = torch.randn(17, 577)
+    expected = wide512(x)
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "compile_flags", lambda: kernels.FLAGS)
+    kernels.library.cache_clear()
+    try:
+        layer, wide2 = bf16_linear(577, 100)
+        assert wide2.lib is not None and wide2.lib is not wide512.lib
+        assert torch.equal(wide2(x), expected)
+        for i in (0, 5, 16):
+            assert torch.equal(wide2(x[i:i + 1]), expected[i:i + 1])
+    finally:
+        monkeypatch.undo()
+        kernels.library.cache_clear()
