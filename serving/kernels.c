@@ -302,7 +302,7 @@ static void few_rows(const float *x, long m, long ldx, const void *w, int bf16, 
  * vdpbf16ps takes: 16 float32 lanes, each adding the two products of its column's pair. Where the CPU has no
  * AVX512-BF16 the same panels and rounded activations run widened to float32 on FMAs (the even k's product, then
  * the odd one's). Either way each output is one running sum over the pairs in order, whatever the number of rows: a
- * row's bits do not depend on its batch within a path (the two paths round differently from each other).
+ * row's bits do not depend on its batch within a path (the two paths differ from each other in the last bits).
  * A CPU with AMX would take a third path here (tiles of 16 rows x 32 pairs of k), not written: the machines it was
  * developed on have none to test it on. */
 enum { F32_PANELS = 0, BF16_PANELS = 1, BF16_DOT = 2, BF16_WIDENED = 3 };
@@ -316,7 +316,7 @@ enum { F32_PANELS = 0, BF16_PANELS = 1, BF16_DOT = 2, BF16_WIDENED = 3 };
 #define WIDE_GROUP(mr) ((mr) * 4 <= MR ? 4 : (mr) * 3 <= MR ? 3 : (mr) * 2 <= MR ? 2 : 1)
 #define PAIR_PREFETCH_BYTES 1024
 
-/* float32 -> bfloat16, round to nearest even, NaN to the quiet NaN: as torch's Tensor.bfloat16(). */
+/* float32 -> bfloat16, rounding to nearest even, NaN to the quiet NaN: as torch's Tensor.bfloat16(). */
 static inline unsigned short round_bf16(float v) {
     unsigned int bits;
     memcpy(&bits, &v, 4);
