@@ -14,9 +14,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from serving.cpu_features import FLAGS, bf16_path, cpu_features
+
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = "python"  # as the stamp shows the command; it runs with this interpreter
-KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ TABLES = {
                        ("-m", "benchmarks.llama_cpp", "--rounds", "5")),
     "kernels": Table("engine.md", "the C kernels against torch's operators",
                      ("-m", "benchmarks.kernel_speed", "--repeats", "10")),
+    "compute-modes": Table("engine.md", "float32, bfloat16 weights and bfloat16 compute: products, steps, decoding",
+                           ("-m", "benchmarks.compute_modes")),
     "step": Table("engine.md", "where a plain step's time goes, float32 and bfloat16 weights", (
         "-m", "benchmarks.step", "plain", "--concurrency", "1", "--weights", "float32", "bfloat16", "--rounds", "3")),
     "weights": Table("engine.md", "float32 against bfloat16 weights, every method on each",
@@ -104,17 +107,11 @@ TABLES = {
 
 
 def machine() -> str:
-    """The CPU model, its cores and the flags that decide which kernels run (serving/kernels.py)."""
-    model, flags = "unknown CPU", set()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    return f"{model}, {os.cpu_count()} cores, flags: {' '.join(f for f in KERNEL_FLAGS if f in flags) or 'none of ' + ' '.join(KERNEL_FLAGS)}"
+    """The CPU model, its cores, the flags that decide which kernels run (serving/kernels.py) and the bfloat16
+    compute mode's product path."""
+    features = cpu_features()
+    flags = " ".join(flag for flag in FLAGS if flag in features.flags) or "none of " + " ".join(FLAGS)
+    return f"{features.model}, {os.cpu_count()} cores, flags: {flags}, bfloat16 products: {bf16_path()}"
 
 
 def commit() -> str:

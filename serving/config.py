@@ -15,8 +15,12 @@ WEIGHTS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 HELP = {
     "target": "target: a built-in name, a local Hugging Face folder or a hub id (see `draftheads info`)",
-    "dtype": "weights and activations; greedy outputs equal plain decoding's only in float32 (bfloat16 operators are "
-             "not batch-invariant, so near-ties can flip between a decode and a verify step)",
+    "dtype": "weights and activations. bfloat16 on a CPU where the engine's kernels run: the linear layers and the LM "
+             "head multiply bfloat16 weights by activations rounded to bfloat16, summed in float32 (on AVX512-BF16's "
+             "dot products where the CPU has them), each row in one order whatever the batch, so speculative greedy "
+             "outputs stay identical to plain decoding; the residual stream, norms, attention and logits stay float32. "
+             "bfloat16 elsewhere (CUDA, or without the kernels) runs torch's operators, which are not batch-invariant: "
+             "near-ties can flip between a decode and a verify step",
     "weights": "how the target's linear layers (and its LM head) store their weights with dtype float32: bfloat16 "
                "halves the bytes a step streams through the CPU kernels (rounded once at load; every product still runs and "
                "sums in float32, so speculative greedy outputs stay identical to plain decoding with the same weights; "

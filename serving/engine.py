@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from serving import kv_groups, targets
+from serving import kernels, kv_groups, targets
 from serving.attention import KVCache
 from serving.config import EngineConfig, resolve_device
 from serving.drafters.context import StepOutputs
@@ -48,9 +48,17 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.folder = targets.resolve(config.target)
-        self.dtype = config.torch_dtype
         self.device = resolve_device(config.device)
-        model = Model.from_folder(self.folder, self.dtype, self.device, config.weight_dtype)
+        # dtype bfloat16 where serving/kernels.c runs: bfloat16 products (weights and the activations entering each
+        # product) summed in float32, around a float32 residual stream, norms, attention and K/V; elsewhere torch's
+        # bfloat16 operators
+        bf16_compute = config.dtype == "bfloat16" and self.device.type == "cpu" and kernels.library() is not None
+        self.compute = torch.bfloat16 if bf16_compute else torch.float32
+        self.dtype = torch.float32 if bf16_compute else config.torch_dtype
+        weights = torch.bfloat16 if bf16_compute else config.weight_dtype
+        model = Model.from_folder(self.folder, self.dtype, self.device, weights, self.compute)
+        self.products = (kernels.product_path(weights, self.compute) if self.device.type == "cpu"
+                         else f"torch operators in {self.dtype}".replace("torch.", ""))
         model_config = model.config
         self.max_model_len = _max_model_len(config.max_model_len, model_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(self.folder)

@@ -4,7 +4,8 @@
  * reuses one from its L2 cache for every further group of MR rows. Each output is a single running sum over k in
  * order, whatever m is: a row's result does not depend on the other rows of the batch, so a verify step
  * computes bit for bit what decode steps would. gemm_panels_bf16 reads W as bfloat16 (half the bytes a drafter,
- * or the target with EngineConfig.weights = bfloat16, streams) and computes in float32 all the same. layer_pre and
+ * or the target with EngineConfig.weights = bfloat16, streams) and computes in float32 all the same; gemm_pairs_bf16
+ * rounds x to bfloat16 too and multiplies on AVX512-BF16's dot products (EngineConfig.dtype = bfloat16). layer_pre and
  * layer_post run a whole decoder layer around its attention on these kernels. */
 #include <immintrin.h>
 #include <math.h>
@@ -22,7 +23,8 @@ typedef struct {
     const float *input_norm, *post_norm, *q_norm, *k_norm;  /* q_norm, k_norm: NULL where the model has none */
     const void *qkv, *o, *gate_up, *down;  /* panels, float32 or bfloat16 */
     const float *qkv_bias;  /* NULL where the model has none */
-    long bf16, hidden, heads, kv_heads, dim, intermediate;
+    long bf16;  /* the panels' format and product path: F32_PANELS, BF16_PANELS, BF16_DOT or BF16_WIDENED */
+    long hidden, heads, kv_heads, dim, intermediate;
     float eps;
 } layer_weights;
 
@@ -98,7 +100,7 @@ typedef struct {
     const float *norm;  /* the final norm's weight */
     float eps;
     const void *lm_head;  /* panels, float32 or bfloat16 */
-    long lm_bf16;
+    long lm_bf16;  /* their format, as layer_weights.bf16 */
     float scale;  /* of the attention's scores */
     const long *ids, *positions;  /* [rows] */
     long rows;
@@ -294,10 +296,194 @@ static void few_rows(const float *x, long m, long ldx, const void *w, int bf16, 
     }
 }
 
+/* bfloat16 compute: x rounded to bfloat16 at the product's input, bfloat16 weights, float32 sums. The weights are
+ * pair panels (to_pair_panels): [ceil(n / NR)][ceil(k / 2)][NR][2], for each pair of k (2p, 2p + 1) and each of the
+ * panel's 16 columns the two weights side by side, zero past k and n. One 64-byte row of a panel is then what one
+ * vdpbf16ps takes: 16 float32 lanes, each adding the two products of its column's pair. Where the CPU has no
+ * AVX512-BF16 the same panels and rounded activations run widened to float32 on FMAs (the even k's product, then
+ * the odd one's). Either way each output is one running sum over the pairs in order, whatever the number of rows: a
+ * row's bits do not depend on its batch within a path (the two paths differ from each other in the last bits).
+ * A CPU with AMX would take a third path here (tiles of 16 rows x 32 pairs of k), not written: the machines it was
+ * developed on have none to test it on. */
+enum { F32_PANELS = 0, BF16_PANELS = 1, BF16_DOT = 2, BF16_WIDENED = 3 };
+#define PAIR_ROW 32  /* bfloat16 values in a pair panel's row: NR columns x 2 */
+/* rows of a dot tile: 12 rows x 2 panels keep 24 sums in AVX-512's 32 registers */
+#define DOT_ROWS 12
+/* the panels a tile of mr rows streams together: as many as keep mr x g <= 24 sums (fewer rows, more panels: more
+ * independent sums in flight where one row alone would wait on each dot product's latency) */
+#define DOT_GROUP(mr) ((mr) <= 6 ? 4 : (mr) <= 8 ? 3 : 2)
+/* widened tiles hold 2 float32 vectors per row and panel in AVX2's 16 (or AVX-512's 32) registers */
+#define WIDE_GROUP(mr) ((mr) * 4 <= MR ? 4 : (mr) * 3 <= MR ? 3 : (mr) * 2 <= MR ? 2 : 1)
+#define PAIR_PREFETCH_BYTES 1024
+
+/* float32 -> bfloat16, rounding to nearest even, NaN to the quiet NaN: as torch's Tensor.bfloat16(). */
+static inline unsigned short round_bf16(float v) {
+    unsigned int bits;
+    memcpy(&bits, &v, 4);
+    if (isnan(v)) return 0x7FC0;
+    return (unsigned short)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* The tile's sums (16 columns per panel) into y, with the bias and the added rows as `tile` does. */
+static inline __attribute__((always_inline)) void store_pairs(const float *out, long ldo, int mr, int g, long n,
+                                                              long q, const float *bias, const float *add, float *y,
+                                                              long ldy) {
+    int cols = n - q * NR < g * NR ? (int)(n - q * NR) : g * NR;
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < cols; j++) {
+            long c = q * NR + j;
+            float v = bias ? out[r * ldo + j] + bias[c] : out[r * ldo + j];
+            y[r * ldy + c] = add ? add[r * ldy + c] + v : v;
+        }
+}
+
+/* mr rows (bfloat16, ldx apart, even length 2 kp) over panels q .. q + g - 1 on vdpbf16ps. */
+__attribute__((target("avx512f,avx512bf16"))) static inline __attribute__((always_inline)) void
+dot_tile(int mr, int g, const unsigned short *x, long ldx, const unsigned short *w, long kp, long n, const float *bias,
+         const float *add, float *y, long ldy, long q) {
+    long panel_elems = kp * PAIR_ROW;
+    const unsigned short *wq = w + q * panel_elems;
+    __m512 acc[DOT_ROWS][4];
+    _Pragma("GCC unroll 12") for (int r = 0; r < mr; r++)
+        _Pragma("GCC unroll 4") for (int i = 0; i < g; i++) acc[r][i] = _mm512_setzero_ps();
+    for (long p = 0; p < kp; p++) {
+        __m512i wv[4];
+        _Pragma("GCC unroll 4") for (int i = 0; i < g; i++) {
+            const unsigned short *row = wq + i * panel_elems + p * PAIR_ROW;
+            __builtin_prefetch((const char *)row + PAIR_PREFETCH_BYTES, 0, PREFETCH_LOCALITY);
+            wv[i] = _mm512_loadu_si512(row);
+        }
+        _Pragma("GCC unroll 12") for (int r = 0; r < mr; r++) {
+            int pair;
+            memcpy(&pair, x + r * ldx + 2 * p, 4);
+            __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
+            _Pragma("GCC unroll 4") for (int i = 0; i < g; i++)
+                acc[r][i] = _mm512_dpbf16_ps(acc[r][i], xr, (__m512bh)wv[i]);
+        }
+    }
+    float out[DOT_ROWS * 4 * NR];
+    _Pragma("GCC unroll 12") for (int r = 0; r < mr; r++)
+        _Pragma("GCC unroll 4") for (int i = 0; i < g; i++) _mm512_storeu_ps(out + r * 4 * NR + i * NR, acc[r][i]);
+    store_pairs(out, 4 * NR, mr, g, n, q, bias, add, y, ldy);
+}
+
+/* The same on FMAs: x holds the rounded activations widened to float32 (ldx apart, even length 2 kp); each pair
+ * panel row's 32-bit words widen as load_w widens a bfloat16 panel's (low half: the even k, high half: the odd). */
+static inline __attribute__((always_inline)) void wide_tile(int mr, int g, const float *x, long ldx,
+                                                            const unsigned short *w, long kp, long n, const float *bias,
+                                                            const float *add, float *y, long ldy, long q) {
+    long panel_elems = kp * PAIR_ROW;
+    const unsigned short *wq = w + q * panel_elems;
+    __m256 acc[MR][4][2];
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    _Pragma("GCC unroll 12") for (int r = 0; r < mr; r++)
+        _Pragma("GCC unroll 4") for (int i = 0; i < g; i++) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_ps();
+    for (long p = 0; p < kp; p++) {
+        __m256 even[4][2], odd[4][2];
+        _Pragma("GCC unroll 4") for (int i = 0; i < g; i++) {
+            const unsigned short *row = wq + i * panel_elems + p * PAIR_ROW;
+            __builtin_prefetch((const char *)row + PAIR_PREFETCH_BYTES, 0, PREFETCH_LOCALITY);
+            _Pragma("GCC unroll 2") for (int j = 0; j < 2; j++) {
+                __m256i pairs = _mm256_loadu_si256((const __m256i *)(row + 16 * j));
+                even[i][j] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+                odd[i][j] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+            }
+        }
+        _Pragma("GCC unroll 12") for (int r = 0; r < mr; r++) {
+            __m256 xe = _mm256_broadcast_ss(x + r * ldx + 2 * p), xo = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
+            _Pragma("GCC unroll 4") for (int i = 0; i < g; i++)
+                _Pragma("GCC unroll 2") for (int j = 0; j < 2; j++)
+                    acc[r][i][j] = _mm256_fmadd_ps(xo, odd[i][j], _mm256_fmadd_ps(xe, even[i][j], acc[r][i][j]));
+        }
+    }
+    float out[MR * 4 * NR];
+    _Pragma("GCC unroll 12") for (int r = 0; r < mr; r++)
+        _Pragma("GCC unroll 4") for (int i = 0; i < g; i++)
+            _Pragma("GCC unroll 2") for (int j = 0; j < 2; j++)
+                _mm256_storeu_ps(out + r * 4 * NR + i * NR + 8 * j, acc[r][i][j]);
+    store_pairs(out, 4 * NR, mr, g, n, q, bias, add, y, ldy);
+}
+
+/* Each (rows, panels) tile its own compiled loop, as the float32 tiles are. */
+typedef void (*pair_fn)(const void *, long, const unsigned short *, long, long, const float *, const float *, float *,
+                        long, long);
+#define DOT(R, G)                                                                                                    \
+    __attribute__((target("avx512f,avx512bf16"), noinline)) static void dot_##R##_##G(                             \
+        const void *x, long ldx, const unsigned short *w, long kp, long n, const float *bias, const float *add,     \
+        float *y, long ldy, long q) {                                                                              \
+        dot_tile(R, G, (const unsigned short *)x, ldx, w, kp, n, bias, add, y, ldy, q);                             \
+    }
+#define WIDE(R, G)                                                                                                   \
+    static __attribute__((noinline)) void wide_##R##_##G(const void *x, long ldx, const unsigned short *w, long kp, \
+                                                         long n, const float *bias, const float *add, float *y,    \
+                                                         long ldy, long q) {                                       \
+        wide_tile(R, G, (const float *)x, ldx, w, kp, n, bias, add, y, ldy, q);                                    \
+    }
+#define FOUR(F, R) F(R, 1) F(R, 2) F(R, 3) F(R, 4)
+#define TABLE_ROW(F, R) {0, F##_##R##_1, F##_##R##_2, F##_##R##_3, F##_##R##_4}
+FOUR(DOT, 1) FOUR(DOT, 2) FOUR(DOT, 3) FOUR(DOT, 4) FOUR(DOT, 5) FOUR(DOT, 6)
+FOUR(DOT, 7) FOUR(DOT, 8) FOUR(DOT, 9) FOUR(DOT, 10) FOUR(DOT, 11) FOUR(DOT, 12)
+static const pair_fn dots[DOT_ROWS + 1][5] = {
+    {0}, TABLE_ROW(dot, 1), TABLE_ROW(dot, 2), TABLE_ROW(dot, 3), TABLE_ROW(dot, 4), TABLE_ROW(dot, 5),
+    TABLE_ROW(dot, 6), TABLE_ROW(dot, 7), TABLE_ROW(dot, 8), TABLE_ROW(dot, 9), TABLE_ROW(dot, 10),
+    TABLE_ROW(dot, 11), TABLE_ROW(dot, 12)};
+FOUR(WIDE, 1) FOUR(WIDE, 2) FOUR(WIDE, 3) FOUR(WIDE, 4) FOUR(WIDE, 5) FOUR(WIDE, 6)
+#if MR > 6
+FOUR(WIDE, 7) FOUR(WIDE, 8) FOUR(WIDE, 9) FOUR(WIDE, 10) FOUR(WIDE, 11) FOUR(WIDE, 12)
+#endif
+static const pair_fn wides[MR + 1][5] = {
+    {0}, TABLE_ROW(wide, 1), TABLE_ROW(wide, 2), TABLE_ROW(wide, 3), TABLE_ROW(wide, 4), TABLE_ROW(wide, 5),
+    TABLE_ROW(wide, 6),
+#if MR > 6
+    TABLE_ROW(wide, 7), TABLE_ROW(wide, 8), TABLE_ROW(wide, 9), TABLE_ROW(wide, 10), TABLE_ROW(wide, 11),
+    TABLE_ROW(wide, 12)
+#endif
+};
+
+/* y = add + round_bf16(x) @ W (+ bias) over pair panels, on `path` (BF16_DOT or BF16_WIDENED). The rows are rounded
+ * once into a buffer (bfloat16 for the dot products, widened back to float32 for the FMAs), then each thread takes an
+ * equal share of the panels, a group of them at a time, and every block of rows over that group. */
+static void gemm_pairs(const float *x, long m, long ldx, const unsigned short *w, int path, long k, long n,
+                       const float *bias, const float *add, float *y, long ldy) {
+    long kp = (k + 1) / 2, ldb = 2 * kp, panels = (n + NR - 1) / NR;
+    int dot = path == BF16_DOT;
+    void *buf = malloc((size_t)m * ldb * (dot ? 2 : 4));
+    for (long r = 0; r < m; r++)
+        for (long c = 0; c < ldb; c++) {
+            unsigned short b = c < k ? round_bf16(x[r * ldx + c]) : 0;
+            if (dot) ((unsigned short *)buf)[r * ldb + c] = b;
+            else {
+                unsigned int bits = (unsigned int)b << 16;
+                memcpy((float *)buf + r * ldb + c, &bits, 4);
+            }
+        }
+    long block = dot ? DOT_ROWS : MR, elem = dot ? 2 : 4;
+    #pragma omp parallel
+    {
+        long threads = omp_get_num_threads(), t = omp_get_thread_num();
+        long end = panels * (t + 1) / threads;
+        /* a group's panels stay in L2 for every further block of rows; a block of fewer rows takes as many */
+        long full = m < block ? m : block, most = dot ? DOT_GROUP(full) : WIDE_GROUP(full);
+        for (long q = panels * t / threads; q < end; q += most) {
+            long g = end - q < most ? end - q : most;
+            for (long i = 0; i < m; i += block) {
+                long rows = m - i < block ? m - i : block;
+                const void *xi = (const char *)buf + i * ldb * elem;
+                (dot ? dots : wides)[rows][g](xi, ldb, w, kp, n, bias, add ? add + i * ldy : 0, y + i * ldy, ldy, q);
+            }
+        }
+    }
+    free(buf);
+}
+
 /* y = add + x @ W (+ bias); add may be y itself (in place) or NULL, and has y's row stride. */
 static void gemm(const float *x, long m, long ldx, const void *w, int bf16, long k, long n, const float *bias,
                  const float *add, float *y, long ldy) {
     if (m == 0) return;
+    if (bf16 == BF16_DOT || bf16 == BF16_WIDENED) {
+        gemm_pairs(x, m, ldx, (const unsigned short *)w, bf16, k, n, bias, add, y, ldy);
+        return;
+    }
     if (m <= FEW_ROWS) {
         few_rows(x, m, ldx, w, bf16, k, n, bias, add, y, ldy);
         return;
@@ -315,6 +501,12 @@ void gemm_panels(const float *x, long m, long ldx, const float *w, long k, long 
 void gemm_panels_bf16(const float *x, long m, long ldx, const unsigned short *w, long k, long n, const float *bias,
                       float *y, long ldy) {
     gemm(x, m, ldx, w, 1, k, n, bias, 0, y, ldy);
+}
+
+/* bfloat16 compute over pair panels; path: BF16_DOT (only where the CPU has AVX512-BF16) or BF16_WIDENED. */
+void gemm_pairs_bf16(const float *x, long m, long ldx, const unsigned short *w, long k, long n, const float *bias,
+                     float *y, long ldy, long path) {
+    gemm(x, m, ldx, w, (int)path, k, n, bias, 0, y, ldy);
 }
 
 /* y = x / sqrt(mean(x^2) + eps) * w over rows of n, as float32 reference implementations do. */

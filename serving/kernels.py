@@ -25,6 +25,7 @@ from torch import nn
 
 from heads.layer import DecoderLayer, RMSNorm
 from serving.cache_dir import cache_dir
+from serving.cpu_features import bf16_path
 from serving.kernel_abi import STRUCTS, AttentionArgs, FieldLayout, ForwardArgs, ForwardScratch, LayerStep, LayerWeights
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ _long, _ptr, _float = ctypes.c_long, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {
     "gemm_panels": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long],
     "gemm_panels_bf16": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long],
+    "gemm_pairs_bf16": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long, _long],
     "rms_norm": [_ptr, _long, _long, _ptr, _float, _ptr, _long, _long],
     "argmax_rows": [_ptr, _long, _long, _long, _ptr],
     "paged_attention": [ctypes.POINTER(AttentionArgs)],
@@ -46,6 +48,10 @@ SIGNATURES = {
     "kernel_layouts": [ctypes.POINTER(ctypes.POINTER(FieldLayout))],
 }
 RESULT_TYPES = {"model_forward": _long, "kernel_layouts": _long}
+# kernels.c's weight formats (layer_weights.bf16, forward_args.lm_bf16): float32 panels, bfloat16 panels under
+# float32 activations, and bfloat16 pair panels under bfloat16 activations on each product path (serving.cpu_features)
+F32_PANELS, BF16_PANELS = 0, 1
+PAIR_PATHS = {"avx512_bf16": 2, "widened": 3}
 
 
 def build_id() -> str:
@@ -53,6 +59,16 @@ def build_id() -> str:
     "torch"; costs measured under one do not hold under another (serving.spec_decode.cost keys its cache by it)."""
     lib = library()
     return "torch" if lib is None else Path(lib._name).stem
+
+
+def product_path(weight_dtype: torch.dtype, compute: torch.dtype) -> str:
+    """How PackedLinears of these dtypes multiply on this CPU, for bench headers."""
+    if library() is None:
+        return "torch operators"
+    if compute == torch.bfloat16:
+        return {"avx512_bf16": "bfloat16 x bfloat16 on AVX512-BF16 dot products (vdpbf16ps), float32 sums",
+                "widened": "bfloat16 x bfloat16 widened to float32 FMA tiles"}[bf16_path()]
+    return f"float32 FMA tiles over {str(weight_dtype).removeprefix('torch.')} weights"
 
 
 def compile_flags() -> list[str]:
@@ -151,6 +167,16 @@ class _KernelModule(nn.Module):
         return self
 
 
+def to_pair_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] bfloat16 -> [ceil(out / PANEL), ceil(in / 2), 2 PANEL]: per panel and pair of inputs (2p, 2p + 1),
+    each of its PANEL columns' two weights side by side (kernels.c's gemm_pairs), zero past `in` and `out`."""
+    out_features, in_features = weight.shape
+    num_panels, pairs = -(-out_features // PANEL), -(-in_features // 2)
+    padded = weight.new_zeros(num_panels * PANEL, 2 * pairs)
+    padded[:out_features, :in_features] = weight
+    return padded.view(num_panels, PANEL, pairs, 2).transpose(1, 2).contiguous().view(num_panels, pairs, 2 * PANEL)
+
+
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> [ceil(out / PANEL), in, PANEL], the last panel padded with zero columns. A bfloat16 panel's row
     holds its columns in the order 0, 8, 1, 9, ..., 7, 15 (kernels.c's `load_w` widens them with one load)."""
@@ -170,18 +196,30 @@ class PackedLinear(_KernelModule):
 
     weight_dtype=torch.bfloat16 stores the weights rounded to bfloat16 (half the bytes to stream per step) and
     still computes in float32, each output still one in-order sum: for drafters, whose precision moves acceptance but
-    never the output, and for the target with EngineConfig.weights = bfloat16."""
+    never the output, and for the target with EngineConfig.weights = bfloat16.
 
-    def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype = torch.float32):
+    compute=torch.bfloat16 (the target with EngineConfig.dtype = bfloat16) also rounds each input to bfloat16 and
+    stores the weights as pair panels (`to_pair_panels`) for products on vdpbf16ps, or widened to float32 where the
+    CPU has no AVX512-BF16 (serving.cpu_features.bf16_path): float32 sums, one in-order sum per output in each path."""
+
+    def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype = torch.float32,
+                 compute: torch.dtype = torch.float32):
         super().__init__()
         if weight_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"PackedLinear stores weights as float32 or bfloat16, not {weight_dtype}")
+        if compute not in (torch.float32, torch.bfloat16) or (compute == torch.bfloat16 and weight_dtype != compute):
+            raise ValueError(f"PackedLinear computes in float32, or in bfloat16 over bfloat16 weights, not in {compute} "
+                             f"over {weight_dtype} weights")
         weight = linear.weight.detach()
         self.out_features, self.in_features = weight.shape
         self.lib = library() if _uses_kernels(weight) else None
-        self.weight_dtype = weight_dtype
+        self.weight_dtype, self.compute = weight_dtype, compute
+        # kernels.c's format of these panels (the path chosen once, at load)
+        self.format = (PAIR_PATHS[bf16_path()] if compute == torch.bfloat16
+                       else BF16_PANELS if weight_dtype == torch.bfloat16 else F32_PANELS)
         weight = weight.to(weight_dtype)  # without the kernels, torch computes in the module's dtype over these values
-        self.register_buffer("panels", to_panels(weight) if self.lib else None)
+        pack = to_pair_panels if compute == torch.bfloat16 else to_panels
+        self.register_buffer("panels", pack(weight) if self.lib else None)
         self.register_buffer("weight_t", None if self.lib else weight.to(linear.weight.dtype).t().contiguous())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         if self.lib is not None:
@@ -191,11 +229,17 @@ class PackedLinear(_KernelModule):
         return self.panels
 
     def read_pointers(self):
-        self.gemm = self.lib.gemm_panels_bf16 if self.weight_dtype == torch.bfloat16 else self.lib.gemm_panels
+        if self.format in PAIR_PATHS.values():
+            pairs, path = self.lib.gemm_pairs_bf16, self.format
+            self.gemm = lambda *args: pairs(*args, path)
+        else:
+            self.gemm = self.lib.gemm_panels_bf16 if self.format == BF16_PANELS else self.lib.gemm_panels
         self.panels_ptr, self.bias_ptr = self.panels.data_ptr(), _pointer(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lib is None:
+            if self.compute == torch.bfloat16:
+                x = x.to(torch.bfloat16).to(x.dtype)
             out = x @ self.weight_t
             return out if self.bias is None else out + self.bias
         if x.dim() != 2 or x.stride(1) != 1:
@@ -236,16 +280,18 @@ class FusedRMSNorm(_KernelModule):
         return out
 
 
-def for_inference(module: nn.Module, weight_dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Replace, in place, every nn.Linear inside `module` by a PackedLinear (weights stored as `weight_dtype`) and
-    every RMSNorm by a FusedRMSNorm; returns `module`. Call it after the module has its final device and dtype."""
+def for_inference(module: nn.Module, weight_dtype: torch.dtype = torch.float32,
+                  compute: torch.dtype = torch.float32) -> nn.Module:
+    """Replace, in place, every nn.Linear inside `module` by a PackedLinear (weights stored as `weight_dtype`, products
+    in `compute`) and every RMSNorm by a FusedRMSNorm; returns `module`. Call it after the module has its final
+    device and dtype."""
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child, weight_dtype))
+            setattr(module, name, PackedLinear(child, weight_dtype, compute))
         elif isinstance(child, RMSNorm):
             setattr(module, name, FusedRMSNorm(child))
         else:
-            for_inference(child, weight_dtype)
+            for_inference(child, weight_dtype, compute)
     return module
 
 
@@ -318,7 +364,7 @@ class KernelLayer(_KernelModule):
             k_norm=layer.k_norm.reference.weight.data_ptr() if qk_norm else None,
             qkv=layer.qkv.panels.data_ptr(), o=layer.o.panels.data_ptr(), gate_up=layer.gate_up.panels.data_ptr(),
             down=layer.down.panels.data_ptr(), qkv_bias=_pointer(layer.qkv.bias),
-            bf16=int(self.weight_dtype == torch.bfloat16), hidden=c.hidden_size, heads=c.num_heads,
+            bf16=layer.qkv.format, hidden=c.hidden_size, heads=c.num_heads,
             kv_heads=c.num_kv_heads, dim=c.head_dim, intermediate=c.intermediate_size, eps=c.rms_norm_eps)
         self.weights_ref = ctypes.pointer(self.scratch.layer_table[self.layer_idx])
         self.pre, self.post = self.lib.layer_pre, self.lib.layer_post
@@ -371,7 +417,7 @@ class KernelForward:
         a.layers, a.embed, a.vocab = self.scratch.layer_table, embed.data_ptr(), embed.shape[0]
         a.cos_table, a.sin_table, a.max_positions = self.rope.cos.data_ptr(), self.rope.sin.data_ptr(), self.rope.cos.shape[0]
         a.norm, a.eps, a.lm_head = self.norm.weight_ptr, self.norm.eps, head.panels_ptr
-        a.lm_bf16, a.scale = int(head.weight_dtype == torch.bfloat16), self.scale
+        a.lm_bf16, a.scale = head.format, self.scale
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv, logits_rows: torch.Tensor | None,
                  return_hidden: bool, aux_layers, num_layers: int):

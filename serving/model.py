@@ -191,26 +191,32 @@ class Model(nn.Module):
         self.fused: KernelForward | None = None  # the forward in one C call, where the layers are KernelLayers
 
     @classmethod
-    def from_folder(cls, folder, dtype=torch.float32, device="cpu", weights=torch.float32) -> "Model":
+    def from_folder(cls, folder, dtype=torch.float32, device="cpu", weights=torch.float32,
+                    compute=torch.float32) -> "Model":
         """weights=torch.bfloat16 stores the linear layers' and the LM head's packed weights rounded to bfloat16
-        (serving.kernels.PackedLinear); the embedding and the norms stay in `dtype`."""
+        (serving.kernels.PackedLinear); the embedding and the norms stay in `dtype`. compute=torch.bfloat16 (with
+        bfloat16 weights) also rounds every product's input to bfloat16; the rest of the forward (the residual
+        stream, norms, rope, attention, the logits) stays in `dtype`."""
         folder = Path(folder)
         with torch.device(device):  # built where it runs, its weights then copied in
             model = cls(ModelConfig.from_folder(folder))
         model.load_safetensors(folder)
         model.to(dtype=dtype).eval().requires_grad_(False)  # the rope tables stay float32
-        model.layers = kernel_layers(for_inference(model.layers, weights), model.config.layer)
+        model.layers = kernel_layers(for_inference(model.layers, weights, compute), model.config.layer)
         model.norm = FusedRMSNorm(model.norm)
-        model.packed_lm_head = PackedLinear(model.lm_head, weights)  # a packed copy for forward; the embedding stays as it is
+        # a packed copy for forward; the embedding stays as it is
+        model.packed_lm_head = PackedLinear(model.lm_head, weights, compute)
         if isinstance(model.layers[0], KernelLayer) and not any(model.config.windows):  # model_forward has no windows
             model.fused = KernelForward(model.layers, model.embed, model.rope, model.norm, model.packed_lm_head)
         return model
 
     def drafter_lm_head(self, weight_dtype: torch.dtype) -> PackedLinear:
         """The LM head packed with its weights stored as weight_dtype, for drafters: the forward's own where its dtype
-        is that one; else made once per dtype."""
-        if weight_dtype == self.packed_lm_head.weight_dtype or self.lm_head.weight.dtype != torch.float32:
-            return self.packed_lm_head
+        is that one and it computes in float32; else made once per dtype."""
+        head = self.packed_lm_head
+        if self.lm_head.weight.dtype != torch.float32 or (weight_dtype == head.weight_dtype
+                                                          and head.compute == torch.float32):
+            return head
         if weight_dtype not in self._drafter_lm_heads:
             self._drafter_lm_heads[weight_dtype] = PackedLinear(self.lm_head, weight_dtype)
         return self._drafter_lm_heads[weight_dtype]

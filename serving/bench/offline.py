@@ -63,8 +63,8 @@ def run_bench(engine, prompts, categories, configs, max_new_tokens, concurrency,
     params = methods[0][1]
     result = {"target": str(engine.folder), "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
               "structured_outputs": params[0].structured_outputs.key if params[0].structured_outputs else None,
-              "concurrency": concurrency, "temperature": temperature, "dtype": str(engine.dtype).replace("torch.", ""),
-              "device": str(engine.device), "threads": torch.get_num_threads(), "rows": rows}
+              "concurrency": concurrency, "temperature": temperature, "dtype": engine.config.dtype,
+              "products": engine.products, "device": str(engine.device), "threads": torch.get_num_threads(), "rows": rows}
     if unconstrained_configs is not None:
         result["unconstrained"] = bench_rows([config for config, _ in methods[num_constrained:]],
                                              speculators[num_constrained:], seconds[num_constrained:],
@@ -129,7 +129,8 @@ class HfGenerate:
         from transformers import AutoModelForCausalLM
 
         self.engine = engine
-        self.model = AutoModelForCausalLM.from_pretrained(engine.folder, dtype=engine.dtype).to(engine.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(engine.folder, dtype=engine.config.torch_dtype)
+        self.model = self.model.to(engine.device).eval()
         self.pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
         self.seconds, self.num_tokens, self.outputs = 0.0, 0, []
         with torch.inference_mode():  # warm-up

@@ -40,7 +40,8 @@ def summary_rows(results: list[dict]) -> list[dict]:
 
 def summary_markdown(results: list[dict]) -> str:
     lines = [f"target {r['target']} | {r['max_new_tokens']} new tokens | {r['dtype']} on {r['device']}, {r['threads']} "
-             "threads | speedup: over plain decoding in the same setting | identical: greedy outputs equal plain "
+             f"threads | products: {r.get('products', 'n/a')} | speedup: over plain decoding in the same setting | "
+             "identical: greedy outputs equal plain "
              "decoding's" for r in results[:1]]
     lines += ["", "| prompts | temperature | concurrency | method | tau | MAL | speedup | rows/step | identical | tokens/s |",
               "|---|---|---|---|---|---|---|---|---|---|"]
@@ -162,7 +163,8 @@ def to_markdown(result: dict) -> str:
     has_hf = "hf_tokens_per_s" in result
     lines = [f"target {result['target']} | {result['num_prompts']} prompts x {result['max_new_tokens']} tokens | "
              f"concurrency {result['concurrency']} | temperature {result['temperature']} | {result['dtype']} on "
-             f"{result.get('device', 'cpu')}, {result['threads']} threads", "",
+             f"{result.get('device', 'cpu')}, {result['threads']} threads | "
+             f"products: {result.get('products', 'n/a')}", "",
              "| method | k | tau | MAL | accept rate | rows/step | per-depth conditional | tokens/s | speedup |"
              + (" vs generate |" if has_hf else "") + " identical |",
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if has_hf else "") + "---|"]

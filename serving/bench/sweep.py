@@ -81,7 +81,7 @@ def run_settings(engine, prompt_sets: dict, settings: list[Setting], configs: li
 def setting_options(engine, prompts: list, setting: Setting, configs: list, max_new_tokens: int, seed: int) -> dict:
     """What a setting's result depends on besides the setting itself."""
     files = [path for config in configs for path in (config.model, config.token_map) if path and Path(path).exists()]
-    return {"target": str(engine.folder), "dtype": str(engine.dtype), "device": str(engine.device),
+    return {"target": str(engine.folder), "dtype": str(engine.dtype), "products": engine.products, "device": str(engine.device),
             "block_size": engine.block_size, "num_prompts": len(prompts), "prompts_digest": digest(json.dumps(prompts).encode()),
             "max_new_tokens": max_new_tokens, "seed": seed, "baseline": setting.baseline,
             "methods": [config.__dict__ for config in configs], "files": {path: digest_files(Path(path)) for path in files}}

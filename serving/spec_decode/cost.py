@@ -30,7 +30,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 
 from serving import kernels
 from serving.cache_dir import cache_dir
+from serving.cpu_features import cpu_features
 from serving.spec_decode.tree import path_to
 
 log = logging.getLogger(__name__)
@@ -105,9 +105,10 @@ class StepCost:
 def cache_key(engine) -> dict:
     device = engine.device
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
-               else f"{_cpu_name()} x{torch.get_num_threads()} threads")
+               else f"{cpu_features().model} x{torch.get_num_threads()} threads")
     return {"version": VERSION, "machine": machine, "target": engine.fingerprint["id"], "folder": str(engine.folder),
-            "dtype": str(engine.dtype).removeprefix("torch."), "weights": engine.config.weights, "device": str(device),
+            "dtype": engine.config.dtype, "weights": engine.config.weights, "device": str(device),
+            "products": engine.products,
             "block_size": engine.block_size,
             "torch": torch.__version__, "kernels": kernels.build_id() if device.type == "cpu" else None}
 
@@ -286,13 +287,3 @@ def _timed(fn, device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

@@ -208,7 +208,8 @@ def test_a_heads_contents_are_part_of_the_options(tmp_path):
 
     (tmp_path / "head").mkdir()
     (tmp_path / "head" / "model.safetensors").write_bytes(b"weights")
-    engine = SimpleNamespace(folder="debug", dtype="float32", device="cpu", block_size=16)
+    engine = SimpleNamespace(folder="debug", dtype="float32", device="cpu", block_size=16,
+                             products="float32 FMA tiles over float32 weights")
     options = lambda: setting_options(engine, [[{"role": "user", "content": "hi"}]], Setting("mt-bench", 0.0, 1),
                                       [SpeculativeConfig(method="eagle", model=str(tmp_path / "head"))], 8, 0)
     before = options()

@@ -356,9 +356,10 @@ LAYER_CONFIGS = {
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="needs AVX2")
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype,compute", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                  (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("family", list(LAYER_CONFIGS))
-def test_kernel_layer_computes_the_decoder_layer(family, weight_dtype):
+def test_kernel_layer_computes_the_decoder_layer(family, weight_dtype, compute):
     """layer_pre, attention, layer_post against the module it wraps, at the rows of decode, verify and prefill, one
     scratch for them all (it grows, then serves fewer rows); and each row's output, with an attention that reads
     only that row, equal bit for bit alone and in any batch."""
@@ -370,7 +371,7 @@ def test_kernel_layer_computes_the_decoder_layer(family, weight_dtype):
         norm.weight.copy_(torch.rand_like(norm.weight) + 0.5)
     if config.qkv_bias:
         layer.qkv.bias.copy_(torch.randn_like(layer.qkv.bias))
-    reference = kernels.for_inference(layer, weight_dtype)
+    reference = kernels.for_inference(layer, weight_dtype, compute)
     fast = kernels.KernelLayer(reference, kernels.Scratch(config, 1))
     rope = Rope(config.head_dim, 512)
     dense = lambda _, q, k, v: F.scaled_dot_product_attention(  # noqa: E731

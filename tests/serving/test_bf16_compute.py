@@ -1,0 +1,248 @@
+"""The bfloat16 compute mode (EngineConfig.dtype = bfloat16 on CPU): activations rounded to bfloat16 at each product's
+input, bfloat16 weights, float32 sums. Its products against a float64 reference over the rounded operands on odd
+shapes, on every path this CPU supports (vdpbf16ps, bfloat16 widened to float32 on FMAs); each row's bits alone
+equal to its bits inside any batch, on each path; the engine's logits against transformers computing the same
+products, and against transformers in bfloat16; and speculative greedy outputs (n-gram, EAGLE and EAGLE-3 heads,
+chains and a tree, alone and under preemption) equal to plain decoding's in the mode, token for token."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from serving import kernels
+from serving.cpu_features import BF16_PATH_ENV, BF16_PATHS, cpu_features, parse_cpuinfo
+from serving.model import Model
+from test_head_drafters import PROMPTS, SCENARIOS, assert_pool_idle, greedy, make_engine, random_head_dir, spec_config
+from test_model import SEQ_LENS, PagedRun, expected_logits, hf_reference, make_sequences
+
+PATHS = [pytest.param(path, marks=pytest.mark.skipif(
+    not cpu_features().supports(path) or kernels.library() is None,
+    reason=f"this CPU lacks {' or '.join(BF16_PATHS[path])} (or the kernels do not build here)")) for path in BF16_PATHS]
+SHAPES = [(1, 1), (7, 23), (33, 17), (64, 40), (577, 100), (96, 150), (575, 1537)]
+
+
+@pytest.fixture
+def on_path(request, monkeypatch):
+    """PackedLinears made under this fixture run its path (`request.param`)."""
+    monkeypatch.setenv(BF16_PATH_ENV, request.param)
+    return request.param
+
+
+def bf16_linear(in_features, out_features, bias=True):
+    torch.manual_seed(in_features * 1000 + out_features)
+    layer = nn.Linear(in_features, out_features, bias=bias).requires_grad_(False)
+    return layer, kernels.PackedLinear(layer, torch.bfloat16, torch.bfloat16)
+
+
+def reference(layer: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.bfloat16() @ W.bfloat16().T (+ bias) in float64, and each output's sum of |products| (its error scale)."""
+    xr, wr = x.bfloat16().double(), layer.weight.bfloat16().double()
+    bias = 0 if layer.bias is None else layer.bias.double()
+    return xr @ wr.T + bias, xr.abs() @ wr.abs().T + (0 if layer.bias is None else layer.bias.double().abs())
+
+
+def test_pair_panels_hold_each_column_s_pair_side_by_side():
+    weight = torch.arange(35 * 5, dtype=torch.float32).view(35, 5).bfloat16()  # 35 columns of 5 inputs
+    panels = kernels.to_pair_panels(weight)
+    assert panels.shape == (3, 3, 32)
+    for c in range(48):
+        for k in range(6):
+            value = panels[c // 16, k // 2, 2 * (c % 16) + k % 2]
+            assert value == (weight[c, k] if c < 35 and k < 5 else 0), (c, k)
+
+
+@pytest.mark.parametrize("on_path", PATHS, indirect=True)
+@pytest.mark.parametrize("in_features,out_features", SHAPES)
+def test_products_sum_the_rounded_operands(on_path, in_features, out_features):
+    layer, packed = bf16_linear(in_features, out_features)
+    assert packed.format == kernels.PAIR_PATHS[on_path] and packed.panels.dtype == torch.bfloat16
+    x = torch.randn(67, in_features)
+    exact, scale = reference(layer, x)
+    for rows in (1, 2, 3, 5, 12, 13, 17, 67):
+        out = packed(x[:rows])
+        assert out.dtype == torch.float32
+        # float32 sums of at most ~1600 exact products (bfloat16 x bfloat16 fits float32's mantissa): within 2e-6 of
+        # the sum of their magnitudes, per output (seen: below 1e-7)
+        assert ((out.double() - exact[:rows]).abs() <= 2e-6 * scale[:rows] + 1e-30).all(), rows
+    if in_features > 16:  # not vacuous: rounding the activations moves the outputs far past that tolerance
+        unrounded = x.double() @ layer.weight.bfloat16().double().T + layer.bias.double()
+        assert ((packed(x).double() - unrounded).abs() > 1e-4 * scale).any()
+
+
+@pytest.mark.parametrize("on_path", PATHS, indirect=True)
+@pytest.mark.parametrize("in_features,out_features", [(577, 100), (64, 1537)])
+def test_a_row_s_bits_do_not_depend_on_its_batch(on_path, in_features, out_features):
+    """A verify step's rows compute, bit for bit, what one-row decode steps do: each output one in-order sum over
+    the pairs of k whatever the tile (1-12 rows, 1-4 panels) that holds it."""
+    _, packed = bf16_linear(in_features, out_features, bias=False)
+    x = torch.randn(64, in_features)
+    alone = torch.cat([packed(x[i:i + 1]) for i in range(len(x))])
+    for num_rows in range(2, len(x) + 1):
+        assert torch.equal(packed(x[:num_rows]), alone[:num_rows]), num_rows
+    assert torch.equal(packed(x[37:50]), alone[37:50])  # rows in another place of the batch
+
+
+def test_without_kernels_torch_computes_over_the_rounded_operands(monkeypatch):
+    monkeypatch.setenv("DRAFTHEADS_KERNELS", "torch")
+    kernels.library.cache_clear()
+    try:
+        layer, packed = bf16_linear(40, 30)
+        assert packed.lib is None
+        x = torch.randn(5, 40)
+        exact, _ = reference(layer, x)
+        torch.testing.assert_close(packed(x).double(), exact, atol=1e-5, rtol=1e-5)
+    finally:
+        monkeypatch.undo()
+        kernels.library.cache_clear()
+
+
+def test_bfloat16_compute_needs_bfloat16_weights():
+    with pytest.raises(ValueError, match="bfloat16 over bfloat16 weights"):
+        kernels.PackedLinear(nn.Linear(8, 8), torch.float32, torch.bfloat16)
+
+
+def test_the_path_follows_the_cpu_s_flags(monkeypatch):
+    zen3 = parse_cpuinfo("processor\t: 0\nmodel name\t: AMD EPYC 7763\nflags\t\t: fpu sse avx2 fma\n")
+    zen4 = parse_cpuinfo("model name\t: AMD EPYC 9654\nflags\t\t: avx2 fma avx512f avx512_bf16\n")
+    assert zen3.model == "AMD EPYC 7763" and zen3.supports("widened") and not zen3.supports("avx512_bf16")
+    assert zen4.supports("avx512_bf16")
+    import serving.cpu_features as features
+    monkeypatch.setattr(features, "cpu_features", lambda: zen3)
+    assert features.bf16_path() == "widened"
+    assert "bfloat16 products: widened" in zen3.summary()
+    monkeypatch.setenv(BF16_PATH_ENV, "avx512_bf16")
+    with pytest.raises(ValueError, match="lacks"):
+        features.bf16_path()
+    monkeypatch.setattr(features, "cpu_features", lambda: zen4)
+    monkeypatch.setenv(BF16_PATH_ENV, "auto")
+    assert features.bf16_path() == "avx512_bf16"
+    monkeypatch.setenv(BF16_PATH_ENV, "amx")
+    with pytest.raises(ValueError, match="choose auto or one of"):
+        features.bf16_path()
+
+
+# ---- the mode in the engine -------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def hf_rounding_products(folder) -> nn.Module:
+    """transformers' float32 model computing what the mode computes: every linear layer's (the LM head's too)
+    weights rounded to bfloat16 once and its input rounded to bfloat16 at each call; all else float32."""
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf.lm_head.weight = nn.Parameter(hf.lm_head.weight.detach().clone())  # untied: the embedding stays unrounded
+    for module in [*hf.model.layers.modules(), hf.lm_head]:
+        if isinstance(module, nn.Linear):
+            module.weight.copy_(module.weight.bfloat16().float())
+            module.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(),))
+    return hf
+
+
+@pytest.mark.parametrize("on_path", PATHS, indirect=True)
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+def test_logits_are_transformers_with_bfloat16_products(fixture, on_path, request):
+    folder = request.getfixturevalue(fixture)
+    model = Model.from_folder(folder, weights=torch.bfloat16, compute=torch.bfloat16)
+    linears = [m for m in model.modules() if isinstance(m, kernels.PackedLinear)] + [model.packed_lm_head]
+    assert all(m.format == kernels.PAIR_PATHS[on_path] for m in linears)
+    seqs = make_sequences(SEQ_LENS, seed=3)
+    same_products = hf_reference(hf_rounding_products(folder), seqs)
+    hf_bf16 = hf_reference(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval(), seqs)
+    run = PagedRun(model, seqs, 3)
+    for plan in ([(0, 40), (1, 7)], [(1, 13), (0, 1), (2, 30)], [(2, 1), (0, 1), (1, 1)]):
+        out, where = run.step(plan)
+        assert out.logits.dtype == torch.float32
+        # the same rounded operands, float32 sums in another order: within 1e-7 where no input's rounding to
+        # bfloat16 flips on a last-bit difference upstream; a flip moves that input by 2^-8 and what follows it, so
+        # over these random models' logits (magnitude ~0.5): at most 5e-3 anywhere, 2.5e-4 on average (seen: 1.8e-3,
+        # 1.6e-4 in a 40-token prefill; transformers with bfloat16 weights alone is 3e-4 away on average)
+        diff = (out.logits - expected_logits(same_products, where)).abs()
+        assert diff.max() <= 5e-3 and diff.mean() <= 2.5e-4
+        # transformers in bfloat16 rounds every activation, the residual stream and the logits too: within 2% of the
+        # largest logit (seen: below 1%)
+        bf16 = expected_logits(hf_bf16, where)
+        assert (out.logits - bf16).abs().max() <= 0.02 * max(1.0, bf16.abs().max().item())
+
+
+def bf16_engine(folder, spec=None, **kwargs):
+    return make_engine(folder, spec, dtype="bfloat16", **kwargs)
+
+
+MAX_TOKENS = 24
+_PLAIN: dict = {}
+
+
+def plain_bf16(folder, path, concurrency=1) -> list[list[int]]:
+    """Plain decoding's outputs in the mode, scheduled as the speculative run is (its prefill chunks)."""
+    key = (str(folder), path, concurrency)
+    if key not in _PLAIN:
+        engine = bf16_engine(folder, **SCENARIOS[concurrency])
+        _PLAIN[key] = [o.token_ids for o in engine.generate(PROMPTS, greedy(MAX_TOKENS))]
+    return _PLAIN[key]
+
+
+@pytest.mark.parametrize("on_path", PATHS, indirect=True)
+def test_the_engine_runs_the_mode_around_a_float32_residual_stream(tiny_llama, on_path):
+    engine = bf16_engine(tiny_llama)
+    assert engine.compute == torch.bfloat16 and engine.dtype == torch.float32  # residual stream, K/V, logits
+    assert engine.cache.k.dtype == torch.float32
+    assert engine.model.packed_lm_head.format == kernels.PAIR_PATHS[on_path]
+    assert ("vdpbf16ps" if on_path == "avx512_bf16" else "widened") in engine.products
+    float32 = [o.token_ids for o in make_engine(tiny_llama).generate(PROMPTS, greedy(MAX_TOKENS))]
+    bf16 = [o.token_ids for o in engine.generate(PROMPTS, greedy(MAX_TOKENS))]
+    assert float32 != bf16  # the mode decodes otherwise than float32
+
+
+SPECS = {
+    "ngram": lambda folder, root: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                   "prompt_lookup_max": 2},
+    "eagle3-chain": lambda folder, root: spec_config("eagle3", random_head_dir("eagle3", folder, root)),
+    "eagle-chain": lambda folder, root: spec_config("eagle", random_head_dir("eagle", folder, root)),
+    "eagle3-tree": lambda folder, root: dict(spec_config("eagle3", random_head_dir("eagle3", folder, root)), topk=3,
+                                             num_draft_tokens=8),
+}
+
+
+# Under preemption a request's prefix is prefilled again, in other chunks than plain decoding's run prefilled it, and
+# long queries attend through torch's sdpa, whose float32 sums depend on the chunk in the last bit; in float32 that
+# almost never moves an argmax, but rounding the next product's input to bfloat16 turns it into a 2^-8 step now and
+# then. Identity there needs a chunk-invariant prefill attention, which the engine does not have yet.
+PREEMPTED = pytest.mark.xfail(reason="prefill attention (torch sdpa) is not chunk-invariant; see the comment above",
+                              strict=False)
+
+
+@pytest.mark.parametrize("on_path", PATHS, indirect=True)
+@pytest.mark.parametrize("concurrency", [1, pytest.param(8, marks=PREEMPTED)])
+@pytest.mark.parametrize("drafter", list(SPECS))
+def test_speculation_reproduces_plain_greedy_in_the_mode(drafter, concurrency, on_path, tiny_llama, tmp_path_factory):
+    engine = bf16_engine(tiny_llama, SPECS[drafter](tiny_llama, tmp_path_factory.mktemp("heads")),
+                         **SCENARIOS[concurrency])
+    outputs = engine.generate(PROMPTS, greedy(MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == plain_bf16(tiny_llama, on_path, concurrency)
+    assert_pool_idle(engine)
+    assert sum(engine.speculator.stats.proposed) > 0, "nothing was drafted: the case tests nothing"
+    if concurrency == 8:
+        assert sum(o.metrics["num_preemptions"] for o in outputs) > 0
+
+
+@pytest.mark.skipif(kernels.library() is None, reason="the kernels do not build here")
+def test_an_avx2_build_loads_and_widens_as_the_avx512_build_does(monkeypatch, tmp_path):
+    """The library built for an AVX2-only CPU (Zen 3: no -mavx512f) still holds the dot products under their own
+    target attribute and loads; its widened path sums each output in the same order as the AVX-512 build's (6-row
+    tiles instead of 12), so the same bits."""
+    monkeypatch.setenv(BF16_PATH_ENV, "widened")
+    _, wide512 = bf16_linear(577, 100)
+    x = torch.randn(17, 577)
+    expected = wide512(x)
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "compile_flags", lambda: kernels.FLAGS)
+    kernels.library.cache_clear()
+    try:
+        layer, wide2 = bf16_linear(577, 100)
+        assert wide2.lib is not None and wide2.lib is not wide512.lib
+        assert torch.equal(wide2(x), expected)
+        for i in (0, 5, 16):
+            assert torch.equal(wide2(x[i:i + 1]), expected[i:i + 1])
+    finally:
+        monkeypatch.undo()
+        kernels.library.cache_clear()
