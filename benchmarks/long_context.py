@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
-from benchmarks.head_fits import run_fit
+from benchmarks.head_fits import prepare, run_fit
 from serving.bench.prompts import load_prompts
 from training import demo
 
@@ -115,11 +114,7 @@ def to_markdown(rows: list[dict]) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    os.nice(max(0, args.nice - os.nice(0)))
-    os.environ.setdefault("WANDB_MODE", "disabled")
-    args.precision = args.precision or demo.fit_precision()
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare(args)
     start = time.perf_counter()
     if not Path(args.store).exists():
         make_store(args)
