@@ -102,12 +102,12 @@ def new_head(kind, parts, seed, *, draft_vocab=None, own_lm_head=False, **fields
     raise AssertionError(kind)
 
 
-def chain_mtp(folder, depth):
+def chain_mtp(folder, depth, draft_window=0):
     """A new MTP head for the target in `folder` served as a chain (module j drafts token j + 1), seeded: a test's
     head must not depend on what the tests before it drew."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        return heads.Mtp.from_target(target_parts(folder), depth=depth, serve_mode="chain")
+        return heads.Mtp.from_target(target_parts(folder), depth=depth, serve_mode="chain", draft_window=draft_window)
 
 
 @torch.no_grad()
@@ -889,13 +889,13 @@ def test_trees_from_an_mtp_chain_are_a_clear_error(tiny_llama, tmp_path):
 @torch.no_grad()
 def dense_chain_drafts(head, states, tokens, num_drafts):
     """Module s over every position t in [0, T-2] with the pairs (h^s_t, y_{t+s+1}), y = tokens then the drafts
-    so far, dense causal attention; draft s + 1 from its output at T-2. h^0 is the target's final hidden state.
-    Returns the drafts and their logits."""
+    so far, dense causal attention (within the head's draft_window); draft s + 1 from its output at T-2. h^0 is the
+    target's final hidden state. Returns the drafts and their logits."""
     T = len(tokens)
     y, features, drafts, all_logits = list(tokens), states[-1][:T - 1], [], []
     for s in range(num_drafts):
         out = head.forward_module(s, torch.tensor(y[s + 1:T + s])[None], features[None], torch.arange(T - 1)[None],
-                                  DenseCausalAttention())[0]  # [T-1, hidden]
+                                  DenseCausalAttention(window=head.config.draft_window))[0]  # [T-1, hidden]
         logits = head.logits(s, out[-1])
         token = int(logits.argmax())
         drafts.append(token)
@@ -905,10 +905,13 @@ def dense_chain_drafts(head, states, tokens, num_drafts):
     return drafts, all_logits
 
 
-@pytest.mark.parametrize("concurrency, num_blocks", [(1, 64), (8, 48)])
-def test_mtp_chain_drafts_equal_dense_chain_and_outputs_equal_plain(tiny_llama, heads_root, concurrency, num_blocks):
-    head = perturb(chain_mtp(tiny_llama, K), seed=13)
-    head_dir = str(heads.save(head, heads_root / "mtp-chain"))
+@pytest.mark.parametrize("concurrency, num_blocks, draft_window", [(1, 64, 0), (8, 48, 0), (8, 48, 5)])
+def test_mtp_chain_drafts_equal_dense_chain_and_outputs_equal_plain(tiny_llama, heads_root, concurrency, num_blocks,
+                                                                    draft_window):
+    """Module j drafts token j + 1 as the dense chain does (with draft_window 5: every module's pooled K/V within
+    it), and greedy outputs stay plain decoding's under preemption."""
+    head = perturb(chain_mtp(tiny_llama, K, draft_window), seed=13)
+    head_dir = str(heads.save(head, heads_root / f"mtp-chain-{draft_window}"))
     prompts = random_prompts([5, 23, 9, 40, 3, 17, 31, 12][:concurrency], seed=45)
     engine = make_engine(tiny_llama, spec_config("mtp", head_dir), num_blocks=num_blocks, max_num_batched_tokens=24)
     proposals = record_proposals(engine)
