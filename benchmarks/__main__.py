@@ -95,6 +95,9 @@ TABLES = {
     "losses": Table("training.md", "the token losses side by side", (
         "-m", "benchmarks.losses", "--store", "data/demo-smollm2-135m-instruct", "--token-map",
         "runs/token_map-4096.pt", "--out", "runs/losses", "--epochs", "2")),
+    "long-context": Table("training.md", "EAGLE-3 at ~4k-token prompts with and without a draft window", (
+        "-m", "benchmarks.long_context", "--store", "data/long-context-store", "--out", "runs/long-context",
+        "--window", "256")),
     "gpu": Table("gpu.md", "every method on a CUDA device against transformers", ("-m", "benchmarks.device")),
     "capture": Table("targets.md", "the capture backends side by side: engine, transformers, vLLM",
                      ("-m", "benchmarks.capture", "--num-prompts", "16")),

@@ -147,17 +147,24 @@ def to_markdown(rows: list[dict], columns: list[Column], tau_format: str) -> str
     return "\n".join(lines) + "\n"
 
 
+def prepare(args) -> Path:
+    """What every sweep starts with: this process at --nice, W&B off, the demo's precision unless --precision says
+    otherwise; returns --out, made."""
+    os.nice(max(0, args.nice - os.nice(0)))
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    args.precision = args.precision or demo.fit_precision()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def run(name: str, args, fit: Callable[[Path], dict], columns: list[Column], tau_format: str = ".3f", *,
         benched: bool = True, keep_taus: bool = False) -> dict:
     """The sweep: at --nice, without W&B, at the demo's precision unless --precision says otherwise. `fit(out)` fits
     every configuration and returns {"rows": one dict per head (kind, head, its metrics, ...)} plus any fields the
     report keeps; unless `benched` is False (fits only: returns the rows), the heads are benched and the report
     written to out/<name>.json and, as a table of `columns` and the metrics (to_markdown), out/<name>.md."""
-    os.nice(max(0, args.nice - os.nice(0)))
-    os.environ.setdefault("WANDB_MODE", "disabled")
-    args.precision = args.precision or demo.fit_precision()
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare(args)
     start = time.perf_counter()
     fitted = fit(out)
     if not benched:

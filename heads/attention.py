@@ -44,19 +44,36 @@ def _sdpa_with_sinks(q, k, v, mask, is_causal, scale, sinks):
     return (weights @ values).transpose(1, 2)
 
 
-class DenseCausalAttention:
-    """Causal attention over [B, S] sequences; `padding_mask` [B, S] (True for real tokens) hides padded keys."""
+def in_window(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[..., Q, K] bool: True where a key lies in the sliding window of a query, key position > query position -
+    window (the query's own position included); every key where window is 0."""
+    if not window:
+        return torch.ones(query_positions.shape[-1], key_positions.shape[-1], dtype=torch.bool,
+                          device=query_positions.device)
+    return key_positions[..., None, :] > query_positions[..., :, None] - window
 
-    def __init__(self, padding_mask: torch.Tensor | None = None):
-        self.mask = None
+
+def causal_mask(num_positions: int, window: int = 0, device=None) -> torch.Tensor:
+    """[S, S] bool: row i sees key j <= i, and j > i - window where window is set."""
+    positions = torch.arange(num_positions, device=device)
+    return (positions[None, :] <= positions[:, None]) & in_window(positions, positions, window)
+
+
+class DenseCausalAttention:
+    """Causal attention over [B, S] sequences; `padding_mask` [B, S] (True for real tokens) hides padded keys;
+    `window` > 0 limits each row to the keys of its sliding window (in_window)."""
+
+    def __init__(self, padding_mask: torch.Tensor | None = None, window: int = 0):
+        self.mask, self.window = None, window
         if padding_mask is not None:
-            seq = padding_mask.shape[1]
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=padding_mask.device).tril()
-            self.mask = causal[None] & padding_mask[:, None, :]
+            self.mask = causal_mask(padding_mask.shape[1], window, padding_mask.device)[None] & padding_mask[:, None, :]
             self.mask[..., 0] |= ~self.mask.any(-1)  # fully padded rows attend somewhere, never NaN
 
     def __call__(self, layer_idx, q, k, v):
-        return sdpa_gqa(q, k, v, self.mask, is_causal=self.mask is None)
+        mask = self.mask
+        if mask is None and self.window:
+            mask = causal_mask(q.shape[1], self.window, q.device)[None]
+        return sdpa_gqa(q, k, v, mask, is_causal=mask is None)
 
 
 class DenseContextAttention:

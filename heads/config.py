@@ -16,6 +16,8 @@ SIZE_FIELDS = {"hidden_size": "hidden_size", "vocab_size": "vocab_size", "num_la
 @dataclass
 class HeadConfig:
     kind: ClassVar[str] = ""
+    # whether the kind's draft layers run with a sliding window when draft_window asks (EAGLE-1, EAGLE-3, MTP, P-EAGLE)
+    takes_draft_window: ClassVar[bool] = True
 
     hidden_size: int
     vocab_size: int
@@ -38,6 +40,9 @@ class HeadConfig:
     # Medusa, EAGLE-1, MTP: the head drafts among this many target tokens, their ids the checkpoint's `token_map`
     # tensor (heads/token_map.py); 0: the whole vocabulary
     token_map_size: int = 0
+    # the draft layers' sliding window: keys a row at position p sees are those at positions > p - draft_window (the
+    # row's own included), as a target's sliding-window layer and vLLM's `sliding_window`; 0: every key (full attention)
+    draft_window: int = 0
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
@@ -58,6 +63,13 @@ class HeadConfig:
         size = self.token_map_size
         if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= self.vocab_size:
             raise ValueError(f"token_map_size={size!r} must be an integer in [0, vocab_size={self.vocab_size}] (0: no map)")
+        window = self.draft_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"draft_window={window!r} must be an integer >= 0 (keys a draft row sees back from itself; "
+                             "0: full attention)")
+        if window and not self.takes_draft_window:
+            raise ValueError(f"draft_window={window}: a {self.kind} head has no windowed draft layer (EAGLE-1, "
+                             "EAGLE-3, MTP and P-EAGLE heads do); leave draft_window 0")
         recorded = self.mismatches(self.target_fingerprint)
         if recorded:
             raise ValueError(f"target_fingerprint disagrees with the head's own sizes: {'; '.join(recorded)}")

@@ -41,6 +41,7 @@ def spaced_layers(num_target_layers: int, num_layers: int) -> tuple[int, ...]:
 @dataclass
 class DFlashConfig(HeadConfig):
     kind = "dflash"
+    takes_draft_window = False
 
     num_layers: int = 1  # drafter decoder layers
     target_layers: tuple[int, ...] = ()  # inputs of these target layers, fused; (): z-lab's spacing

@@ -22,6 +22,7 @@ from heads.draft_head import DraftHead
 @dataclass
 class MedusaConfig(HeadConfig):
     kind = "medusa"
+    takes_draft_window = False
 
     num_heads: int = 4  # k: head i predicts x_{t+2+i}
     num_layers: int = 1  # residual blocks per head

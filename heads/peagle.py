@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from heads.attention import in_window
 from heads.eagle3 import Eagle3, Eagle3Config
 
 
@@ -86,14 +87,17 @@ class Peagle(Eagle3):
         return logits + self.markov_bias(self.markov_rows(previous)).to(logits.dtype)
 
 
-def block_mask(anchors: torch.Tensor, depths: torch.Tensor, is_real: torch.Tensor) -> torch.Tensor:
+def block_mask(anchors: torch.Tensor, depths: torch.Tensor, is_real: torch.Tensor, window: int = 0) -> torch.Tensor:
     """anchors, depths: [..., N] each element's anchor t and depth d (position t + d); is_real: [..., N] False for
     padding. -> [..., N, N] bool, True where query element i attends to key element j: j at depth 0 with anchor <= i's,
-    or j in i's rollout (same anchor) at a depth <= i's. Padding keys are never seen; a row that sees nothing sees key
-    0, so that its softmax stays finite."""
+    or j in i's rollout (same anchor) at a depth <= i's; with a `window` (the head's draft_window), only keys in i's
+    sliding window (heads.attention.in_window, by position). Padding keys are never seen; a row that sees nothing sees
+    key 0, so that its softmax stays finite."""
     a_q, a_k = anchors[..., :, None], anchors[..., None, :]
     d_q, d_k = depths[..., :, None], depths[..., None, :]
     mask = ((d_k == 0) & (a_k <= a_q)) | ((a_k == a_q) & (d_k <= d_q))
     mask &= is_real[..., None, :]
+    if window:
+        mask &= in_window(anchors + depths, anchors + depths, window)
     mask[..., 0] |= ~mask.any(-1)
     return mask

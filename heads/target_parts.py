@@ -2,7 +2,8 @@
 target's numbers a head copies into its config (layer sizes, rope settings, layer and vocabulary counts).
 
 `load_target_parts` reads only those three tensors and config.json from a Hugging Face folder, so a head can
-train or draft without loading the target's decoder layers.
+train or draft without loading the target's decoder layers. A multimodal checkpoint's language model is read the
+same way (heads/text_model.py: its `text_config`, its tensors under a prefix).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 from heads.hf_folder import read_config, read_tensors
 from heads.layer import LayerConfig, RMSNorm
 from heads.rope import rope_settings
+from heads.text_model import TEXT_PREFIXES, checkpoint_names, text_config
 
 EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 # Families whose RMSNorms scale by (offset + w): their norm weights are stored as w, and loaded as offset + w.
@@ -55,17 +57,17 @@ class TargetParts(nn.Module):
 
 def load_target_parts(folder, dtype: torch.dtype = torch.float32, device="cpu",
                       fingerprint: dict | None = None, weights: bool = True) -> TargetParts:
-    """Embedding, final norm and LM head of the Hugging Face model in `folder`; the LM head is the embedding
-    when config.json ties them or the weights hold no lm_head.weight. weights=False reads config.json only and
-    leaves the embedding and LM head on the meta device, for a caller that puts in tensors it already holds."""
+    """Embedding, final norm and LM head of the Hugging Face model in `folder` (a multimodal one's language
+    model); the LM head is the embedding when config.json ties them or the weights hold no LM head. weights=False
+    reads config.json only and leaves the embedding and LM head on the meta device, for a caller that puts in
+    tensors it already holds."""
     folder = Path(folder)
-    config = read_config(folder, "a target is a Hugging Face model folder")
-    tensors = {}
-    if weights:
-        tensors = read_tensors(folder, (EMBED, NORM, LM_HEAD))
-        for name in (EMBED, NORM):
-            if name not in tensors:
-                raise ValueError(f"{folder}: no tensor {name} in its *.safetensors files")
+    config = text_config(read_config(folder, "a target is a Hugging Face model folder"))
+    tensors = read_text_tensors(folder, (EMBED, NORM, LM_HEAD)) if weights else {}
+    missing = [name for name in (EMBED, NORM) if weights and name not in tensors]
+    if missing:
+        raise ValueError(f"{folder}: no tensor {missing[0]} in its *.safetensors files, nor under the prefixes of a "
+                         f"multimodal checkpoint ({', '.join(prefix for prefix, _ in TEXT_PREFIXES)})")
     rope_theta, rope_scaling = rope_settings(config)
     tie = config.get("tie_word_embeddings", False) or (weights and LM_HEAD not in tensors)
     parts = TargetParts(
@@ -93,3 +95,12 @@ def load_target_parts(folder, dtype: torch.dtype = torch.float32, device="cpu",
             param.copy_(tensors[name])
         parts.norm.weight += NORM_OFFSETS.get(config.get("model_type"), 0.0)
     return parts.to(device=device, dtype=dtype)
+
+
+def read_text_tensors(folder, names) -> dict:
+    """The causal LM's tensors `names` from `folder`, whichever of TEXT_PREFIXES' names the checkpoint gives them
+    (the first found); a name found under none is left out."""
+    candidates = {name: checkpoint_names(name) for name in names}
+    held = read_tensors(folder, [found for options in candidates.values() for found in options])
+    return {name: next(held[found] for found in options if found in held)
+            for name, options in candidates.items() if any(found in held for found in options)}

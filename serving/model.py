@@ -13,6 +13,7 @@ from heads.hf_folder import read_config, read_tensors
 from heads.layer import DecoderLayer, LayerConfig, MoeConfig, RMSNorm
 from heads.rope import Rope, local_rope_settings, rope_settings
 from heads.target_parts import NORM_OFFSETS
+from heads.text_model import TEXT_ARCHITECTURES, is_multimodal, text_architecture, text_config, text_name
 from serving.attention import AttentionPath, PagedAttention
 from serving.kernels import FusedRMSNorm, KernelForward, KernelLayer, PackedLinear, for_inference, kernel_layers
 from serving.targets import generation_limits
@@ -119,14 +120,18 @@ class ModelConfig:
     embed_scale: float = 1.0  # the embedding's multiplier (Gemma: sqrt(hidden_size))
     norm_offset: float = 0.0  # added to every RMSNorm weight at load (Gemma's norms scale by 1 + w)
     model_type: str = ""
+    multimodal: bool = False  # the language model of a multimodal checkpoint: its other tensors are not loaded
 
     @classmethod
     def from_folder(cls, folder) -> "ModelConfig":
         folder = Path(folder)
-        config = read_config(folder)
-        architecture = (config.get("architectures") or ["?"])[0]
+        top = read_config(folder)
+        architecture, config = text_architecture(top), text_config(top)
         if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"{folder}: the engine does not run {architecture} (it runs "
+            multimodal = (f" (the language model of this multimodal checkpoint is {config.get('model_type')!r}; the "
+                          f"engine runs the language model of {', '.join(TEXT_ARCHITECTURES)} checkpoints)"
+                          if is_multimodal(top) else "")
+            raise ValueError(f"{folder}: the engine does not run {architecture}{multimodal} (it runs "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}). Heads for it train all the same: capture the "
                              "store's hidden states with `draftheads generate --capture transformers` (or vllm) over "
                              "answers from --endpoint or --answers dataset, and serve the exported head in vLLM")
@@ -148,6 +153,7 @@ class ModelConfig:
             embed_scale=config["hidden_size"] ** 0.5 if is_gemma else 1.0,
             norm_offset=NORM_OFFSETS.get(config["model_type"], 0.0),
             model_type=config["model_type"],
+            multimodal=is_multimodal(top),
         )
 
 
@@ -225,6 +231,10 @@ class Model(nn.Module):
         shards: dict[str, dict[int, torch.Tensor]] = {}
         weight_map = WEIGHT_MAPS.get(self.config.model_type, WEIGHT_MAP)
         for hf_name, tensor in read_tensors(folder).items():
+            if self.config.multimodal:  # the language model's tensors under their causal LM names; no vision tower
+                hf_name = text_name(hf_name)
+                if hf_name is None:
+                    continue
             experts = gpt_oss_experts(hf_name, tensor) if self.config.model_type == "gpt_oss" else None
             if experts is not None:
                 shards.update({name: {0: part} for name, part in experts.items()})

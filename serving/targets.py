@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from heads.hf_folder import CONFIG_FILE, read_config, tensor_shapes
+from heads.text_model import text_architecture, text_config
 from serving.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
@@ -87,9 +88,10 @@ def resolve(name: str) -> Path:
 
 
 def fingerprint(folder: str | Path) -> dict:
-    """Architecture, sizes and vocabulary hash of a target: what a head or store must agree with."""
+    """Architecture, sizes and vocabulary hash of a target (a multimodal one's language model): what a head or store
+    must agree with."""
     folder = Path(folder)
-    config = read_config(folder)
+    config = text_config(read_config(folder))
     num_heads = config["num_attention_heads"]
     fields = dict(
         architecture=config["model_type"],
@@ -108,9 +110,9 @@ def fingerprint(folder: str | Path) -> dict:
 
 
 def architecture(folder: str | Path) -> str:
-    """The target's class name in transformers (config.json's first `architectures` entry, else its model_type)."""
-    config = read_config(folder)
-    return (config.get("architectures") or [config["model_type"]])[0]
+    """The transformers class whose layers the target has (config.json's first `architectures` entry, else its
+    model_type; the causal LM of a multimodal checkpoint's language model where heads.text_model knows it)."""
+    return text_architecture(read_config(folder))
 
 
 def generation_limits(folder: str | Path) -> tuple[list[int], int]:
@@ -118,7 +120,7 @@ def generation_limits(folder: str | Path) -> tuple[list[int], int]:
     family: multimodal configs nest the language model's fields under `text_config`."""
     folder = Path(folder)
     config = read_config(folder)
-    text = config.get("text_config", config)
+    text = text_config(config)
     eos = config.get("eos_token_id", text.get("eos_token_id"))
     generation = folder / "generation_config.json"
     if generation.exists():
@@ -130,12 +132,13 @@ def generation_limits(folder: str | Path) -> tuple[list[int], int]:
 def target_info(name: str) -> dict:
     """What `draftheads info --target NAME` prints: where the target lives, its shape, dtype and fingerprint."""
     folder = resolve(name)
-    config = read_config(folder)
+    top = read_config(folder)
+    config = text_config(top)
     num_heads = config["num_attention_heads"]
     return dict(
         name=name,
         folder=str(folder),
-        architecture=(config.get("architectures") or [config["model_type"]])[0],
+        architecture=(top.get("architectures") or [top["model_type"]])[0],
         model_type=config["model_type"],
         num_layers=config["num_hidden_layers"],
         hidden_size=config["hidden_size"],
@@ -146,7 +149,7 @@ def target_info(name: str) -> dict:
         vocab_size=config["vocab_size"],
         max_position_embeddings=config.get("max_position_embeddings"),
         tie_word_embeddings=config.get("tie_word_embeddings", False),
-        dtype=config.get("dtype") or config.get("torch_dtype"),
+        dtype=top.get("dtype") or top.get("torch_dtype"),
         num_parameters=_num_parameters(folder),
         has_chat_template=_has_chat_template(folder),
         fingerprint=fingerprint(folder),

@@ -124,3 +124,23 @@ def tiny_qwen3_moe(tmp_path_factory):
     """Qwen3-MoE: 8 experts, each row through its top 2 (weights renormalised), layer 1 dense (mlp_only_layers)."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", num_experts=8,
                             num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_multimodal(tmp_path_factory, tiny_gemma3):
+    """Gemma3ForConditionalGeneration as transformers saves it (config.json's `text_config`, the language model's
+    tensors under `language_model.`, a vision tower and projector beside it) whose language model is tiny_gemma3."""
+    from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = AutoModelForCausalLM.from_pretrained(tiny_gemma3, dtype=torch.float32)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text.config.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=255, boi_token_index=253, eoi_token_index=254)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Gemma3ForConditionalGeneration(config)
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    folder = tmp_path_factory.mktemp("tiny_gemma3_multimodal")
+    model.save_pretrained(folder)
+    return folder

@@ -101,6 +101,9 @@ class Layout:
     `kind` and `format` are filled in by the Format that holds it."""
     architecture: str | None
     names: Names
+    # its draft layer runs with a sliding window where config.json's layer_types says sliding_attention, of
+    # sliding_window keys (vLLM's Llama attention reads them so in its EAGLE-3 drafter, speculators' trainer too)
+    draft_window: bool = False
     kind: str = field(default="", init=False)
     format: Format = field(default=None, init=False, repr=False, compare=False)
 
@@ -111,6 +114,35 @@ class Layout:
     def kind_fields(self, config: dict, where: str) -> dict:
         """Our head config's fields (those of its kind, and intermediate_size) from their flat config.json."""
         raise NotImplementedError
+
+    def window_fields(self, config: dict, where: str) -> dict:
+        """draft_window from their flat config.json's layer_types and sliding_window (none: full attention)."""
+        types = config.get("layer_types") or []
+        if "sliding_attention" not in types:
+            return {}
+        if not self.draft_window:
+            raise ValueError(f"{where}: its layer_types asks for a sliding window, which the {self.source} {self.kind} "
+                             "layer does not run: import it --from vllm or speculators (EAGLE-3, P-EAGLE)")
+        if set(types) != {"sliding_attention"} or not config.get("sliding_window"):
+            raise ValueError(f"{where}: layer_types {types} with sliding_window {config.get('sliding_window')!r}: "
+                             "this project's heads have one draft layer, windowed (sliding_attention with a "
+                             "positive sliding_window) or not")
+        return {"draft_window": config["sliding_window"]}
+
+    def layer_window(self, head) -> dict:
+        """Their config.json's window fields of the head's layer (none for full attention); a windowed head is
+        refused where the format's layer has no window."""
+        window = head.config.draft_window
+        if not window:
+            return {}
+        if not self.draft_window:
+            raise ValueError(f"this {self.kind} head drafts with draft_window={window}, which the {self.source} "
+                             f"{self.kind} layer does not run: "
+                             + ("vLLM's EAGLE-1 drafter reads layer_types at its layer's id after the target's, out of "
+                                "range, so it cannot load it; " if (self.kind, self.source) == ("eagle", "vllm") else "")
+                             + "serve it with this engine, export an EAGLE-3 or P-EAGLE head --format vllm or "
+                             "speculators, or train with draft_window 0")
+        return {"sliding_window": window, "layer_types": ["sliding_attention"]}
 
     def fill(self, config: dict, head_config, theirs: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
         """Their tensors completed with what the format leaves implicit (for the head config `head_config` read
@@ -539,7 +571,7 @@ class DFlashLayout(Layout):
 
 VLLM = Format("vllm", captures_sorted=True, eagle3_norms=EAGLE3_NORMS, layouts={
     "eagle": EagleLayout("EagleLlamaForCausalLM", EAGLE, fc_bias=False),
-    "eagle3": Eagle3Layout("LlamaForCausalLMEagle3", EAGLE3, reads_embedding=True),
+    "eagle3": Eagle3Layout("LlamaForCausalLMEagle3", EAGLE3, reads_embedding=True, draft_window=True),
     "medusa": MedusaLayout("MedusaModel", MEDUSA_VLLM),
 })
 SGLANG = Format("sglang", layer_offset=-1, layouts={
@@ -554,9 +586,9 @@ SPECULATORS = Format("speculators", captures_sorted=True, eagle3_norms=EAGLE3_NO
     "eagle": EagleLayout("EagleSpeculator", EAGLE_SPECULATORS, fc_bias="fusion_bias", absent={
         "layernorms": "norms after the embedding, the fusion and before the LM head"}),
     "eagle3": Eagle3Layout("Eagle3Speculator", EAGLE3_SPECULATORS, eagle_config=False, distinct_aux=True,
-                           reads_embedding=True, carries_embedding=True),
+                           reads_embedding=True, carries_embedding=True, draft_window=True),
     "peagle": PeagleLayout("PEagleSpeculator", PEAGLE_SPECULATORS, eagle_config=False, distinct_aux=True,
-                           reads_embedding=True, carries_embedding=True),
+                           reads_embedding=True, carries_embedding=True, draft_window=True),
     "dflash": DFlashLayout("DFlashSpeculator", DFLASH, carries_target=True, keys={
         "target_layers": ("aux_hidden_state_layer_ids",), "block_size": ("block_size",),
         "mask_token_id": ("mask_token_id",)}, refused={"sample_from_anchor": "DSpark's slot 0 drafts too"},

@@ -94,7 +94,8 @@ def import_head(src, kind: str, target, source: str | None = None) -> tuple[Draf
     theirs = _read_tensors(src)
     try:
         head_config = cls.config_class.from_target(parts, **layout.kind_fields(config, where),
-                                                   **layout.tensor_fields(theirs, parts, where))
+                                                   **layout.tensor_fields(theirs, parts, where),
+                                                   **layout.window_fields(config, where))
     except (TypeError, ValueError) as error:
         raise ValueError(f"{where}: its config.json does not make a {kind} head for this target: {error}") from None
     with torch.device("cpu"):

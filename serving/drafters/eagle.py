@@ -52,8 +52,9 @@ class EagleDrafter(DeferredDrafter):
         self.num_scratch = self.scratch_rows(config)
         self.scratch_start = runner.cache.num_blocks * runner.block_size
         num_scratch_blocks = -(-self.max_requests * self.num_scratch // runner.block_size)
+        # the head's draft_window, if any, applies by position to catch-up and tree rows alike, as in training
         self.cache = KVCache(1, runner.cache.num_blocks + num_scratch_blocks, runner.block_size, layer.num_kv_heads,
-                             layer.head_dim, runner.dtype, runner.device)
+                             layer.head_dim, runner.dtype, runner.device, windows=(head.config.draft_window,))
 
     def scratch_rows(self, config) -> int:
         """Scratch slots per request drafted: one per node expanded."""

@@ -60,7 +60,7 @@ class MtpChainDrafter(Drafter):
         self.token_map = token_map
         layer, runner = head.config.layer_config(), ctx.runner
         self.cache = KVCache(self.depth, runner.cache.num_blocks, runner.block_size, layer.num_kv_heads, layer.head_dim,
-                             runner.dtype, runner.device)
+                             runner.dtype, runner.device, windows=(head.config.draft_window,) * self.depth)
         self.device = runner.device
         self.num_lookahead = self.depth  # module j's K/V at position p depends on token p + j + 1
 

@@ -61,6 +61,26 @@ def test_block_mask_equals_a_hand_built_one():
     assert torch.equal(block_mask(anchors, depths, is_real), expected)
 
 
+def test_block_mask_with_a_window_sees_only_the_keys_of_each_rows_window():
+    """Window 2 over the hand-built block above: element (t, d) sits at position t + d and sees only keys at
+    positions t + d - 1 and t + d, of those block_mask allows."""
+    anchors = torch.tensor([0, 1, 2, 3, 1, 2, 1, 0])
+    depths = torch.tensor([0, 0, 0, 0, 1, 1, 2, 0])
+    is_real = torch.tensor([True] * 7 + [False])
+    expected = torch.tensor([
+        # 0  1  2  3 11 21 12 pad (positions 0 1 2 3 2 3 3)
+        [1, 0, 0, 0, 0, 0, 0, 0],  # (0, 0) at 0
+        [1, 1, 0, 0, 0, 0, 0, 0],  # (1, 0) at 1
+        [0, 1, 1, 0, 0, 0, 0, 0],  # (2, 0) at 2
+        [0, 0, 1, 1, 0, 0, 0, 0],  # (3, 0) at 3
+        [0, 1, 0, 0, 1, 0, 0, 0],  # (1, 1) at 2: anchor 1 and itself
+        [0, 0, 1, 0, 0, 1, 0, 0],  # (2, 1) at 3
+        [0, 0, 0, 0, 1, 0, 1, 0],  # (1, 2) at 3: (1, 1) and itself; the context at 0..1 lies outside
+        [1, 0, 0, 0, 0, 0, 0, 0],  # padding row: key 0 only
+    ], dtype=torch.bool)
+    assert torch.equal(block_mask(anchors, depths, is_real, window=2), expected)
+
+
 def test_a_placeholder_row_sees_its_context_and_rollout_only(llama_parts):
     head = Peagle.from_target(llama_parts, mask_token_id=5, num_depths=3, aux_layers=(0, 1, 3))
     generator = torch.Generator().manual_seed(0)

@@ -217,6 +217,28 @@ def test_vllm_serves_eagle31_norms_with_our_outputs_and_acceptance(norms, layout
             compare(target, trained, spec, server, prompt_ids, plain)
 
 
+@pytest.mark.parametrize("layout", ["vllm", "speculators"])
+def test_vllm_serves_a_windowed_eagle3_head_with_our_outputs_and_acceptance(layout, workspace, prompt_ids, plain):
+    """An EAGLE-3 head trained with draft_window 8 (fewer keys than any prompt), exported with layer_types
+    ["sliding_attention"] and sliding_window 8: vLLM 0.32's EAGLE-3 drafter windows its Llama attention there, and
+    drafts what the engine drafts."""
+    root, target, _ = workspace
+    with torch.random.fork_rng():
+        trained = tiny_heads.train("eagle3", target, tiny_heads.store(target, root / "data"), root / "eagle3-window",
+                                   ("--model.init_args.draft_window=8",))
+    head = heads.load(trained)
+    assert head.config.draft_window == 8 and min(map(len, prompt_ids)) > 8
+    spec = {"method": "eagle3", "num_speculative_tokens": K}
+    if layout == "vllm":
+        with VllmServer(target, {**spec, "model": str(export_for_vllm("eagle3", trained, target, root / "vllm-window"))}) as server:
+            compare(target, trained, spec, server, prompt_ids, plain)
+    else:
+        exported = exporting.export(head, "speculators", root / "speculators-window", verifier=target,
+                                    num_speculative_tokens=K)
+        with VllmServer(exported, None) as server:
+            compare(target, trained, spec, server, prompt_ids, plain)
+
+
 def test_generate_from_vllm_stores_what_the_engine_stores_where_the_answers_agree(workspace, speculators_server,
                                                                                  tmp_path):
     """`draftheads generate --endpoint` against vLLM: answers as vLLM's token ids (return_token_ids), hidden states

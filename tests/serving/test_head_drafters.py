@@ -83,30 +83,31 @@ def target_parts(folder):
     return heads.load_target_parts(folder, fingerprint=targets.fingerprint(folder))
 
 
-def new_head(kind, parts, seed, *, draft_vocab=None, own_lm_head=False):
+def new_head(kind, parts, seed, *, draft_vocab=None, own_lm_head=False, **fields):
     """A new head of `kind` for `parts`, seeded: Medusa with K heads, EAGLE-3 over `draft_vocab` (default: a
-    random half of the vocabulary) with aux layers EAGLE3_AUX, MTP with 2 modules served by module 0."""
+    random half of the vocabulary) with aux layers EAGLE3_AUX, MTP with 2 modules served by module 0; `fields` are
+    further config fields of the feature heads (draft_window)."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         if kind == "medusa":
             return heads.Medusa.from_target(parts, num_heads=K, own_lm_head=own_lm_head)
         if kind == "eagle":
-            return heads.Eagle.from_target(parts)
+            return heads.Eagle.from_target(parts, **fields)
         if kind == "eagle3":
             if draft_vocab is None:
                 draft_vocab = torch.randperm(parts.vocab_size)[:parts.vocab_size // 2].tolist()
-            return heads.Eagle3.from_target(parts, draft_token_ids=draft_vocab, aux_layers=EAGLE3_AUX)
+            return heads.Eagle3.from_target(parts, draft_token_ids=draft_vocab, aux_layers=EAGLE3_AUX, **fields)
         if kind == "mtp":
-            return heads.Mtp.from_target(parts, depth=2, serve_mode="reuse_first")
+            return heads.Mtp.from_target(parts, depth=2, serve_mode="reuse_first", **fields)
     raise AssertionError(kind)
 
 
-def chain_mtp(folder, depth):
+def chain_mtp(folder, depth, draft_window=0):
     """A new MTP head for the target in `folder` served as a chain (module j drafts token j + 1), seeded: a test's
     head must not depend on what the tests before it drew."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        return heads.Mtp.from_target(target_parts(folder), depth=depth, serve_mode="chain")
+        return heads.Mtp.from_target(target_parts(folder), depth=depth, serve_mode="chain", draft_window=draft_window)
 
 
 @torch.no_grad()
@@ -202,7 +203,8 @@ def head_features(head, states, num):
 def dense_drafts(head, states, tokens, num_drafts):
     """The drafts after `tokens` (T of them; `states` cover at least T-1 positions): the head over the pairs
     (h_p, x_{p+1}) at positions p in [0, T-2] with dense causal attention gives draft 1 from its last output;
-    draft s+1 comes from the entry (draft s, the previous output) at position T-2+s. Returns the drafts and the
+    draft s+1 comes from the entry (draft s, the previous output) at position T-2+s; a head's draft_window limits
+    every row to the keys of its sliding window (an explicit mask). Returns the drafts and the
     top-2 logit margin and the logits of each (near-ties could flip between paged and dense)."""
     T = len(tokens)
     features = head_features(head, states, T - 1)  # [T-1, hidden]
@@ -211,7 +213,7 @@ def dense_drafts(head, states, tokens, num_drafts):
     for _ in range(num_drafts):
         num = len(ids)
         out = head_forward(head, torch.tensor(ids)[None], features[None], torch.arange(num)[None],
-                           DenseCausalAttention())[0]  # [num, hidden]
+                           DenseCausalAttention(window=head.config.draft_window))[0]  # [num, hidden]
         logits = head_logits(head, out[-1])
         top = logits.topk(2).values
         margins.append(float(top[0] - top[1]))
@@ -233,9 +235,10 @@ def dense_medusa_drafts(head, states, tokens, num_drafts):
 
 
 HEAD_CASES = [("medusa", "tiny_llama"), ("eagle", "tiny_qwen3"), ("eagle3", "tiny_llama"), ("mtp", "tiny_qwen3")]
-# Targets of the other families the engine runs (a sparse MLP; sliding windows and Gemma's layer): speculative
-# greedy outputs, chains and trees, equal plain decoding's there too.
-FAMILY_CASES = [("eagle3", "tiny_qwen3_moe"), ("eagle", "tiny_gemma3"), ("eagle3", "tiny_gpt_oss")]
+# Targets of the other families the engine runs (a sparse MLP; sliding windows and Gemma's layer; a multimodal
+# checkpoint's language model): speculative greedy outputs, chains and trees, equal plain decoding's there too.
+FAMILY_CASES = [("eagle3", "tiny_qwen3_moe"), ("eagle", "tiny_gemma3"), ("eagle3", "tiny_gpt_oss"),
+                ("eagle3", "tiny_gemma3_multimodal")]
 SCENARIOS = {
     # one request at a time; prompts of up to 50 tokens prefill in chunks of 16
     1: dict(max_num_seqs=1, max_num_batched_tokens=16),
@@ -886,13 +889,13 @@ def test_trees_from_an_mtp_chain_are_a_clear_error(tiny_llama, tmp_path):
 @torch.no_grad()
 def dense_chain_drafts(head, states, tokens, num_drafts):
     """Module s over every position t in [0, T-2] with the pairs (h^s_t, y_{t+s+1}), y = tokens then the drafts
-    so far, dense causal attention; draft s + 1 from its output at T-2. h^0 is the target's final hidden state.
-    Returns the drafts and their logits."""
+    so far, dense causal attention (within the head's draft_window); draft s + 1 from its output at T-2. h^0 is the
+    target's final hidden state. Returns the drafts and their logits."""
     T = len(tokens)
     y, features, drafts, all_logits = list(tokens), states[-1][:T - 1], [], []
     for s in range(num_drafts):
         out = head.forward_module(s, torch.tensor(y[s + 1:T + s])[None], features[None], torch.arange(T - 1)[None],
-                                  DenseCausalAttention())[0]  # [T-1, hidden]
+                                  DenseCausalAttention(window=head.config.draft_window))[0]  # [T-1, hidden]
         logits = head.logits(s, out[-1])
         token = int(logits.argmax())
         drafts.append(token)
@@ -902,10 +905,13 @@ def dense_chain_drafts(head, states, tokens, num_drafts):
     return drafts, all_logits
 
 
-@pytest.mark.parametrize("concurrency, num_blocks", [(1, 64), (8, 48)])
-def test_mtp_chain_drafts_equal_dense_chain_and_outputs_equal_plain(tiny_llama, heads_root, concurrency, num_blocks):
-    head = perturb(chain_mtp(tiny_llama, K), seed=13)
-    head_dir = str(heads.save(head, heads_root / "mtp-chain"))
+@pytest.mark.parametrize("concurrency, num_blocks, draft_window", [(1, 64, 0), (8, 48, 0), (8, 48, 5)])
+def test_mtp_chain_drafts_equal_dense_chain_and_outputs_equal_plain(tiny_llama, heads_root, concurrency, num_blocks,
+                                                                    draft_window):
+    """Module j drafts token j + 1 as the dense chain does (with draft_window 5: every module's pooled K/V within
+    it), and greedy outputs stay plain decoding's under preemption."""
+    head = perturb(chain_mtp(tiny_llama, K, draft_window), seed=13)
+    head_dir = str(heads.save(head, heads_root / f"mtp-chain-{draft_window}"))
     prompts = random_prompts([5, 23, 9, 40, 3, 17, 31, 12][:concurrency], seed=45)
     engine = make_engine(tiny_llama, spec_config("mtp", head_dir), num_blocks=num_blocks, max_num_batched_tokens=24)
     proposals = record_proposals(engine)
@@ -1186,3 +1192,32 @@ def test_eagle31_heads_reproduce_plain_greedy_and_draft_as_the_dense_head(norms,
     num_checked, mismatches = check_against_dense(tiny_llama, load_as_drafted(folder, tiny_llama), proposals, finals)
     assert num_checked >= 8 * 4
     assert not mismatches, f"{len(mismatches)} of {num_checked} proposals differ:\n" + "\n".join(mismatches[:10])
+
+
+DRAFT_WINDOW = 5  # keys a draft row sees: far fewer than the 3-74 tokens of the requests
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
+def test_heads_with_a_draft_window_reproduce_plain_greedy_and_draft_as_the_dense_windowed_head(
+        kind, concurrency, tiny_llama, heads_root):
+    """draft_window 5: the drafter's pooled K/V attend within the window (catch-up, drafts; chains and trees), every
+    proposal equals the dense head's under an explicit window mask and differs somewhere from the same head drafting
+    over the whole context, and greedy outputs stay plain decoding's under chunked prefill and preemption."""
+    head = perturb(new_head(kind, target_parts(tiny_llama), seed=11, draft_window=DRAFT_WINDOW), seed=12)
+    folder = heads.save(head, heads_root / f"{kind}-window-{concurrency}")
+    expected = plain_outputs(tiny_llama, PROMPTS, MAX_TOKENS)
+    tree_engine = make_engine(tiny_llama, dict(spec_config(kind, folder), topk=2), **SCENARIOS[concurrency])
+    assert [o.token_ids for o in tree_engine.generate(PROMPTS, greedy(MAX_TOKENS))] == expected
+    engine = make_engine(tiny_llama, spec_config(kind, folder), **SCENARIOS[concurrency])
+    proposals = record_proposals(engine)
+    outputs = engine.generate(PROMPTS, greedy(MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == expected
+    assert_pool_idle(engine)
+    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
+    windowed = load_as_drafted(folder, tiny_llama)
+    num_checked, mismatches = check_against_dense(tiny_llama, windowed, proposals, finals)
+    assert num_checked >= 8 * 4
+    assert not mismatches, f"{len(mismatches)} of {num_checked} proposals differ:\n" + "\n".join(mismatches[:10])
+    windowed.config.draft_window = 0
+    assert check_against_dense(tiny_llama, windowed, proposals, finals)[1], "the window changed no draft"

@@ -296,6 +296,30 @@ def test_unsupported_architecture_is_a_clear_error(llama_copy):
         Model.from_folder(llama_copy)
 
 
+def test_a_multimodal_checkpoints_language_model_runs_as_transformers_runs_it(tiny_gemma3_multimodal):
+    """Gemma3ForConditionalGeneration on text alone: its language model's logits, chunked prefill then decode; the
+    vision tower's tensors are left unread."""
+    model = Model.from_folder(tiny_gemma3_multimodal, torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gemma3_multimodal, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Gemma3ForConditionalGeneration" and model.config.architecture == "Gemma3ForCausalLM"
+    seqs = make_sequences(SEQ_LENS[:1], seed=7, vocab=250)  # below the image tokens' ids
+    refs = hf_reference(hf, seqs)
+    run = PagedRun(model, seqs, 3, seed=7)
+    for n in chunked_plan(len(seqs[0]), [7, 20, 13]):
+        out, where = run.step([(0, n)])
+        torch.testing.assert_close(out.logits, expected_logits(refs, where))
+
+
+def test_a_multimodal_checkpoint_of_a_language_model_the_engine_does_not_load_is_a_clear_error(llama_copy):
+    config = json.loads((llama_copy / "config.json").read_text())
+    top = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "text_config": config}
+    (llama_copy / "config.json").write_text(json.dumps(top))
+    with pytest.raises(ValueError, match=r"does not run LlavaForConditionalGeneration \(the language model of this "
+                                         r"multimodal checkpoint is 'llama'; the engine runs the language model of "
+                                         r"gemma3_text checkpoints\).*--capture transformers"):
+        Model.from_folder(llama_copy)
+
+
 def test_unsupported_rope_scaling_is_a_clear_error(llama_copy):
     config = json.loads((llama_copy / "config.json").read_text())
     config["rope_scaling"] = {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 64}

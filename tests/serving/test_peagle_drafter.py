@@ -35,17 +35,18 @@ PROMPTS = [PREFIX + tail for tail in random_prompts((1, 6, 3, 11, 2, 9), seed=32
 TEMPERATURES = [0.7, 1.4, 2.0, 1.1]
 
 
-def peagle_head_dir(folder, root, *, num_depths=4, full_vocab=False, markov_rank=0) -> str:
+def peagle_head_dir(folder, root, *, num_depths=4, full_vocab=False, markov_rank=0, draft_window=0) -> str:
     """A random P-EAGLE head for the target in `folder` (perturbed weights, a random half of the vocabulary unless
-    `full_vocab`, calibrated temperatures per depth, a Markov head of `markov_rank`), saved under `root`."""
+    `full_vocab`, calibrated temperatures per depth, a Markov head of `markov_rank`, a `draft_window`), saved under
+    `root`."""
     parts = target_parts(folder)
-    path = root / f"peagle-{folder.name}-{num_depths}-{full_vocab}-{markov_rank}"
+    path = root / f"peagle-{folder.name}-{num_depths}-{full_vocab}-{markov_rank}-{draft_window}"
     if not path.exists():
         with torch.random.fork_rng():
             torch.manual_seed(11)
             vocab = range(parts.vocab_size) if full_vocab else torch.randperm(parts.vocab_size)[:parts.vocab_size // 2]
             head = heads.Peagle.from_target(parts, draft_token_ids=vocab, aux_layers=EAGLE3_AUX, mask_token_id=5,
-                                            num_depths=num_depths, markov_rank=markov_rank)
+                                            num_depths=num_depths, markov_rank=markov_rank, draft_window=draft_window)
         head = perturb(head, seed=12)
         if markov_rank:  # a bias on the scale of the logits' differences, not far above them
             head.markov_out.weight.data.mul_(0.25)
@@ -69,7 +70,7 @@ def dense_candidates(head, states, tokens, budget, topk):
                    head.mask_feature().expand(num_masks, -1)])
     anchors = torch.tensor(list(range(num)) + [num - 1] * num_masks)
     depths = torch.tensor([0] * num + list(range(1, num_masks + 1)))
-    mask = block_mask(anchors, depths, torch.ones(len(ids), dtype=torch.bool))
+    mask = block_mask(anchors, depths, torch.ones(len(ids), dtype=torch.bool), head.config.draft_window)
     out = head(ids[None], g[None], (anchors + depths)[None], lambda i, q, k, v: sdpa_gqa(q, k, v, mask[None]))[0]
     confidence = Confidence(head, 0.0)
     rows = [num - 1] + list(range(num, num + num_masks))  # depth d's row
@@ -92,12 +93,15 @@ def dense_candidates(head, states, tokens, budget, topk):
     return grow_from_marginals([torch.stack(log_probs).tolist()], [tokens.tolist()], topk, threshold)[0]
 
 
-@pytest.mark.parametrize("markov_rank", [0, 8], ids=["marginals", "markov"])
-@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
-def test_paged_block_drafts_equal_the_dense_forward(topk, markov_rank, tiny_llama, heads_root, monkeypatch):
+@pytest.mark.parametrize(("topk", "markov_rank", "draft_window"),
+                         [(1, 0, 0), (2, 0, 0), (1, 8, 0), (2, 8, 0), (2, 0, 4)],
+                         ids=["chain-marginals", "tree-marginals", "chain-markov", "tree-markov", "tree-window"])
+def test_paged_block_drafts_equal_the_dense_forward(topk, markov_rank, draft_window, tiny_llama, heads_root, monkeypatch):
+    """The paged block forward against the dense one under block_mask (with a draft window of 4: the window's mask
+    too), proposal by proposal."""
     import serving.drafters.peagle as peagle
 
-    head_dir = peagle_head_dir(tiny_llama, heads_root, markov_rank=markov_rank)
+    head_dir = peagle_head_dir(tiny_llama, heads_root, markov_rank=markov_rank, draft_window=draft_window)
     spec = {"method": "peagle", "model": head_dir, "num_speculative_tokens": 3, "topk": topk,
             "num_draft_tokens": 6 if topk > 1 else 4, "draft_weights": "float32"}
     engine = make_engine(tiny_llama, spec, max_num_seqs=4, max_num_batched_tokens=16)

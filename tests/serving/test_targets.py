@@ -74,6 +74,16 @@ def test_fingerprint_is_stable_and_tells_tiny_models_apart(tiny_llama, tiny_qwen
 
 
 @pytest.mark.slow
+def test_a_multimodal_checkpoint_is_fingerprinted_by_its_language_model(tiny_gemma3_multimodal, tiny_gemma3):
+    """Its text config's sizes and family: a head made for the language model binds to either folder."""
+    assert fingerprint(tiny_gemma3_multimodal) == fingerprint(tiny_gemma3)
+    assert fingerprint(tiny_gemma3_multimodal)["architecture"] == "gemma3_text"
+    assert targets.architecture(tiny_gemma3_multimodal) == "Gemma3ForCausalLM"
+    info = target_info(str(tiny_gemma3_multimodal))
+    assert info["architecture"] == "Gemma3ForConditionalGeneration" and info["num_layers"] == 4
+    assert targets.generation_limits(tiny_gemma3_multimodal)[1] == 512
+
+
 def test_default_target_matches_gguf(default_folder, default_model):
     config = json.loads((default_folder / "config.json").read_text())
     assert config["tie_word_embeddings"] and "quantization_config" not in config

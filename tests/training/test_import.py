@@ -32,13 +32,17 @@ CASES = {  # case: (kind, layout)
     "eagle31-vllm": ("eagle3", "vllm"), "eagle31-speculators": ("eagle3", "speculators"),
     "peagle-speculators": ("peagle", "speculators"), "eagle3-residual-vllm": ("eagle3", "vllm"),
     "eagle3-own-embedding-vllm": ("eagle3", "vllm"), "peagle-own-embedding-speculators": ("peagle", "speculators"),
+    "eagle3-window-vllm": ("eagle3", "vllm"), "eagle3-window-speculators": ("eagle3", "speculators"),
+    "peagle-window-speculators": ("peagle", "speculators"),
 }
 EAGLE3_OPTIONS = {"eagle31-vllm": {"norm_before_fc": True, "norm_output": True},  # EAGLE 3.1's norms
                   "eagle31-speculators": {"fc_norm": True, "norm_output": True},
                   "eagle3-residual-vllm": {"norm_before_residual": True},  # speculators' default
                   # an embedding of the head's own (speculators' embed_requires_grad, P-EAGLE's default there)
                   "eagle3-own-embedding-vllm": {"own_embedding": True},
-                  "peagle-own-embedding-speculators": {"own_embedding": True, "norm_before_residual": True}}
+                  "peagle-own-embedding-speculators": {"own_embedding": True, "norm_before_residual": True},
+                  "eagle3-window-vllm": {"draft_window": 6}, "eagle3-window-speculators": {"draft_window": 6},
+                  "peagle-window-speculators": {"draft_window": 6}}
 
 
 def target_parts(folder):
@@ -142,7 +146,8 @@ def served_drafts(target, kind, folder, spec) -> tuple:
 @pytest.mark.parametrize("case, spec", [("eagle-sglang", {"topk": 2, "num_draft_tokens": 6}), ("eagle3-vllm", {}),
                                         ("medusa-token-map", {}), ("eagle31-vllm", {}),
                                         ("eagle3-residual-vllm", {}), ("eagle3-own-embedding-vllm", {}),
-                                        ("peagle-own-embedding-speculators", {})])
+                                        ("peagle-own-embedding-speculators", {}),
+                                        ("eagle3-window-vllm", {})])
 def test_a_reimported_head_drafts_as_the_original_in_the_engine(case, spec, tiny_llama, tmp_path):
     kind, layout = CASES[case]
     head = new_head(case, tiny_llama)
@@ -471,6 +476,36 @@ def test_a_verifier_present_here_must_be_the_target(tiny_llama, tiny_qwen2, tmp_
         import_head(exported, "eagle3", tiny_llama)
     assert_same_head(import_head(export(head, "speculators", tmp_path / "same", verifier=tiny_llama), "eagle3",
                                  tiny_llama)[0], head)
+
+
+def test_a_draft_window_is_written_as_vllms_llama_attention_reads_it_and_refused_where_a_layer_has_none(
+        tiny_llama, tmp_path):
+    """vLLM's EAGLE-3 drafter windows its Llama attention where layer_types says sliding_attention (of sliding_window
+    keys): the export says so, at the top level (vllm) or in transformer_layer_config (speculators). A windowed head
+    has no layer to go to in vLLM's EAGLE-1 drafter or SGLang's; a file asking for a window imports only where its
+    layer runs one."""
+    windowed = new_head("eagle3-window-vllm", tiny_llama)
+    for layout in ("vllm", "speculators"):
+        config = json.loads((export(windowed, layout, tmp_path / layout, verifier=tiny_llama) / "config.json").read_text())
+        layer = config.get("transformer_layer_config", config)
+        assert (layer["sliding_window"], layer["layer_types"]) == (6, ["sliding_attention"])
+    plain = json.loads((export(new_head("eagle3-vllm", tiny_llama), "vllm", tmp_path / "plain") / "config.json").read_text())
+    assert "layer_types" not in plain and "sliding_window" not in plain
+    with pytest.raises(ValueError, match="draft_window=6, which the sglang eagle3 layer does not run"):
+        export(windowed, "sglang", tmp_path / "sglang")
+    eagle = heads.Eagle.from_target(target_parts(tiny_llama), fc_bias=False, draft_window=6)
+    with pytest.raises(ValueError, match="vLLM's EAGLE-1 drafter reads layer_types at its layer's id after the target's"):
+        export(eagle, "vllm", tmp_path / "eagle")
+    sglang = export(new_head("eagle3-sglang", tiny_llama), "sglang", tmp_path / "sglang-plain")
+    config = json.loads((sglang / "config.json").read_text())
+    (sglang / "config.json").write_text(json.dumps({**config, "sliding_window": 6, "layer_types": ["sliding_attention"]}))
+    with pytest.raises(ValueError, match="asks for a sliding window, which the sglang eagle3 layer does not run"):
+        import_head(sglang, "eagle3", tiny_llama)
+    vllm = tmp_path / "vllm"
+    config = json.loads((vllm / "config.json").read_text())
+    (vllm / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    with pytest.raises(ValueError, match="layer_types .* with sliding_window None"):
+        import_head(vllm, "eagle3", tiny_llama)
 
 
 def test_a_vllm_medusa_without_biases_imports_with_zero_ones(tiny_llama, tmp_path):

@@ -14,6 +14,7 @@ from test_fit import session_store
 
 import heads
 from heads import Eagle, Eagle3, Mtp, load_target_parts
+from heads.attention import sdpa_gqa
 from serving.attention import KVCache, PagedAttention, PagedMetadata
 from training.data.datamodule import DraftDataModule, LengthBatches
 from training.modules import MODULES, MedusaModule
@@ -36,18 +37,18 @@ def test_a_head_kind_is_its_speculative_method():
     assert list(HEAD_KINDS) == list(MODULES) == list(HEAD_METHODS)
 
 
-def feature_head(kind: str, parts, batch_size: int, num_positions: int):
+def feature_head(kind: str, parts, batch_size: int, num_positions: int, draft_window: int = 0):
     """(head, one drafting step as unroll calls it, features f_t [B, S, hidden]) with perturbed weights."""
     generator = torch.Generator().manual_seed(1)
     if kind == "eagle":
-        head = Eagle.from_target(parts)
+        head = Eagle.from_target(parts, draft_window=draft_window)
         step, features = head, torch.randn(batch_size, num_positions, parts.hidden_size, generator=generator)
     elif kind == "eagle3":
-        head = Eagle3.from_target(parts)
+        head = Eagle3.from_target(parts, draft_window=draft_window)
         step = head
         features = head.fuse(torch.randn(batch_size, num_positions, 3 * parts.hidden_size, generator=generator))
     else:
-        head = Mtp.from_target(parts, serve_mode="reuse_first")
+        head = Mtp.from_target(parts, serve_mode="reuse_first", draft_window=draft_window)
         step, features = partial(head.forward_module, 0), torch.randn(batch_size, num_positions, parts.hidden_size,
                                                                         generator=generator)
     with torch.no_grad():
@@ -56,25 +57,28 @@ def feature_head(kind: str, parts, batch_size: int, num_positions: int):
     return head, step, features
 
 
+@pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
-def test_unrolled_step_s_is_the_engines_draft_s_plus_1(kind, tiny_llama):
+def test_unrolled_step_s_is_the_engines_draft_s_plus_1(kind, window, tiny_llama):
     """Step s at anchor t of the unrolled training forward equals what EagleDrafter computes for draft s+1 after a
     catch-up over the real tokens up to t: the pool holds the catch-up K/V at positions <= t and each drafting step
-    writes its own at t+1, t+2, ...; padded positions of a shorter sequence are never seen."""
+    writes its own at t+1, t+2, ...; padded positions of a shorter sequence are never seen. With a draft window of 3
+    (fewer keys than steps and anchors) the pool's layer attends within it, as the drafter's does."""
     parts = load_target_parts(tiny_llama)
     batch_size, num_positions, num_steps, block_size = 2, 12, 3, 4
     input_ids = torch.randint(3, parts.vocab_size, (batch_size, num_positions), generator=torch.Generator().manual_seed(0))
     padding_mask = torch.ones(batch_size, num_positions, dtype=torch.bool)
     padding_mask[1, 9:] = False
-    head, step, features = feature_head(kind, parts, batch_size, num_positions)
+    head, step, features = feature_head(kind, parts, batch_size, num_positions, window)
     layer = head.config.layer_config()
     table = list(range(num_positions // block_size + 1))
     with torch.no_grad():
-        outs = unroll(step, input_ids, features, padding_mask, num_steps, head.config.max_position_embeddings)
+        outs = unroll(step, input_ids, features, padding_mask, num_steps, head.config.max_position_embeddings, window)
         for b in range(batch_size):
             length = int(padding_mask[b].sum())
             for t in range(length - 1):
-                cache = KVCache(1, len(table), block_size, layer.num_kv_heads, layer.head_dim, torch.float32, "cpu")
+                cache = KVCache(1, len(table), block_size, layer.num_kv_heads, layer.head_dim, torch.float32, "cpu",
+                                windows=(window,))
                 meta = PagedMetadata.build([t + 1], [t + 1], [table], block_size, "cpu")
                 drafted = step(input_ids[b, 1:t + 2], features[b, :t + 1], torch.arange(t + 1), PagedAttention(cache, meta))[-1:]
                 torch.testing.assert_close(drafted[0], outs[0][b, t], atol=1e-5, rtol=1e-5)
@@ -82,6 +86,49 @@ def test_unrolled_step_s_is_the_engines_draft_s_plus_1(kind, tiny_llama):
                     meta = PagedMetadata.build([1], [t + s + 1], [table], block_size, "cpu")
                     drafted = step(input_ids[b, t + s + 1:t + s + 2], drafted, torch.tensor([t + s]), PagedAttention(cache, meta))
                     torch.testing.assert_close(drafted[0], outs[s][b, t], atol=1e-5, rtol=1e-5, msg=f"step {s}, anchor {t}")
+
+
+class ExplicitWindowSteps:
+    """The reference for a windowed draft layer: one sequence, keys appended call by call with their positions, each
+    query row attending to the keys at positions p with q - window < p <= q, its mask written out entry by entry."""
+
+    def __init__(self, window: int):
+        self.window, self.k, self.v, self.key_positions = window, [], [], []
+        self.query_positions: list[int] = []
+
+    def __call__(self, layer_idx, q, k, v):  # q, k, v: [1, rows, heads, head_dim]
+        self.k.append(k)
+        self.v.append(v)
+        self.key_positions += self.query_positions
+        mask = torch.tensor([[q_pos - self.window < k_pos <= q_pos for k_pos in self.key_positions]
+                             for q_pos in self.query_positions])
+        return sdpa_gqa(q, torch.cat(self.k, dim=1), torch.cat(self.v, dim=1), mask[None])
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
+def test_unrolled_steps_with_a_draft_window_equal_dense_attention_under_an_explicit_window_mask(kind, tiny_llama):
+    """Every step of the windowed unroll (window 3, 4 steps) against the layer run on one sequence at a time with
+    dense attention under a mask written out position by position: the context's rows at positions <= t, then the
+    drafting steps at t+1, t+2, ..., each row seeing only the keys of its window."""
+    parts = load_target_parts(tiny_llama)
+    window, num_positions, num_steps = 3, 10, 4
+    input_ids = torch.randint(3, parts.vocab_size, (1, num_positions), generator=torch.Generator().manual_seed(2))
+    head, step, features = feature_head(kind, parts, 1, num_positions, window)
+    with torch.no_grad():
+        outs = unroll(step, input_ids, features, torch.ones(1, num_positions, dtype=torch.bool), num_steps,
+                      head.config.max_position_embeddings, window)
+        for t in range(num_positions - num_steps):
+            attention = ExplicitWindowSteps(window)
+            attention.query_positions = list(range(t + 1))
+            out = step(input_ids[:, 1:t + 2], features[:, :t + 1], torch.arange(t + 1)[None], attention)[:, -1:]
+            torch.testing.assert_close(out[0, 0], outs[0][0, t], atol=1e-5, rtol=1e-5)
+            for s in range(1, num_steps):
+                attention.query_positions = [t + s]
+                out = step(input_ids[:, t + s + 1:t + s + 2], out, torch.tensor([[t + s]]), attention)
+                torch.testing.assert_close(out[0, 0], outs[s][0, t], atol=1e-5, rtol=1e-5, msg=f"step {s}, anchor {t}")
+        unwindowed = unroll(step, input_ids, features, torch.ones(1, num_positions, dtype=torch.bool), num_steps,
+                            head.config.max_position_embeddings)
+    assert not torch.allclose(unwindowed[-1], outs[-1], atol=1e-3), "the window changed nothing"
 
 
 def test_chain_accuracy_is_conditional_on_earlier_drafts_and_gives_tau():

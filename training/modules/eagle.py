@@ -37,7 +37,7 @@ class EagleModule(DraftModule):
 
     def __init__(self, feature_weight: float = 1.0, token_weight: float = 0.1, noise: float = 0.1,
                  noise_length: int | None = None, seed: int = 0, num_unroll_steps: int = 1, decay: float = 0.8,
-                 fc_bias: bool = False, intermediate_size: int | None = None, **kwargs):
+                 fc_bias: bool = False, intermediate_size: int | None = None, draft_window: int = 0, **kwargs):
         """An EAGLE-1 layer and its loss.
 
         Args:
@@ -52,6 +52,7 @@ class EagleModule(DraftModule):
             fc_bias: Give the fusing fc a bias, as EAGLE's code does (off by default: vLLM's EAGLE-1 layer has
                 none, and a head with one is refused for it).
             intermediate_size: MLP width of the layer (null: the target's).
+            draft_window: The layer's sliding window in keys (0: full attention), in training as in serving.
         """
         super().__init__(**kwargs)
         if num_unroll_steps < 1:
@@ -59,7 +60,7 @@ class EagleModule(DraftModule):
         if noise_length is not None and noise_length < 1:
             raise ValueError(f"noise_length={noise_length} must be >= 1, or null for a fixed amplitude")
         self.head = Eagle.from_target(self.target_parts, self.token_map_ids, fc_bias=fc_bias,
-                                      intermediate_size=intermediate_size)
+                                      intermediate_size=intermediate_size, draft_window=draft_window)
 
     def _step_loss(self, labels: torch.Tensor, has_label: torch.Tensor, last: torch.Tensor, out: torch.Tensor,
                    s: int) -> dict[str, torch.Tensor]:
@@ -104,14 +105,15 @@ class EagleModule(DraftModule):
                 amplitude = (amplitude * self.hparams.noise_length / lengths)[:, None, None]
             features = last + ((2 * noise - 1) * amplitude).to(last.dtype)
         outs = unroll(self.head, batch["input_ids"], features, batch["padding_mask"], self.hparams.num_unroll_steps,
-                      self.head.config.max_position_embeddings)
+                      self.head.config.max_position_embeddings, self.head.config.draft_window)
         return self._loss(*self.loss_labels(batch, last), last, outs)
 
     def validation_outputs(self, batch, hidden):
         last = hidden["last"]
         k = self.hparams.num_speculative_tokens
         outs = unroll(self.head, batch["input_ids"], last, batch["padding_mask"],
-                      max(k, self.hparams.num_unroll_steps), self.head.config.max_position_embeddings)
+                      max(k, self.hparams.num_unroll_steps), self.head.config.max_position_embeddings,
+                      self.head.config.draft_window)
         correct, valid, logits = self.chain_outcomes(batch, outs[:k],
                                                      lambda s, rows: self.head.logits(rows), self.target_ids)
         loss, _ = self._loss(batch["input_ids"], batch["loss_mask"], last, outs[:self.hparams.num_unroll_steps])

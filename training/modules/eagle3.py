@@ -60,7 +60,7 @@ class Eagle3Module(FusedAuxModule):
     def __init__(self, num_steps: int = 7, decay: float = 0.8, draft_vocab_size: int = 32000,
                  aux_layers: list[int] | None = None, intermediate_size: int | None = None, norm_before_fc: bool = False,
                  fc_norm: bool = False, norm_output: bool = False, norm_before_residual: bool = False,
-                 embed_requires_grad: bool = False, **kwargs):
+                 embed_requires_grad: bool = False, draft_window: int = 0, **kwargs):
         """An EAGLE-3 layer and its training-time test.
 
         Args:
@@ -75,6 +75,7 @@ class Eagle3Module(FusedAuxModule):
             norm_before_residual: hidden_norm(g), not g, is the layer's residual stream (speculators' default).
             embed_requires_grad: The head trains an embedding of its own, started from the target's (speculators'
                 option of that name); false: it reads the target's, frozen.
+            draft_window: The layer's sliding window in keys (0: full attention), in training as in serving.
         """
         super().__init__(**kwargs)
         if num_steps < 1:
@@ -82,12 +83,13 @@ class Eagle3Module(FusedAuxModule):
         self.head = Eagle3.from_target(self.target_parts, draft_vocab_size=draft_vocab_size,
                                        aux_layers=tuple(aux_layers or ()), intermediate_size=intermediate_size,
                                        norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output,
-                                       norm_before_residual=norm_before_residual, own_embedding=embed_requires_grad)
+                                       norm_before_residual=norm_before_residual, own_embedding=embed_requires_grad,
+                                       draft_window=draft_window)
 
     def _steps(self, batch: dict, hidden: dict, num_steps: int) -> list[torch.Tensor]:
         g = self.head.fuse(hidden["eagle3"])  # [B, S, hidden]
         return unroll(self.head, batch["input_ids"], g, batch["padding_mask"], num_steps,
-                      self.head.config.max_position_embeddings)
+                      self.head.config.max_position_embeddings, self.head.config.draft_window)
 
     def _loss(self, labels: torch.Tensor, has_label: torch.Tensor, last: torch.Tensor,
               outs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:

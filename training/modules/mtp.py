@@ -32,7 +32,7 @@ class MtpModule(DraftModule):
 
     def __init__(self, depth: int = 1, serve_mode: str = "reuse_first", num_unroll_steps: int = 2,
                  loss_weights: tuple[float, ...] = (1.0, 0.8, 0.64, 0.512),
-                 intermediate_size: int | None = None, **kwargs):
+                 intermediate_size: int | None = None, draft_window: int = 0, **kwargs):
         """MTP modules and their loss.
 
         Args:
@@ -42,6 +42,7 @@ class MtpModule(DraftModule):
             num_unroll_steps: Steps module 0 is unrolled over its own outputs in training.
             loss_weights: loss_weights[i] weights the predictions of x_{t+i+2}.
             intermediate_size: MLP width of each module's decoder layer (null: the target's).
+            draft_window: The modules' sliding window in keys (0: full attention), in training as in serving.
         """
         super().__init__(**kwargs)
         k = self.hparams.num_speculative_tokens
@@ -54,20 +55,21 @@ class MtpModule(DraftModule):
             raise ValueError(f"loss_weights has {len(loss_weights)} entries, but depth={depth} and num_unroll_steps="
                              f"{num_unroll_steps} predict up to {max(depth, num_unroll_steps)} offsets: give one weight each")
         self.head = Mtp.from_target(self.target_parts, self.token_map_ids, depth=depth, serve_mode=serve_mode,
-                                   intermediate_size=intermediate_size)
+                                   intermediate_size=intermediate_size, draft_window=draft_window)
 
     def _predictions(self, batch: dict, hidden: dict, num_unroll_steps: int, depth: int) -> list[tuple[int, int, torch.Tensor]]:
         """(offset i, module j, output [B, S, hidden]) for module 0 unrolled num_unroll_steps steps, then modules
         1..depth-1 in order; the output predicts x_{t+i+2}."""
         ids, padding_mask = batch["input_ids"], batch["padding_mask"]
+        window = self.head.config.draft_window
         outs = unroll(partial(self.head.forward_module, 0), ids, hidden["last"], padding_mask, num_unroll_steps,
-                      self.head.config.max_position_embeddings)
+                      self.head.config.max_position_embeddings, window)
         predictions = [(s, 0, out) for s, out in enumerate(outs)]
         features = outs[0]
         positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)
         for j in range(1, depth):
             features = self.head.forward_module(j, shift_left(ids, j + 1), features, positions,
-                                                DenseCausalAttention(padding_mask))
+                                                DenseCausalAttention(padding_mask, window))
             predictions.append((j, j, features))
         return predictions
 

@@ -55,7 +55,7 @@ class PeagleModule(FusedAuxModule):
     def __init__(self, num_depths: int = 4, down_sample_ratio: float = 0.7, down_sample_ratio_min: float = 0.2,
                  mask_token_id: int = 0, draft_vocab_size: int = 32000, aux_layers: list[int] | None = None,
                  intermediate_size: int | None = None, markov_rank: int = 0, norm_before_residual: bool = False,
-                 embed_requires_grad: bool = False, **kwargs):
+                 embed_requires_grad: bool = False, draft_window: int = 0, **kwargs):
         """A P-EAGLE head: the EAGLE-3 body drafting num_depths tokens per forward.
 
         Args:
@@ -72,6 +72,7 @@ class PeagleModule(FusedAuxModule):
             norm_before_residual: hidden_norm(g), not g, is the layer's residual stream (speculators' default).
             embed_requires_grad: The head trains an embedding of its own, started from the target's (speculators'
                 option of that name, true by default for its P-EAGLE); false: it reads the target's, frozen.
+            draft_window: The layer's sliding window in keys (0: full attention), in training as in serving.
         """
         super().__init__(**kwargs)
         if not 0 < down_sample_ratio <= 1 or not 0 <= down_sample_ratio_min <= 1:
@@ -80,7 +81,8 @@ class PeagleModule(FusedAuxModule):
         self.head = Peagle.from_target(self.target_parts, draft_vocab_size=draft_vocab_size,
                                        aux_layers=tuple(aux_layers or ()), intermediate_size=intermediate_size,
                                        mask_token_id=mask_token_id, num_depths=num_depths, markov_rank=markov_rank,
-                                       norm_before_residual=norm_before_residual, own_embedding=embed_requires_grad)
+                                       norm_before_residual=norm_before_residual, own_embedding=embed_requires_grad,
+                                       draft_window=draft_window)
 
     def _valid(self, labels: torch.Tensor, has_label: torch.Tensor, num_depths: int) -> torch.Tensor:
         """[B, S, num_depths] bool: the label x_{t+d+2} of depth d at anchor t is one to train on."""
@@ -109,7 +111,7 @@ class PeagleModule(FusedAuxModule):
         g = torch.where(at_depth_0[..., None], g.gather(1, anchors[..., None].expand(-1, -1, g.shape[-1])),
                         self.head.mask_feature().to(g.dtype))
         positions = (anchors + depths).clamp(max=self.head.config.max_position_embeddings - 1)
-        mask = block_mask(anchors, depths, is_real)
+        mask = block_mask(anchors, depths, is_real, self.head.config.draft_window)
         out = self.head(ids, g, positions, lambda layer_idx, q, k, v: sdpa_gqa(q, k, v, mask))
         return out, anchors, depths, is_real
 
