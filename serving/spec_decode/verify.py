@@ -20,16 +20,16 @@ If every child is rejected the token is drawn from r; if the path ends at a leaf
 Sampled chains with `rejection_sample_method: "block"`, block verification (Sun et al. 2024, "Block Verification
 Accelerates Speculative Decoding"; vLLM's option of that name): the chain's prefix is accepted from the joint law of
 the whole block rather than stopping at the first rejected draft, still exact, and optimal in the expected number of
-accepted tokens among exact verifiers of one chain, so never below the token-by-token rule. With p_0 = 1 and
+accepted tokens among exact verifiers of one chain, so never below the token-by-token rule. With w_0 = 1 and
 w_i = min(1, w_{i-1} p_i(x_i) / q_i(x_i)) (the capped ratio of the prefix's joint laws), the residual after i drafts
 is m_i = max(w_i p_{i+1} - q_{i+1}, 0) and its mass is M_i; each depth i is accepted with h_i = M_i / (M_i + 1 - w_i)
 (h_k = w_k at the last draft), and the chain keeps the deepest accepted i. The next token is drawn from p_{k+1} after a
 whole chain, else from m_i. For deterministic drafts (q one-hot) m_i is w_i p_{i+1} without the next draft and w_i is
 the prefix's probability under p, the most any exact verifier can accept it with: the expected accepted length then
 equals the token-by-token rule's, and the gain needs a drafter that samples (q spread out).
-Trees keep the rules above: the paper's rule and its optimality are for one drafted chain, whose single draft per
-depth the residual m_i accounts for; a tree's siblings (drawn without replacement, or independently) have no such
-residual in it.
+Trees keep the rules above: the block rule, its exactness and its optimality are proven for one drafted chain (one
+draft per depth, drawn from q given the drafts before it, which the residual m_i subtracts); siblings that compete at a
+depth need another rule (traversal verification, Weng et al. 2025, walks a tree from its leaves), not implemented here.
 """
 from __future__ import annotations
 
