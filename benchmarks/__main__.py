@@ -78,7 +78,7 @@ TABLES = {
     "vllm": Table("serving.md", "draftheads serve against vllm serve (make vllm)", (
         "-m", "benchmarks.vllm_side_by_side", "--head", "eagle3=runs/eagle3/heads/best", "--num-prompts", "16",
         "--max-new-tokens", "48", "--concurrency", "1", "4", "16")),
-    "block-verification": Table("block-verification.md", "standard against block verification, sampled, by drafter",
+    "block-verification": Table("trees.md", "standard against block verification, sampled, by drafter",
                                 bench("--prompts", "mt-bench", "--num-prompts", "8", "--max-new-tokens", "64",
                                       "--temperature", "0.7", "1.0", configs=tuple(
                                           json.dumps({**drafter, **verifier}) for drafter in BLOCK_DRAFTERS
