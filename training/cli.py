@@ -20,6 +20,7 @@ COMMANDS = {
     "validate": ("training.fit", "validate a draft head from a YAML config (LightningCLI validate)"),
     "export": ("training.export", "convert a head folder to the format vLLM or SGLang loads"),
     "import": ("training.import_head", "read a published or exported EAGLE-1, EAGLE-3 or Medusa head into a head folder"),
+    "check": ("training.check", "compare a head's acceptance per position: trained, served by the engine, by vLLM"),
 }
 
 # Each command's --help ends with one of these, a command that runs as written after `make demo` (or with the
@@ -36,6 +37,7 @@ EXAMPLES = {
     "validate": "draftheads validate -c configs/eagle3.yaml --ckpt_path last",
     "export": "draftheads export runs/eagle3/heads/best --format vllm --out exported/eagle3",
     "import": "draftheads import exported/eagle3 --format eagle3 --out heads/eagle3",
+    "check": "draftheads check runs/eagle3/heads/best --prompts mt-bench --num-prompts 8 --vllm off",
 }
 
 

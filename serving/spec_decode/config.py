@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from dataclasses import dataclass
 
 METHODS = ("ngram", "suffix", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp", "peagle", "dflash",
@@ -12,6 +13,7 @@ NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp", "peagle", "dfl
 HEADS = ("medusa", "eagle", "eagle3", "mtp", "peagle", "dflash")  # trained draft heads: they read the target's hidden states
 TAKES_TOKEN_MAP = ("medusa", "eagle", "mtp", "dflash")
 DRAFT_WEIGHTS = ("bfloat16", "float32")
+REJECTION_SAMPLE_METHODS = ("standard", "block")  # vLLM's also has "synthetic", which changes the output law
 
 
 @dataclass
@@ -94,6 +96,14 @@ class SpeculativeConfig:
     # the drafter's alone, cut to what the grammar allows. Method "grammar" drafts nothing itself: the forced
     # tokens are all its drafts.
     grammar_drafts: bool = True
+    # any method, sampled requests (temperature > 0): how a chain of drafts is verified, vLLM's option and values.
+    # "standard": token by token, stopping at the first rejected draft. "block": block verification (Sun et al. 2024),
+    # which accepts the chain's prefix from the joint law of the whole block: exact too, and never fewer accepted
+    # tokens in expectation; it gains over "standard" only for drafters that sample (q spread out, e.g. draft_model
+    # with draft_temperature) and equals it in expectation for deterministic drafts (serving/spec_decode/verify.py).
+    # Trees are verified by the standard rules whatever this says (the rule is for one chain); configs that draft
+    # trees warn. Greedy requests are unaffected.
+    rejection_sample_method: str = "standard"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -143,6 +153,7 @@ class SpeculativeConfig:
             if self.draft_weights not in DRAFT_WEIGHTS:
                 raise ValueError(f"draft_weights={self.draft_weights!r} must be one of {', '.join(DRAFT_WEIGHTS)}")
         self._check_tree()
+        self._check_rejection_sample_method()
         if self.disable_by_batch_size is not None and (not isinstance(self.disable_by_batch_size, int)
                                                        or self.disable_by_batch_size < 1):
             raise ValueError(f"disable_by_batch_size={self.disable_by_batch_size!r} must be an integer >= 1 "
@@ -261,6 +272,27 @@ class SpeculativeConfig:
                              f"({shape}):"
                              f" set num_draft_tokens <= {most + 1}")
 
+    def _check_rejection_sample_method(self) -> None:
+        method = self.rejection_sample_method
+        if method == "synthetic":
+            raise ValueError("rejection_sample_method='synthetic' is vLLM's benchmarking mode, which accepts drafts at "
+                             "given rates and so changes what the model outputs; draftheads verifies exactly: use "
+                             "'standard' or 'block'")
+        if method not in REJECTION_SAMPLE_METHODS:
+            raise ValueError(f"rejection_sample_method={method!r} is unknown; choose one of "
+                             f"{', '.join(REJECTION_SAMPLE_METHODS)}")
+        if method == "block" and self.drafts_trees:
+            warnings.warn(f"rejection_sample_method 'block' verifies chains; {self.method!r} with this config drafts "
+                          "trees, which are verified token by token as with 'standard' (block verification is "
+                          "defined for one chain); a step whose draft is a chain still uses it", stacklevel=3)
+
+    @property
+    def drafts_trees(self) -> bool:
+        """Whether a step's draft may branch: suffix decoding's trees (also a head's suffix_first), lookahead's tries, a
+        head's tree (topk > 1 or medusa_choices)."""
+        return (self.method in ("suffix", "lookahead") or self.suffix_first or self.topk > 1
+                or self.medusa_choices is not None)
+
     @property
     def max_draft_nodes(self) -> int:
         """The most rows a step computes for one request after its newest token: draft nodes, lookahead's window."""
@@ -285,8 +317,8 @@ class SpeculativeConfig:
     def label(self) -> str:
         """The method, prompt lookup first with its shortest suffix, suffix decoding's depth, nodes and (where not vLLM's
         defaults) minimum token probability and spec factor, the tree (topk and size, or Medusa's choices), the confidence
-        threshold and the batch size that turns drafting off when set, the adaptive policy, and float32 draft weights: a bench row's
-        name."""
+        threshold and the batch size that turns drafting off when set, the adaptive policy, block verification, and float32
+        draft weights: a bench row's name."""
         label = self.method + (f"+lookup{self.prompt_lookup_min}" if self.prompt_lookup_first else "")
         label += f"+suffix{self.suffix_first_min_score:g}" if self.suffix_first else ""
         if self.method == "suffix":
@@ -306,6 +338,7 @@ class SpeculativeConfig:
         label += f" batch<={self.disable_by_batch_size}" if self.disable_by_batch_size else ""
         label += " adaptive" if self.adaptive else ""
         label += " -grammar drafts" if not self.grammar_drafts else ""
+        label += " block" if self.rejection_sample_method == "block" else ""
         return label + (f" ({self.draft_weights} weights)" if self.draft_weights == "float32" else "")
 
 

@@ -39,7 +39,7 @@ from serving.spec_decode.cost import DraftCost
 from serving.spec_decode.grammar import constrain, row_masks
 from serving.spec_decode.metrics import AcceptanceStats, depths_tried
 from serving.spec_decode.tree import DraftTree
-from serving.spec_decode.verify import verify_greedy, verify_sampled
+from serving.spec_decode.verify import verify_block, verify_greedy, verify_sampled
 from serving.structured_output import mask_logits
 
 EMPTY = DraftTree()
@@ -105,6 +105,8 @@ class Speculator:
             best = logits.argmax(-1).tolist()
         if request.params.is_greedy:
             path, emitted = verify_greedy(tree, best)
+        elif self.config.rejection_sample_method == "block" and tree.is_chain:
+            path, emitted = verify_block(tree, target_probs(logits, request.params), request.generator)
         else:
             path, emitted = verify_sampled(tree, target_probs(logits, request.params), request.generator)
         newest = request.num_computed_tokens - 1 - tree.num_rows

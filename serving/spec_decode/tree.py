@@ -91,6 +91,11 @@ class DraftTree:
             depths.append(1 if parent < 0 else depths[parent] + 1)
         return tuple(depths)
 
+    @functools.cached_property
+    def is_chain(self) -> bool:
+        """One child per node: node i hangs off node i - 1."""
+        return self.parents == tuple(range(-1, len(self) - 1))
+
     @property
     def depth(self) -> int:
         return max(self.depths, default=0)

@@ -16,6 +16,20 @@ children are tried in order against a residual distribution r that starts as the
   sampling: child c is accepted with probability min(1, r(c) / q_c(c)); on rejection r = norm(max(r - q_c, 0)).
   Exact for children drawn independently (Miao et al. 2024, Theorem 4.2); one child is Leviathan et al.'s rule.
 If every child is rejected the token is drawn from r; if the path ends at a leaf, from that leaf's row of p.
+
+Sampled chains with `rejection_sample_method: "block"`, block verification (Sun et al. 2024, "Block Verification
+Accelerates Speculative Decoding"; vLLM's option of that name): the chain's prefix is accepted from the joint law of
+the whole block rather than stopping at the first rejected draft, still exact, and optimal in the expected number of
+accepted tokens among exact verifiers of one chain, so never below the token-by-token rule. With w_0 = 1 and
+w_i = min(1, w_{i-1} p_i(x_i) / q_i(x_i)) (the capped ratio of the prefix's joint laws), the residual after i drafts
+is m_i = max(w_i p_{i+1} - q_{i+1}, 0) and its mass is M_i; each depth i is accepted with h_i = M_i / (M_i + 1 - w_i)
+(h_k = w_k at the last draft), and the chain keeps the deepest accepted i. The next token is drawn from p_{k+1} after a
+whole chain, else from m_i. For deterministic drafts (q one-hot) m_i is w_i p_{i+1} without the next draft and w_i is
+the prefix's probability under p, the most any exact verifier can accept it with: the expected accepted length then
+equals the token-by-token rule's, and the gain needs a drafter that samples (q spread out).
+Trees keep the rules above: the block rule, its exactness and its optimality are proven for one drafted chain (one
+draft per depth, drawn from q given the drafts before it, which the residual m_i subtracts); siblings that compete at a
+depth need another rule (traversal verification, Weng et al. 2025, walks a tree from its leaves), not implemented here.
 """
 from __future__ import annotations
 
@@ -69,6 +83,50 @@ def verify_sampled(tree: DraftTree, probs: torch.Tensor, generator: torch.Genera
             return path, [tree.tokens[n] for n in path] + [sample(residual, generator)]
         path.append(chosen)
         node = chosen
+
+
+def verify_block(chain: DraftTree, probs: torch.Tensor, generator: torch.Generator) -> tuple[list[int], list[int]]:
+    """Block verification of a chain (one child per node). probs: [1 + len(chain), vocab] the target's filtered
+    distributions at each row. Returns (accepted path, tokens to emit), as verify_sampled."""
+    if not chain.is_chain:
+        raise ValueError("block verification takes a chain (one child per node); verify trees with verify_sampled")
+    k = len(chain)
+    weights = [1.0]  # w_0 .. w_k
+    accepted = 0
+    for i, token in enumerate(chain.tokens):
+        p_token, q_token = float(probs[i, token]), _q_of(chain, i, token)
+        joint = weights[-1] * p_token
+        # a draft its own q gave no mass: a draw of probability 0 (rounding); accept as the ratio's limit would
+        weights.append(min(1.0, joint / q_token) if q_token > 0 else float(joint > 0))
+        if i + 1 < k:
+            mass = float(_residual(chain, probs, i + 1, weights[-1]).sum())
+            denominator = mass + 1.0 - weights[-1]
+            accept = mass / denominator if denominator > 0 else 1.0
+        else:
+            accept = weights[-1]
+        if _uniform(generator) < accept:
+            accepted = i + 1
+    path = list(range(accepted))
+    if accepted == k:
+        return path, list(chain.tokens) + [sample(probs[k], generator)]
+    residual = _residual(chain, probs, accepted, weights[accepted])
+    # a residual of no mass was accepted past with probability ~1; p's row is then the residual up to rounding
+    row = residual if float(residual.sum()) > 0 else probs[accepted]
+    return path, list(chain.tokens[:accepted]) + [sample(row, generator)]
+
+
+def _q_of(chain: DraftTree, node: int, token: int) -> float:
+    return 1.0 if chain.q is None else float(chain.q[node, token])
+
+
+def _residual(chain: DraftTree, probs: torch.Tensor, node: int, weight: float) -> torch.Tensor:
+    """max(weight * p - q, 0) at the row before `node` (probs[node]), q the node's draft law (one-hot without q)."""
+    scaled = weight * probs[node]
+    if chain.q is None:
+        scaled = scaled.clone()
+        scaled[chain.tokens[node]] = 0.0  # weight * p(x) <= 1 = q(x)
+        return scaled
+    return (scaled - chain.q[node].to(scaled)).clamp_min(0.0)
 
 
 def _uniform(generator: torch.Generator) -> float:

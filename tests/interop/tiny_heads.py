@@ -73,3 +73,13 @@ def train(kind: str, target: Path, store_folder: Path, root: Path, extra: tuple[
         cli = build_cli(args, run=False)
         cli.trainer.fit(cli.model, cli.datamodule)
     return root / "runs" / kind / "heads" / "last"
+
+
+def validated(kind: str, root: Path) -> tuple[Path, Path, Path]:
+    """(target, head folder, prompts JSONL): a head of `kind` fitted on the tiny target's store with a held-out quarter
+    validated every 5 epochs, so that its folder keeps the fit's val/acc_i (what `draftheads check` reads)."""
+    target = chaotic_target(root / "target")
+    store_folder = store(target, root / "data")
+    head = train(kind, target, store_folder, root / "fit", extra=(
+        "--data.heldout_fraction=0.25", "--trainer.check_val_every_n_epoch=5"))
+    return target, head, root / "data" / "prompts.jsonl"
