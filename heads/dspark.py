@@ -56,7 +56,7 @@ class DSparkConfig(DFlashConfig):
 
     @property
     def num_drafts(self) -> int:
-        """Drafts one block makes: B when the anchor's slot predicts, B - 1 otherwise."""
+        """Drafts one block makes: B when the anchor's slot predicts, B - 1 (DFlash's) otherwise."""
         return self.block_size if self.sample_from_anchor else self.block_size - 1
 
     def draft_slot(self, j: int) -> int:

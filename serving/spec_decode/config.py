@@ -7,10 +7,10 @@ import math
 from dataclasses import dataclass
 
 METHODS = ("ngram", "suffix", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp", "peagle", "dflash",
-           "lookahead", "grammar")
-NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp", "peagle", "dflash")
-HEADS = ("medusa", "eagle", "eagle3", "mtp", "peagle", "dflash")  # trained draft heads: they read the target's hidden states
-TAKES_TOKEN_MAP = ("medusa", "eagle", "mtp", "dflash")
+           "dspark", "lookahead", "grammar")
+NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp", "peagle", "dflash", "dspark")
+HEADS = ("medusa", "eagle", "eagle3", "mtp", "peagle", "dflash", "dspark")  # trained draft heads: they read the target's hidden states
+TAKES_TOKEN_MAP = ("medusa", "eagle", "mtp", "dflash", "dspark")
 DRAFT_WEIGHTS = ("bfloat16", "float32")
 
 
