@@ -102,8 +102,8 @@ def export(head, engine: str, out, *, verifier=None, num_speculative_tokens: int
         raise ValueError(f"this {kind} head has q/k norms (a Qwen3 target): the {engine} Llama draft layers have none")
     layout = LAYOUTS[kind, engine]
     tensors = {**to_theirs(layout.names, head.config, layout.exported(head)), **layout.target_values(head)}
-    layer = qwen3_config(head.config) if kind == "dflash" else llama_config(head.config)
-    drafts = head.config.block_size - 1 if kind == "dflash" else num_speculative_tokens
+    layer = qwen3_config(head.config) if kind in ("dflash", "dspark") else llama_config(head.config)
+    drafts = head.config.num_drafts if kind in ("dflash", "dspark") else num_speculative_tokens
     config = layout.format.write_config(kind, layer, layout.export_config(head),
                                         None if verifier is None else verifier_of(verifier), drafts)
     config[WRITER] = {"version": importlib.metadata.version("draftheads"), "kind": kind, "format": engine}

@@ -39,14 +39,15 @@ from training.cli import DocHelpFormatter
 from training.formats import LAYOUTS, SOURCES, Layout
 from training.name_maps import to_ours
 
-KINDS = ("eagle", "eagle3", "medusa", "peagle", "dflash")
+KINDS = ("eagle", "eagle3", "medusa", "peagle", "dflash", "dspark")
 SOURCE_OF = {"EagleLlamaForCausalLM": "vllm", "LlamaForCausalLMEagle": "sglang", "LlamaForCausalLM": "eagle-repo",
              "LlamaForCausalLMEagle3": "vllm", "MedusaModel": "vllm", "EagleSpeculator": "speculators",
              "Eagle3Speculator": "speculators", "PEagleSpeculator": "speculators", "DFlashDraftModel": "z-lab",
-             "DFlashSpeculator": "speculators"}
+             "DFlashSpeculator": "speculators", "DSparkSpeculator": "speculators", "Qwen3DSparkModel": "vllm"}
 KIND_OF = {"EagleLlamaForCausalLM": "eagle", "LlamaForCausalLMEagle": "eagle", "LlamaForCausalLMEagle3": "eagle3",
            "MedusaModel": "medusa", "EagleSpeculator": "eagle", "Eagle3Speculator": "eagle3", "PEagleSpeculator": "peagle",
-           "DFlashDraftModel": "dflash", "DFlashSpeculator": "dflash",
+           "DFlashDraftModel": "dflash", "DFlashSpeculator": "dflash", "DSparkSpeculator": "dspark",
+           "Qwen3DSparkModel": "dspark",
            "Eagle3DraftModel": "eagle3", "PEagleDraftModel": "peagle"}  # the last two: speculators' save_pretrained
 WRITER = "draftheads"  # what `draftheads export` records in config.json: version, kind, format
 TORCH_FILES = ("pytorch_model.bin", "medusa_lm_head.pt")
