@@ -31,6 +31,9 @@ inside DeepSeek-V3-style checkpoints), and SGLang has no Medusa: those exports a
 
 A DFlash export drafts block_size - 1 tokens (its speculators proposal says so); a causal one is refused for the
 speculators format, whose full-attention layers attend within a block bidirectionally (z-lab's is_causal keeps it).
+A DSpark export (speculators' DSparkSpeculator, or vLLM's Qwen3DSparkModel with --format vllm) drafts block_size
+tokens, or block_size - 1 with sample_from_anchor false; vLLM serves it with "method": "dspark" on GPUs (its V2
+model runner, which needs Triton; its CPU build refuses the method).
 """
 from __future__ import annotations
 
@@ -95,6 +98,8 @@ def export(head, engine: str, out, *, verifier=None, num_speculative_tokens: int
                "medusa": "SGLang and the speculators format have no Medusa drafter: export it --format vllm",
                "dflash": "vLLM and SGLang load DFlash drafters in z-lab's layout: export it --format z-lab (or "
                          "--format speculators, which vLLM also serves)",
+               "dspark": "vLLM serves DSpark from the speculators format or its own Qwen3DSparkModel config: "
+                         "export it --format speculators or --format vllm",
                "peagle": "vLLM serves P-EAGLE from the speculators format (EAGLE-3 with parallel drafting): export "
                          "it --format speculators"}[kind]
         raise ValueError(f"cannot export a {kind} head for {engine}: {why}")

@@ -25,6 +25,7 @@ from serving.request import SamplingParams
 
 from test_head_drafters import (assert_pool_idle, greedy, hf_hidden_states, load_as_drafted, make_engine, perturb,
                                 plain_outputs, random_prompts, target_parts)
+from test_dflash_drafter import PROMPTS, SCENARIOS
 from test_trees import E2E_PROMPT, assert_two_token_law, compare_candidates, record_trees, two_token_law
 
 BLOCK = 4  # 4 drafts sampling from the anchor, 3 in DFlash's slots
@@ -145,14 +146,6 @@ def test_the_confidence_heads_survival_cuts_chains(tiny_llama, heads_root, monke
             "draft_weights": "float32"}
     records = run_and_compare(tiny_llama, head_dir, spec, monkeypatch, threshold=0.2)
     assert any(0 < len(tree) < budget.chain_length for _, _, budget, tree, _ in records)
-
-
-SCENARIOS = {
-    1: dict(max_num_seqs=1, max_num_batched_tokens=16),
-    4: dict(max_num_seqs=4, max_num_batched_tokens=24, num_blocks=40, max_model_len=96),
-}
-BASE_PROMPTS = random_prompts((3, 7, 12, 18, 25, 33), seed=5)
-PROMPTS = BASE_PROMPTS + [p[:13] + tail for p, tail in zip(BASE_PROMPTS[3:], random_prompts((4, 9, 2), seed=6))]
 
 
 @pytest.mark.parametrize("concurrency", [1, 4])

@@ -115,3 +115,9 @@ def test_a_markov_head_we_cannot_run_is_a_clear_error(change, message, tiny_llam
     (exported / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValueError, match=message):
         import_head(exported, "dspark", tiny_llama)
+
+
+def test_a_format_without_dspark_names_the_ones_with_it(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match=r"cannot export a dspark head for z-lab: vLLM serves DSpark from the "
+                                         r"speculators format or its own Qwen3DSparkModel config"):
+        export(new_dspark(tiny_llama), "z-lab", tmp_path / "out")

@@ -113,36 +113,3 @@ def test_more_drafts_than_a_block_makes_is_a_clear_error():
     with pytest.raises(ValueError, match=r"num_speculative_tokens=5 exceeds the block's 4 drafts"):
         DSparkModule(target="debug", block_size=4, mask_token_id=16, num_speculative_tokens=5, markov_rank=8)
     DSparkModule(target="debug", block_size=4, mask_token_id=16, num_speculative_tokens=4, markov_rank=8)
-
-
-@pytest.mark.fit
-def test_overfits_a_tiny_store_and_drafts_in_the_engine(tmp_path_factory, tmp_path, monkeypatch):
-    """configs/dspark.yaml fitted on the chaotic tiny target's store: the loss falls, and the exported head drafts in
-    the engine with tau well above an untrained head's while the outputs stay plain decoding's."""
-    from pathlib import Path
-
-    from serving.config import EngineConfig
-    from serving.engine import Engine
-    from serving.request import SamplingParams
-    from test_fit import MIN_TAU, WIDE, Losses, fit_args, prompt_messages, session_store, session_target
-    from training.fit import build_cli
-
-    monkeypatch.chdir(tmp_path)
-    target = session_target(tmp_path_factory)
-    store = session_store(tmp_path_factory, str(target), num_prompts=8, max_new_tokens=16)
-    cli = build_cli(fit_args("dspark", target, store, "--model.init_args.learning_rate=1e-2", WIDE,
-                             "--model.init_args.markov_rank=32", "--trainer.max_steps=60", "--trainer.max_epochs=-1",
-                             "--data.batch_size=8", "--model.init_args.warmup_steps=2",
-                             "--trainer.check_val_every_n_epoch=1000", "--trainer.num_sanity_val_steps=0"), run=False)
-    losses = Losses()
-    cli.trainer.callbacks.append(losses)
-    cli.trainer.fit(cli.model, cli.datamodule)
-    first, last = sum(losses.values[:2]) / 2, sum(losses.values[-2:]) / 2
-    assert last < first / 2.5, f"dspark loss fell from {first:.3f} to {last:.3f}"
-    folder = Path("runs") / "dspark" / "heads" / "last"
-    plain = Engine(EngineConfig(str(target), max_num_seqs=8)).generate(prompt_messages(8), SamplingParams(max_tokens=16))
-    engine = Engine(EngineConfig(str(target), max_num_seqs=8, speculative_config={
-        "method": "dspark", "model": str(folder), "num_speculative_tokens": 4}))
-    drafted = engine.generate(prompt_messages(8), SamplingParams(max_tokens=16))
-    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
-    assert engine.speculator.stats.tau > MIN_TAU, f"dspark drafts at tau {engine.speculator.stats.tau:.2f}"
