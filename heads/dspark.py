@@ -112,6 +112,9 @@ class DSpark(DFlash):
             raise ValueError("the DFlash head differs from this DSpark head in "
                              + ", ".join(f"{key} ({theirs[key]!r} vs {ours[key]!r})" for key in differing)
                              + ": make the DSpark head with the DFlash head's settings")
+        if dflash.token_map is not None and not torch.equal(dflash.token_map.cpu(), self.token_map.cpu()):
+            raise ValueError("the DFlash head drafts over another token map than this DSpark head: make the DSpark head "
+                             "with the DFlash head's token map")
         own = self.state_dict()
         for name, tensor in dflash.state_dict().items():
             own[name].copy_(tensor)

@@ -94,3 +94,15 @@ def test_warm_start_refuses_a_dflash_head_of_another_shape(llama_parts):
 def test_bad_configs_are_clear_errors(fields, message):
     with pytest.raises(ValueError, match=message):
         DSparkConfig(mask_token_id=3, **fields, **SIZES)
+
+
+def test_warm_start_refuses_a_dflash_head_over_another_token_map(tiny_llama):
+    from heads.token_map import lm_head_rows
+
+    ids = torch.arange(10, 60)
+    parts = heads.load_target_parts(tiny_llama)
+    parts.lm_head = lm_head_rows(parts.lm_head, ids)
+    dflash = DFlash.from_target(parts, ids, num_layers=1, block_size=4, mask_token_id=5)
+    dspark = DSpark.from_target(parts, ids.flip(0), num_layers=1, block_size=4, mask_token_id=5, markov_rank=8)
+    with pytest.raises(ValueError, match="drafts over another token map than this DSpark head"):
+        dspark.warm_start(dflash)
