@@ -1,4 +1,5 @@
-"""`draftheads import`: a published or exported draft head (EAGLE-1, EAGLE-3, Medusa, P-EAGLE, DFlash) as a head
+"""`draftheads import`: a published or exported draft head (EAGLE-1, EAGLE-3, Medusa, P-EAGLE, DFlash, DSpark) as a
+head
 folder for a target, read through the same name maps `draftheads export` writes with (training/formats.py):
 
     draftheads import ~/hf/EAGLE3-LLaMA3.1-Instruct-8B --format eagle3 --target ~/hf/Llama-3.1-8B-Instruct --out heads/e3
@@ -9,7 +10,7 @@ pytorch_model.bin, or Medusa's medusa_lm_head.safetensors / .pt, which hold Medu
 --from is read from config.json when not given: what wrote it when `draftheads export` did (its "draftheads" key),
 the speculators format's speculators_model_type, else its architecture (EagleLlamaForCausalLM: vllm,
 LlamaForCausalLMEagle: sglang, LlamaForCausalLM: eagle-repo, LlamaForCausalLMEagle3: vllm, MedusaModel: vllm,
-DFlashDraftModel: z-lab) or
+DFlashDraftModel: z-lab, Qwen3DSparkModel: vllm) or
 Medusa's medusa_num_heads (medusa-repo). An EAGLE-3 file that names its aux layers needs --from, since SGLang
 numbers them one lower than vLLM and the EAGLE repository.
 
