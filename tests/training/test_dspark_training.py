@@ -13,6 +13,8 @@ import heads
 from heads.attention import DenseContextAttention
 from training.modules import DFlashModule, DSparkModule
 
+from test_dflash_training import toy_batch
+
 
 def perturbed(module):
     torch.manual_seed(0)
@@ -20,20 +22,6 @@ def perturbed(module):
         for param in module.head.parameters():
             param.add_(0.1 * torch.randn(param.shape))
     return module
-
-
-def toy_batch(hidden, seed=0):
-    torch.manual_seed(seed)
-    batch_size, num_positions = 2, 12
-    ids = torch.randint(20, 200, (batch_size, num_positions))
-    padding = torch.ones(batch_size, num_positions, dtype=torch.bool)
-    padding[1, 9:] = False
-    answer = padding.clone()
-    answer[:, :4] = False
-    batch = {"input_ids": ids, "padding_mask": padding, "loss_mask": answer}
-    states = {"eagle3": torch.randn(batch_size, num_positions, 2 * hidden),
-              "last": torch.randn(batch_size, num_positions, hidden)}
-    return batch, states
 
 
 def block_logits(module, states, ids, b, a, previous):
