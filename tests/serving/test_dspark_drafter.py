@@ -23,10 +23,9 @@ from serving.drafters.confidence import Confidence, top_log_probs
 from serving.drafters.tree_search import grow
 from serving.request import SamplingParams
 
-from test_head_drafters import (assert_pool_idle, greedy, hf_hidden_states, load_as_drafted, make_engine, perturb,
-                                plain_outputs, random_prompts, target_parts)
-from test_dflash_drafter import PROMPTS, SCENARIOS
-from test_trees import E2E_PROMPT, assert_two_token_law, compare_candidates, record_trees, two_token_law
+from test_dflash_drafter import PROMPTS, SCENARIOS, proposals_equal_dense
+from test_head_drafters import assert_pool_idle, greedy, make_engine, perturb, plain_outputs, target_parts
+from test_trees import E2E_PROMPT, assert_two_token_law, two_token_law
 
 BLOCK = 4  # 4 drafts sampling from the anchor, 3 in DFlash's slots
 
@@ -91,36 +90,10 @@ def dense_candidates(head, rows, newest, budget, topk, threshold=0.0):
     return grow(([first[0]], [first[1]]), expand, topk, [depth], [confidence.log_threshold_for(budget)])[0]
 
 
-def run_and_compare(tiny_llama, head_dir, spec, monkeypatch, threshold=0.0):
-    """Generates with the engine, spying on the search; returns the records after checking every proposal against
-    the dense reference."""
-    engine = make_engine(tiny_llama, spec, block_size=4, max_num_batched_tokens=16, max_num_seqs=3)
-    searches = []
-
-    def spy(*args, **kwargs):
-        found = grow(*args, **kwargs)
-        searches.extend(found)
-        return found
-
-    monkeypatch.setattr(dspark, "grow", spy)
-    records = record_trees(engine.speculator.drafter, searches)
-    prompts = random_prompts((5, 14, 23), seed=81)
-    outputs = engine.generate(prompts, greedy(10))
-    assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, prompts, 10)
-    head = load_as_drafted(head_dir, tiny_llama, "float32")
-    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
-    states = {rid: hf_hidden_states(tiny_llama, final) for rid, final in finals.items()}
-    mismatches = []
-    for rid, tokens, budget, tree, paged in records:
-        assert tokens == finals[rid][:len(tokens)]
-        rows = dense_block_rows(head, states[rid], tokens)
-        dense = dense_candidates(head, rows, tokens[-1], budget, spec.get("topk", 1), threshold)
-        mismatch = compare_candidates(f"request {rid} at T={len(tokens)}", paged, dense, tree, dense.best(budget.num_nodes))
-        if mismatch:
-            mismatches.append(mismatch)
-    assert len(records) >= 3 * 3
-    assert not mismatches, f"{len(mismatches)} of {len(records)} proposals differ:\n" + "\n".join(mismatches)
-    return records
+def dense_of(topk, threshold=0.0):
+    def candidates(head, states, tokens, budget):
+        return dense_candidates(head, dense_block_rows(head, states, tokens), tokens[-1], budget, topk, threshold)
+    return candidates
 
 
 @pytest.mark.parametrize("anchor, confidence", [(True, True), (False, True), (True, False)],
@@ -131,7 +104,7 @@ def test_paged_blocks_equal_the_dense_head_with_the_explicit_mask(anchor, confid
     head_dir = random_dspark_dir(tiny_llama, heads_root, anchor=anchor, confidence=confidence)
     spec = {"method": "dspark", "model": head_dir, "num_speculative_tokens": 3, "topk": topk,
             "num_draft_tokens": 7 if topk == 2 else 4, "draft_weights": "float32"}
-    records = run_and_compare(tiny_llama, head_dir, spec, monkeypatch)
+    records = proposals_equal_dense(tiny_llama, spec, dspark, grow, dense_of(topk), monkeypatch)
     full = [tree for _, _, budget, tree, _ in records if budget.depth == 3 and budget.num_nodes == 3 * topk]
     assert full and all(len(t) == 3 * topk and t.depth >= 2 for t in full)
     if topk == 2:
@@ -144,7 +117,7 @@ def test_the_confidence_heads_survival_cuts_chains(tiny_llama, heads_root, monke
     head_dir = random_dspark_dir(tiny_llama, heads_root)
     spec = {"method": "dspark", "model": head_dir, "num_speculative_tokens": 4, "confidence_threshold": 0.2,
             "draft_weights": "float32"}
-    records = run_and_compare(tiny_llama, head_dir, spec, monkeypatch, threshold=0.2)
+    records = proposals_equal_dense(tiny_llama, spec, dspark, grow, dense_of(1, threshold=0.2), monkeypatch)
     assert any(0 < len(tree) < budget.chain_length for _, _, budget, tree, _ in records)
 
 
