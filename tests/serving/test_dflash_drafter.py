@@ -46,18 +46,23 @@ def heads_root(tmp_path_factory):
 
 
 @torch.no_grad()
-def dense_block_logits(head, states, tokens) -> torch.Tensor:
-    """[B-1, vocab] the head's logits at slots 1..B-1 of the block after `tokens`, run densely with the explicit
-    mask: the context is every position before the newest token."""
+def dense_block_outputs(head, states, tokens) -> torch.Tensor:
+    """[B, hidden] the outputs of the slots of the block after `tokens`, run densely with the explicit mask: the
+    context is every position before the newest token."""
     anchor, size = len(tokens) - 1, head.config.block_size
     features = torch.cat([states[i][:anchor] for i in head.config.target_layers], dim=-1)
     context = (head.fuse(features)[None], torch.arange(anchor)[None])
     mask = torch.ones(1, size, anchor + size, dtype=torch.bool)
     if head.config.causal:
         mask[0, :, anchor:] = torch.ones(size, size, dtype=torch.bool).tril()
-    out = head(head.block_ids(torch.tensor(tokens[-1]))[None], torch.arange(anchor, anchor + size)[None],
-               DenseContextAttention(mask), context)[0]
-    return head.logits(out[1:])
+    return head(head.block_ids(torch.tensor(tokens[-1]))[None], torch.arange(anchor, anchor + size)[None],
+                DenseContextAttention(mask), context)[0]
+
+
+@torch.no_grad()
+def dense_block_logits(head, states, tokens) -> torch.Tensor:
+    """[B-1, vocab] the head's logits at the mask slots 1..B-1."""
+    return head.logits(dense_block_outputs(head, states, tokens)[1:])
 
 
 def dense_candidates(head, logits, budget, topk):

@@ -18,12 +18,11 @@ import torch.nn.functional as F
 
 import heads
 import serving.drafters.dspark as dspark
-from heads.attention import DenseContextAttention
 from serving.drafters.confidence import Confidence, top_log_probs
 from serving.drafters.tree_search import grow
 from serving.request import SamplingParams
 
-from test_dflash_drafter import PROMPTS, SCENARIOS, proposals_equal_dense
+from test_dflash_drafter import PROMPTS, SCENARIOS, dense_block_outputs, proposals_equal_dense
 from test_head_drafters import assert_pool_idle, greedy, make_engine, perturb, plain_outputs, target_parts
 from test_trees import E2E_PROMPT, assert_two_token_law, two_token_law
 
@@ -50,17 +49,9 @@ def heads_root(tmp_path_factory):
     return tmp_path_factory.mktemp("dspark_heads")
 
 
-@torch.no_grad()
 def dense_block_rows(head, states, tokens) -> torch.Tensor:
-    """[drafts, hidden] the outputs of the draft slots of the block after `tokens`, run densely with the explicit
-    mask: the context is every position before the newest token."""
-    anchor, size = len(tokens) - 1, head.config.block_size
-    features = torch.cat([states[i][:anchor] for i in head.config.target_layers], dim=-1)
-    context = (head.fuse(features)[None], torch.arange(anchor)[None])
-    mask = torch.ones(1, size, anchor + size, dtype=torch.bool)
-    out = head(head.block_ids(torch.tensor(tokens[-1]))[None], torch.arange(anchor, anchor + size)[None],
-               DenseContextAttention(mask), context)[0]
-    return out[head.draft_slots]
+    """[drafts, hidden] the outputs of the draft slots of the block after `tokens`, run densely."""
+    return dense_block_outputs(head, states, tokens)[head.draft_slots]
 
 
 @torch.no_grad()
