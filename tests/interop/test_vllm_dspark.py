@@ -1,7 +1,7 @@
 """DSpark and the real vLLM 0.32 (its CPU build, `make vllm`). vLLM implements `"method": "dspark"` only in its V2
 model runner, which needs Triton, absent from the CPU build: its config refuses the method, so no served acceptance
 is compared here (the day the CPU build serves it, the refusal test fails and the served comparison of
-test_vllm.py's DFlash case applies). What vLLM's own code reads from our export is checked instead: its speculators
+test_vllm.py's DFlash case applies; with VLLM_USE_V2_MODEL_RUNNER=1 it says "Model Runner V2 requires Triton."). What vLLM's own code reads from our export is checked instead: its speculators
 config converter (`update_dspark`) turns our speculators export into the Qwen3DSparkModel config its model and
 speculator read, with our layers, slots, Markov rank and confidence head."""
 from __future__ import annotations
@@ -35,7 +35,7 @@ args = EngineArgs(model=sys.argv[1], max_model_len=256, speculative_config={
 try:
     args.create_engine_config()
 except Exception as error:
-    print(f"{type(error).__name__}: {error}")
+    print(" ".join(str(error).split()))  # pydantic's message spans lines
 else:
     print("served")
 """
