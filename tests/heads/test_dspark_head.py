@@ -1,6 +1,6 @@
 """DSpark: DFlash's block forward plus a rank-r transition bias from the previous token and a confidence logit,
-checked against the maths written out with plain matrix products; which slot drafts which token; the checkpoint
-round trip; the warm start from a DFlash head; config errors."""
+checked against the maths written out with plain matrix products; which slot drafts which token; saving and
+loading; the warm start from a DFlash head; config errors."""
 from __future__ import annotations
 
 import pytest
