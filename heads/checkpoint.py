@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from heads.config import FORMAT_VERSION
 from heads.dflash import DFlash
 from heads.draft_head import DraftHead
+from heads.dspark import DSpark
 from heads.eagle import Eagle
 from heads.eagle3 import Eagle3
 from heads.hf_folder import CONFIG_FILE, read_config, read_file
@@ -28,7 +29,7 @@ from heads.peagle import Peagle
 from heads.target_parts import TargetParts
 from heads.token_map import check_token_ids
 
-HEADS: dict[str, type[DraftHead]] = {cls.config_class.kind: cls for cls in (Medusa, Eagle, Eagle3, Mtp, Peagle, DFlash)}
+HEADS: dict[str, type[DraftHead]] = {cls.config_class.kind: cls for cls in (Medusa, Eagle, Eagle3, Mtp, Peagle, DFlash, DSpark)}
 WEIGHTS_FILE = "model.safetensors"
 
 

@@ -67,6 +67,15 @@ class DFlashConfig(HeadConfig):
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal={self.causal!r} must be true or false")
 
+    @property
+    def num_drafts(self) -> int:
+        """Drafts one block makes: its mask slots."""
+        return self.block_size - 1
+
+    def draft_slot(self, j: int) -> int:
+        """The block slot whose output drafts x_{a+j} (j >= 1): the mask at a+j."""
+        return j
+
     @classmethod
     def from_target(cls, parts, intermediate_size: int | None = None, **kind_fields) -> "DFlashConfig":
         """As HeadConfig's, with Qwen3-style layers whatever the target's: q/k norm, no attention bias."""

@@ -34,6 +34,9 @@ inside DeepSeek-V3-style checkpoints), and SGLang has no Medusa: those exports a
 
 A DFlash export drafts block_size - 1 tokens (its speculators proposal says so); a causal one is refused for the
 speculators format, whose full-attention layers attend within a block bidirectionally (z-lab's is_causal keeps it).
+A DSpark export (speculators' DSparkSpeculator, or vLLM's Qwen3DSparkModel with --format vllm) drafts block_size
+tokens, or block_size - 1 with sample_from_anchor false; vLLM serves it with "method": "dspark" on GPUs (its V2
+model runner, which needs Triton; its CPU build refuses the method).
 """
 from __future__ import annotations
 
@@ -99,6 +102,8 @@ def export(head, engine: str, out, *, verifier=None, num_speculative_tokens: int
                "medusa": "SGLang and the speculators format have no Medusa drafter: export it --format vllm",
                "dflash": "vLLM and SGLang load DFlash drafters in z-lab's layout: export it --format z-lab (or "
                          "--format speculators, which vLLM also serves)",
+               "dspark": "vLLM serves DSpark from the speculators format or its own Qwen3DSparkModel config: "
+                         "export it --format speculators or --format vllm",
                "peagle": "vLLM serves P-EAGLE from the speculators format (EAGLE-3 with parallel drafting): export "
                          "it --format speculators"}[kind]
         raise ValueError(f"cannot export a {kind} head for {engine}: {why}")
@@ -106,8 +111,9 @@ def export(head, engine: str, out, *, verifier=None, num_speculative_tokens: int
         raise ValueError(f"this {kind} head has q/k norms (a Qwen3 target): the {engine} Llama draft layers have none")
     layout = LAYOUTS[kind, engine]
     tensors = {**to_theirs(layout.names, head.config, layout.exported(head)), **layout.target_values(head)}
-    layer = qwen3_config(head.config) if kind == "dflash" else {**llama_config(head.config), **layout.layer_window(head)}
-    drafts = head.config.block_size - 1 if kind == "dflash" else num_speculative_tokens
+    block = kind in ("dflash", "dspark")
+    layer = qwen3_config(head.config) if block else {**llama_config(head.config), **layout.layer_window(head)}
+    drafts = head.config.num_drafts if block else num_speculative_tokens
     config = layout.format.write_config(kind, layer, layout.export_config(head),
                                         None if verifier is None else verifier_of(verifier), drafts)
     config[WRITER] = {"version": importlib.metadata.version("draftheads"), "kind": kind, "format": engine}

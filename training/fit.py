@@ -1,6 +1,7 @@
 """`draftheads fit` and `draftheads validate`: LightningCLI over a draft-head module (model: class_path of one of
-training.modules' MedusaModule, EagleModule, Eagle3Module, MtpModule, DFlashModule), the store's data module (data)
-and the Trainer (trainer), configured by YAML (configs/medusa.yaml, eagle.yaml, eagle3.yaml, mtp.yaml, dflash.yaml)
+training.modules' MedusaModule, EagleModule, Eagle3Module, MtpModule, DFlashModule, DSparkModule), the store's
+data module (data) and the Trainer (trainer), configured by YAML (configs/medusa.yaml, eagle.yaml, eagle3.yaml,
+mtp.yaml, dflash.yaml, dspark.yaml)
 and overridden on the command line:
 
     draftheads fit -c configs/eagle.yaml --data.store data/store --trainer.max_epochs 3

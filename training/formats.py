@@ -6,9 +6,9 @@ the kind's per-format settings (fc bias, config.json keys, tensors of the target
 writes a head under their names, `draftheads import` reads theirs back (the maps and their reading:
 training/name_maps.py); `table()` renders the kind x format matrix from this data.
 
-Sources the maps were read from: vLLM's llama_eagle.py, llama_eagle3.py, medusa.py and qwen3_dflash.py; SGLang's
+Sources the maps were read from: vLLM's llama_eagle.py, llama_eagle3.py, medusa.py, qwen3_dflash.py and qwen3_dspark.py (with its speculators config converter); SGLang's
 llama_eagle.py and llama_eagle3.py; SafeAILab/EAGLE's cnets1.py and cnets.py (and SpecForge's llama3_eagle.py);
-speculators' eagle, eagle3, peagle and dflash models (which vLLM loads natively); FasterDecoding/Medusa's
+speculators' eagle, eagle3, peagle, dflash and dspark models (which vLLM loads natively); FasterDecoding/Medusa's
 medusa_model.py; z-lab's dflash model.py.
 
 A captured layer's id means the input of layer i in this project, in vLLM, in speculators and in the EAGLE
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from training.name_maps import (
-    DFLASH, DRAFT_VOCAB, EAGLE, EAGLE3, EAGLE3_SPECULATORS, EAGLE_SPECULATORS, EMBED, LM_HEAD, MEDUSA_REPO, MEDUSA_VLLM,
+    DFLASH, DRAFT_VOCAB, DSPARK, EAGLE, EAGLE3, EAGLE3_SPECULATORS, EAGLE_SPECULATORS, EMBED, LM_HEAD, MEDUSA_REPO, MEDUSA_VLLM,
     PEAGLE_SPECULATORS, Names, draft_vocab_ids, draft_vocab_tensors,
 )
 
@@ -569,10 +569,63 @@ class DFlashLayout(Layout):
         return values
 
 
+@dataclass(frozen=True)
+class DSparkLayout(DFlashLayout):
+    """DSpark: DFlash's layout plus the Markov head (markov_head.markov_w1/markov_w2) and the confidence head
+    (confidence_head.proj, with a bias), and their config.json fields as speculators' DSparkSpeculatorConfig names
+    them (markov_rank, markov_head_type, sample_from_anchor, enable_confidence_head, confidence_head_with_markov).
+    `native`: vLLM's own Qwen3DSparkModel config, which also names the captured layers as target_layer_ids, one
+    lower (the layer whose output is read), as vLLM's converter of speculators configs writes them. A draft
+    vocabulary's rows of markov_w2 go out ascending, as d2t's draft ids."""
+    native: bool = False
+
+    def notes(self):
+        return [*super().notes(), "markov_head_type: vanilla"]
+
+    def _read(self, config, ours):
+        value = super()._read(config, ours)
+        if ours == "target_layers" and value is None and self.native and config.get("target_layer_ids") is not None:
+            return [i + 1 for i in config["target_layer_ids"]]
+        return value
+
+    def kind_fields(self, config, where):
+        head_type, rank = config.get("markov_head_type", "vanilla"), config.get("markov_rank", 256)
+        if head_type != "vanilla":
+            raise ValueError(f"{where}: markov_head_type is {head_type!r}, but this project's DSpark (and vLLM's) has "
+                             "the vanilla first-order Markov head only: train it with markov_head_type vanilla")
+        if not rank:
+            raise ValueError(f"{where}: markov_rank is 0 (no Markov head): a DFlash drafter, import it with --format "
+                             "dflash")
+        # a field left out takes speculators' config class default, or vLLM's model's (no confidence head)
+        confidence = not self.native
+        return {**super().kind_fields(config, where), "markov_rank": rank,
+                "sample_from_anchor": bool(config.get("sample_from_anchor", True)),
+                "confidence_head": bool(config.get("enable_confidence_head", confidence)),
+                "confidence_with_markov": bool(config.get("confidence_head_with_markov", confidence))}
+
+    def exported(self, head):
+        tensors = super().exported(head)
+        if head.token_map is not None:
+            tensors["markov_w2.weight"] = tensors["markov_w2.weight"][head.token_map.argsort()]
+        return tensors
+
+    def export_config(self, head):
+        c = head.config
+        config = {**super().export_config(head), "markov_rank": c.markov_rank, "markov_head_type": "vanilla",
+                  "sample_from_anchor": c.sample_from_anchor, "enable_confidence_head": c.confidence_head,
+                  "confidence_head_with_markov": c.confidence_with_markov}
+        if self.native:
+            config.update(target_layer_ids=[i - 1 for i in c.target_layers], dspark_bonus_anchor=not c.sample_from_anchor)
+        return config
+
+
 VLLM = Format("vllm", captures_sorted=True, eagle3_norms=EAGLE3_NORMS, layouts={
     "eagle": EagleLayout("EagleLlamaForCausalLM", EAGLE, fc_bias=False),
     "eagle3": Eagle3Layout("LlamaForCausalLMEagle3", EAGLE3, reads_embedding=True, draft_window=True),
     "medusa": MedusaLayout("MedusaModel", MEDUSA_VLLM),
+    "dspark": DSparkLayout("Qwen3DSparkModel", DSPARK, native=True, keys={
+        "target_layers": ("eagle_aux_hidden_state_layer_ids",), "block_size": ("block_size",),
+        "mask_token_id": ("mask_token_id",)}, written={"target_hidden_size": "hidden_size"}),
 })
 SGLANG = Format("sglang", layer_offset=-1, layouts={
     "eagle": EagleLayout("LlamaForCausalLMEagle", EAGLE, fc_bias=True),
@@ -593,6 +646,9 @@ SPECULATORS = Format("speculators", captures_sorted=True, eagle3_norms=EAGLE3_NO
         "target_layers": ("aux_hidden_state_layer_ids",), "block_size": ("block_size",),
         "mask_token_id": ("mask_token_id",)}, refused={"sample_from_anchor": "DSpark's slot 0 drafts too"},
         written={"target_hidden_size": "hidden_size"}),
+    "dspark": DSparkLayout("DSparkSpeculator", DSPARK, carries_target=True, keys={
+        "target_layers": ("aux_hidden_state_layer_ids",), "block_size": ("block_size",),
+        "mask_token_id": ("mask_token_id",)}, written={"target_hidden_size": "hidden_size"}),
 })
 MEDUSA_REPO = Format("medusa-repo", writes=False, layouts={
     "medusa": MedusaLayout(None, MEDUSA_REPO, keys=("medusa_num_heads", "medusa_num_layers"), num_layers_default=1,

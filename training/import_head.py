@@ -1,4 +1,5 @@
-"""`draftheads import`: a published or exported draft head (EAGLE-1, EAGLE-3, Medusa, P-EAGLE, DFlash) as a head
+"""`draftheads import`: a published or exported draft head (EAGLE-1, EAGLE-3, Medusa, P-EAGLE, DFlash, DSpark) as a
+head
 folder for a target, read through the same name maps `draftheads export` writes with (training/formats.py):
 
     draftheads import ~/hf/EAGLE3-LLaMA3.1-Instruct-8B --format eagle3 --target ~/hf/Llama-3.1-8B-Instruct --out heads/e3
@@ -9,7 +10,7 @@ pytorch_model.bin, or Medusa's medusa_lm_head.safetensors / .pt, which hold Medu
 --from is read from config.json when not given: what wrote it when `draftheads export` did (its "draftheads" key),
 the speculators format's speculators_model_type, else its architecture (EagleLlamaForCausalLM: vllm,
 LlamaForCausalLMEagle: sglang, LlamaForCausalLM: eagle-repo, LlamaForCausalLMEagle3: vllm, MedusaModel: vllm,
-DFlashDraftModel: z-lab) or
+DFlashDraftModel: z-lab, Qwen3DSparkModel: vllm) or
 Medusa's medusa_num_heads (medusa-repo). An EAGLE-3 file that names its aux layers needs --from, since SGLang
 numbers them one lower than vLLM and the EAGLE repository.
 
@@ -41,14 +42,15 @@ from training.cli import DocHelpFormatter
 from training.formats import LAYOUTS, SOURCES, Layout
 from training.name_maps import to_ours
 
-KINDS = ("eagle", "eagle3", "medusa", "peagle", "dflash")
+KINDS = ("eagle", "eagle3", "medusa", "peagle", "dflash", "dspark")
 SOURCE_OF = {"EagleLlamaForCausalLM": "vllm", "LlamaForCausalLMEagle": "sglang", "LlamaForCausalLM": "eagle-repo",
              "LlamaForCausalLMEagle3": "vllm", "MedusaModel": "vllm", "EagleSpeculator": "speculators",
              "Eagle3Speculator": "speculators", "PEagleSpeculator": "speculators", "DFlashDraftModel": "z-lab",
-             "DFlashSpeculator": "speculators"}
+             "DFlashSpeculator": "speculators", "DSparkSpeculator": "speculators", "Qwen3DSparkModel": "vllm"}
 KIND_OF = {"EagleLlamaForCausalLM": "eagle", "LlamaForCausalLMEagle": "eagle", "LlamaForCausalLMEagle3": "eagle3",
            "MedusaModel": "medusa", "EagleSpeculator": "eagle", "Eagle3Speculator": "eagle3", "PEagleSpeculator": "peagle",
-           "DFlashDraftModel": "dflash", "DFlashSpeculator": "dflash",
+           "DFlashDraftModel": "dflash", "DFlashSpeculator": "dflash", "DSparkSpeculator": "dspark",
+           "Qwen3DSparkModel": "dspark",
            "Eagle3DraftModel": "eagle3", "PEagleDraftModel": "peagle"}  # the last two: speculators' save_pretrained
 WRITER = "draftheads"  # what `draftheads export` records in config.json: version, kind, format
 TORCH_FILES = ("pytorch_model.bin", "medusa_lm_head.pt")

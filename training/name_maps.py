@@ -3,7 +3,7 @@ per layout (training/formats.py says which format uses which), read in both dire
 writes a head's tensors under their names (to_theirs), `draftheads import` reads theirs back (to_ours). `{}` in a
 name is an index (a Medusa head, a block), the same in both names; `{num_layers}` is the head config's field. A tuple
 of their names is one tensor of ours, concatenated along dim 0 (our decoder layer fuses q/k/v and gate/up).
-EAGLE-3's and DFlash's draft vocabularies are d2t and t2d, as vLLM and speculators store them.
+EAGLE-3's, DFlash's and DSpark's draft vocabularies are d2t and t2d, as vLLM and speculators store them.
 """
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ QWEN3_LAYER: Names = {**LLAMA_LAYER, "input_norm.weight": "input_layernorm.weigh
                       "q_norm.weight": "self_attn.q_norm.weight", "k_norm.weight": "self_attn.k_norm.weight"}
 DFLASH: Names = {"fc.weight": "fc.weight", "hidden_norm.weight": "hidden_norm.weight", "norm.weight": "norm.weight",
                  **_under("layers.{}.", "layers.{}.", QWEN3_LAYER), "token_map": "token_map"}  # the map: from d2t
+DSPARK: Names = {**DFLASH, "markov_w1.weight": "markov_head.markov_w1.weight",
+                 "markov_w2.weight": "markov_head.markov_w2.weight", "confidence.weight": "confidence_head.proj.weight",
+                 "confidence.bias": "confidence_head.proj.bias"}
 PEAGLE_SPECULATORS: Names = {**EAGLE3_SPECULATORS, "mask_hidden": "mask_hidden"}
 MEDUSA_VLLM: Names = {
     "heads.{}.{}.linear.weight": "blocks.{}.layers.{}.weight", "heads.{}.{}.linear.bias": "blocks.{}.layers.{}.bias",

@@ -1,7 +1,8 @@
 """Drafters propose token trees for the target to verify, behind one interface (`serving.drafters.base.Drafter`), one
 drafter per file: ngram.py (prompt lookup), draft_model.py, early_exit.py, medusa.py, eagle.py (EAGLE-1, EAGLE-3),
 mtp.py (MTP: one module per draft, or its first module reused as EAGLE's), peagle.py (P-EAGLE, a block of drafts per
-forward), dflash.py (DFlash, a block per forward), lookahead.py (lookahead decoding: Jacobi iteration and an n-gram
+forward), dflash.py (DFlash, a block per forward), dspark.py (DSpark: DFlash's block and a Markov head's
+left-to-right pass), lookahead.py (lookahead decoding: Jacobi iteration and an n-gram
 pool), suffix.py (suffix decoding: suffix trees over the request and earlier answers), grammar.py (nothing but the
 tokens a request's grammar forces), and fallback.py (prompt lookup or suffix decoding first, then a head).
 
@@ -13,6 +14,7 @@ from serving.drafters.base import Drafter
 from serving.drafters.context import DraftContext
 from serving.drafters.dflash import DFlashDrafter
 from serving.drafters.draft_model import DraftModelDrafter
+from serving.drafters.dspark import DSparkDrafter
 from serving.drafters.eagle import EagleDrafter
 from serving.drafters.early_exit import EarlyExitDrafter
 from serving.drafters.fallback import Fallback
@@ -29,7 +31,7 @@ from serving.spec_decode.config import HEADS, SpeculativeConfig
 DRAFTERS: dict[str, type[Drafter]] = {
     kind: cls for cls in (NgramDrafter, SuffixDrafter, GrammarDrafter, LookaheadDrafter, DraftModelDrafter,
                           EarlyExitDrafter, MedusaDrafter, EagleDrafter, MtpChainDrafter, MtpReuseFirstDrafter,
-                          PeagleDrafter, DFlashDrafter)
+                          PeagleDrafter, DFlashDrafter, DSparkDrafter)
     for kind in cls.kinds}
 
 

@@ -93,17 +93,22 @@ class DFlashDrafter(DeferredDrafter):
             return [slots[:j + 1] for j in range(self.num_slots)]
         return [slots[:j] + slots[j + 1:] + [slots[j]] for j in range(self.num_slots)]
 
-    @torch.inference_mode()
-    def _draft(self, ctx, requests, budgets):
-        newest = torch.tensor([r.token_ids[-1] for r in requests], device=self.device)
+    def block_outputs(self, ctx, requests, newest: torch.Tensor) -> torch.Tensor:
+        """newest: [R] each request's newest token -> [R, B, hidden] the outputs of its block's slots."""
         ids = self.head.block_ids(newest)  # [R, B]
         positions = torch.tensor([r.num_tokens - 1 for r in requests], device=self.device)[:, None] + torch.arange(
             self.num_slots, device=self.device)
         meta = ctx.runner.metadata([0] * len(requests), [r.num_tokens - 1 for r in requests],
                                    [r.block_ids for r in requests], [self.block_paths(i) for i in range(len(requests))])
         out = self.head(ids.flatten(), positions.flatten(), PagedAttention(self.cache, meta))
+        return out.view(len(requests), self.num_slots, -1)
+
+    @torch.inference_mode()
+    def _draft(self, ctx, requests, budgets):
+        newest = torch.tensor([r.token_ids[-1] for r in requests], device=self.device)
+        out = self.block_outputs(ctx, requests, newest)
         num_depths = min(self.num_slots - 1, max(budgets[r.request_id].depth for r in requests))
-        logits = self.head.logits(out.view(len(requests), self.num_slots, -1)[:, 1:1 + num_depths])  # [R, D, vocab]
+        logits = self.head.logits(out[:, 1:1 + num_depths])  # [R, D, vocab]
         temperatures = torch.tensor([self.confidence.temperature(d + 1) for d in range(num_depths)], device=self.device)
         log_probs, tokens = top_log_probs(logits, self.topk, temperatures[:, None])  # [R, D, topk] each
         if self.token_map is not None:

@@ -1,11 +1,11 @@
-"""Trained heads (Medusa, EAGLE-1, EAGLE-3, MTP, P-EAGLE, DFlash) as drafters: loading a head folder against the
+"""Trained heads (Medusa, EAGLE-1, EAGLE-3, MTP, P-EAGLE, DFlash, DSpark) as drafters: loading a head folder against the
 engine's target, bound to the target's embedding, final norm and LM head, and the key of serving/drafters/__init__.py's
 table that picks the drafter of a loaded head.
 
 Medusa (drafters/medusa.py) reads the target's hidden state of the newest computed token and needs no K/V. EAGLE-1,
 EAGLE-3, MTP and P-EAGLE (drafters/eagle.py, drafters/mtp.py, drafters/peagle.py) run a decoder layer of their own
-over a pool with the target's block size, addressed by the target's block tables; DFlash (drafters/dflash.py) keeps
-its layers' context K/V there. Each scores its drafts with drafters/confidence.py.
+over a pool with the target's block size, addressed by the target's block tables; DFlash and DSpark (drafters/dflash.py,
+drafters/dspark.py) keep their layers' context K/V there. Each scores its drafts with drafters/confidence.py.
 """
 from __future__ import annotations
 

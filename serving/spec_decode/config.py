@@ -8,10 +8,10 @@ import warnings
 from dataclasses import dataclass
 
 METHODS = ("ngram", "suffix", "draft_model", "early_exit", "medusa", "eagle", "eagle3", "mtp", "peagle", "dflash",
-           "lookahead", "grammar")
-NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp", "peagle", "dflash")
-HEADS = ("medusa", "eagle", "eagle3", "mtp", "peagle", "dflash")  # trained draft heads: they read the target's hidden states
-TAKES_TOKEN_MAP = ("medusa", "eagle", "mtp", "dflash")
+           "dspark", "lookahead", "grammar")
+NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp", "peagle", "dflash", "dspark")
+HEADS = ("medusa", "eagle", "eagle3", "mtp", "peagle", "dflash", "dspark")  # trained draft heads: they read the target's hidden states
+TAKES_TOKEN_MAP = ("medusa", "eagle", "mtp", "dflash", "dspark")
 DRAFT_WEIGHTS = ("bfloat16", "float32")
 REJECTION_SAMPLE_METHODS = ("standard", "block")  # vLLM's also has "synthetic", which changes the output law
 

@@ -46,18 +46,23 @@ def heads_root(tmp_path_factory):
 
 
 @torch.no_grad()
-def dense_block_logits(head, states, tokens) -> torch.Tensor:
-    """[B-1, vocab] the head's logits at slots 1..B-1 of the block after `tokens`, run densely with the explicit
-    mask: the context is every position before the newest token."""
+def dense_block_outputs(head, states, tokens) -> torch.Tensor:
+    """[B, hidden] the outputs of the slots of the block after `tokens`, run densely with the explicit mask: the
+    context is every position before the newest token."""
     anchor, size = len(tokens) - 1, head.config.block_size
     features = torch.cat([states[i][:anchor] for i in head.config.target_layers], dim=-1)
     context = (head.fuse(features)[None], torch.arange(anchor)[None])
     mask = torch.ones(1, size, anchor + size, dtype=torch.bool)
     if head.config.causal:
         mask[0, :, anchor:] = torch.ones(size, size, dtype=torch.bool).tril()
-    out = head(head.block_ids(torch.tensor(tokens[-1]))[None], torch.arange(anchor, anchor + size)[None],
-               DenseContextAttention(mask), context)[0]
-    return head.logits(out[1:])
+    return head(head.block_ids(torch.tensor(tokens[-1]))[None], torch.arange(anchor, anchor + size)[None],
+                DenseContextAttention(mask), context)[0]
+
+
+@torch.no_grad()
+def dense_block_logits(head, states, tokens) -> torch.Tensor:
+    """[B-1, vocab] the head's logits at the mask slots 1..B-1."""
+    return head.logits(dense_block_outputs(head, states, tokens)[1:])
 
 
 def dense_candidates(head, logits, budget, topk):
@@ -68,37 +73,47 @@ def dense_candidates(head, logits, budget, topk):
                                [confidence.log_threshold_for(budget)])[0]
 
 
+def proposals_equal_dense(target, spec, module, search, dense_of, monkeypatch) -> list:
+    """Generates greedily with the engine (outputs equal to plain decoding), spying on `module`'s `search`; every
+    proposal's candidates and kept tree must be those of dense_of(head, the target's hidden states, its tokens, its
+    budget). Returns the records (request id, tokens, budget, tree, candidates)."""
+    engine = make_engine(target, spec, block_size=4, max_num_batched_tokens=16, max_num_seqs=3)
+    searches = []
+
+    def spy(*args, **kwargs):
+        found = search(*args, **kwargs)
+        searches.extend(found)
+        return found
+
+    monkeypatch.setattr(module, search.__name__, spy)
+    records = record_trees(engine.speculator.drafter, searches)
+    prompts = random_prompts((5, 14, 23), seed=81)
+    outputs = engine.generate(prompts, greedy(10))
+    assert [o.token_ids for o in outputs] == plain_outputs(target, prompts, 10)
+    head = load_as_drafted(spec["model"], target, "float32")
+    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
+    states = {rid: hf_hidden_states(target, final) for rid, final in finals.items()}
+    mismatches = []
+    for rid, tokens, budget, tree, paged in records:
+        assert tokens == finals[rid][:len(tokens)]
+        dense = dense_of(head, states[rid], tokens, budget)
+        mismatch = compare_candidates(f"request {rid} at T={len(tokens)}", paged, dense, tree, dense.best(budget.num_nodes))
+        if mismatch:
+            mismatches.append(mismatch)
+    assert len(records) >= 3 * 3
+    assert not mismatches, f"{len(mismatches)} of {len(records)} proposals differ:\n" + "\n".join(mismatches)
+    return records
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("topk", [1, 2])
 def test_paged_blocks_equal_the_dense_head_with_the_explicit_mask(causal, topk, tiny_llama, heads_root, monkeypatch):
     head_dir = random_dflash_dir(tiny_llama, heads_root, causal=causal)
     spec = {"method": "dflash", "model": head_dir, "num_speculative_tokens": 3, "topk": topk,
             "num_draft_tokens": 7 if topk == 2 else 4, "draft_weights": "float32"}
-    engine = make_engine(tiny_llama, spec, block_size=4, max_num_batched_tokens=16, max_num_seqs=3)
-    searches = []
-
-    def spy(*args, **kwargs):
-        found = grow_from_marginals(*args, **kwargs)
-        searches.extend(found)
-        return found
-
-    monkeypatch.setattr(dflash, "grow_from_marginals", spy)
-    records = record_trees(engine.speculator.drafter, searches)
-    prompts = random_prompts((5, 14, 23), seed=81)
-    outputs = engine.generate(prompts, greedy(10))
-    assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, prompts, 10)
-    head = load_as_drafted(head_dir, tiny_llama, "float32")
-    finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
-    states = {rid: hf_hidden_states(tiny_llama, final) for rid, final in finals.items()}
-    mismatches = []
-    for rid, tokens, budget, tree, paged in records:
-        assert tokens == finals[rid][:len(tokens)]
-        dense = dense_candidates(head, dense_block_logits(head, states[rid], tokens), budget, topk)
-        mismatch = compare_candidates(f"request {rid} at T={len(tokens)}", paged, dense, tree, dense.best(budget.num_nodes))
-        if mismatch:
-            mismatches.append(mismatch)
-    assert len(records) >= 3 * 3
-    assert not mismatches, f"{len(mismatches)} of {len(records)} proposals differ:\n" + "\n".join(mismatches)
+    records = proposals_equal_dense(
+        tiny_llama, spec, dflash, grow_from_marginals, lambda head, states, tokens, budget: dense_candidates(
+            head, dense_block_logits(head, states, tokens), budget, topk), monkeypatch)
     full = [tree for _, _, budget, tree, _ in records if budget.depth == 3 and budget.num_nodes == 3 * topk]
     assert full and all(len(t) == 3 * topk and t.depth >= 2 for t in full)
     assert topk > 1 or all(t.depth == 3 for t in full)

@@ -17,7 +17,7 @@ FIT_CONFIGS = sorted(path for path in (ROOT / "configs").glob("*.yaml") if "mode
 
 
 def test_there_is_a_config_per_head_kind():
-    assert {path.stem for path in FIT_CONFIGS} == {"medusa", "eagle", "eagle3", "mtp", "peagle", "dflash"}
+    assert {path.stem for path in FIT_CONFIGS} == {"medusa", "eagle", "eagle3", "mtp", "peagle", "dflash", "dspark"}
 
 
 @pytest.mark.parametrize("config", FIT_CONFIGS, ids=lambda path: path.stem)
@@ -38,7 +38,8 @@ def test_validate_runs_on_a_fit_checkpoint(debug_store):
     assert main(["validate", "-c", config, "--ckpt_path=runs/medusa/checkpoints/last.ckpt", *overrides]) == 0
 
 
-@pytest.mark.parametrize("name", ["medusa", "eagle", "eagle3", "mtp", "peagle", "dflash", "data", "export_heads"])
+@pytest.mark.parametrize("name", ["medusa", "eagle", "eagle3", "mtp", "peagle", "dflash", "dspark", "data",
+                                  "export_heads"])
 def test_help_explains_every_setting(name):
     """`draftheads fit --model.help CLASS` (and --data.help, --trainer.callbacks.help) describe every setting, from
     the classes' docstrings."""

@@ -13,6 +13,22 @@ from training.modules import DFlashModule
 from training.modules.dflash import block_mask, slot_weights
 
 
+def toy_batch(hidden: int, seed: int = 0) -> tuple[dict, dict]:
+    """Two sequences of 12 positions (the second padded from 9), answers from position 4, random ids and hidden
+    states of the store's two kinds (two aux layers side by side, the last layer)."""
+    torch.manual_seed(seed)
+    batch_size, num_positions = 2, 12
+    ids = torch.randint(20, 200, (batch_size, num_positions))
+    padding = torch.ones(batch_size, num_positions, dtype=torch.bool)
+    padding[1, 9:] = False
+    answer = padding.clone()
+    answer[:, :4] = False
+    batch = {"input_ids": ids, "padding_mask": padding, "loss_mask": answer}
+    states = {"eagle3": torch.randn(batch_size, num_positions, 2 * hidden),
+              "last": torch.randn(batch_size, num_positions, hidden)}
+    return batch, states
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_block_mask_equals_the_hand_built_mask(causal):
     """One sequence of 5 positions, the last padding; blocks of 3 at anchors 2 and 4. Columns: the 5 context positions,
@@ -41,14 +57,9 @@ def test_loss_is_the_weighted_cross_entropy_of_blocks_that_see_only_the_context_
     with torch.no_grad():
         for param in module.head.parameters():
             param.add_(0.1 * torch.randn(param.shape))
-    batch_size, num_positions, hidden = 2, 12, module.head.config.hidden_size
-    ids = torch.randint(20, 200, (batch_size, num_positions))
-    padding = torch.ones(batch_size, num_positions, dtype=torch.bool)
-    padding[1, 9:] = False
-    answer = padding.clone()
-    answer[:, :4] = False
-    batch = {"input_ids": ids, "padding_mask": padding, "loss_mask": answer}
-    states = {"eagle3": torch.randn(batch_size, num_positions, 2 * hidden), "last": torch.randn(batch_size, num_positions, hidden)}
+    batch, states = toy_batch(module.head.config.hidden_size)
+    ids, answer = batch["input_ids"], batch["loss_mask"]
+    batch_size, num_positions = ids.shape
     loss, terms = module._loss(batch, states, ids, answer, torch.Generator().manual_seed(5))
     anchors, is_anchor = module.sample_anchors(answer, torch.Generator().manual_seed(5))
     assert is_anchor.all() and ((anchors >= 3) & (anchors <= 10)).all()  # the next token an answer token

@@ -27,7 +27,7 @@ from training.fit import build_cli
 pytestmark = pytest.mark.usefixtures("in_tmp_path")
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = ("medusa", "eagle", "eagle3", "mtp", "peagle")
+KINDS = ("medusa", "eagle", "eagle3", "mtp", "peagle", "dspark")
 
 
 def prompt_messages(num_prompts: int) -> list[list[dict]]:
@@ -91,6 +91,8 @@ OVERFIT = {
     "mtp": (["--model.init_args.learning_rate=1e-2", WIDE], 30, 10.0),
     # the placeholder depths fit slower than depth 0: the mean over depths fell 2.8x in 40 steps
     "peagle": (["--model.init_args.learning_rate=1e-2", "--model.init_args.draft_vocab_size=512", WIDE], 60, 2.5),
+    # the token loss and the confidence head's cross-entropy together
+    "dspark": (["--model.init_args.learning_rate=1e-2", "--model.init_args.markov_rank=32", WIDE], 60, 2.5),
 }
 MIN_TAU = 1.6  # an untrained head drafts this chaotic target at tau ~1.0
 

@@ -25,7 +25,8 @@ from training.modules.unroll import unroll
 
 SMALL = {"medusa": {"num_heads": 2, "num_speculative_tokens": 2}, "eagle": {}, "eagle3": {"num_steps": 2, "draft_vocab_size": 1024},
          "mtp": {}, "peagle": {"draft_vocab_size": 1024},
-         "dflash": {"block_size": 5, "mask_token_id": 16, "num_anchors": 8}}
+         "dflash": {"block_size": 5, "mask_token_id": 16, "num_anchors": 8},
+         "dspark": {"block_size": 4, "mask_token_id": 16, "num_anchors": 8, "markov_rank": 16}}
 
 
 def test_a_head_kind_is_its_speculative_method():

@@ -190,8 +190,9 @@ class DraftModule(LightningModule):
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from None
         if saved.config.kind != self.kind:
-            raise ValueError(f"{where} holds a head of kind {saved.config.kind}, but this config trains kind {self.kind} "
-                             f"({type(self).__name__}): start from a head of kind {self.kind}")
+            self.start_from_kind(saved, where)
+            self.has_init_weights = True
+            return
         differences = config_differences(self.head.config.to_dict(), saved.config.to_dict(), "folder")
         if differences:
             raise ValueError(f"{where} holds a {self.kind} head whose settings differ from this config's: "
@@ -201,6 +202,11 @@ class DraftModule(LightningModule):
                              "token map file it was trained with")
         self.head.load_state_dict(saved.state_dict())
         self.has_init_weights = True
+
+    def start_from_kind(self, saved, where: str) -> None:
+        """Start from `saved`, a head of another kind than this module's: refused, unless a kind warm-starts from it."""
+        raise ValueError(f"{where} holds a head of kind {saved.config.kind}, but this config trains kind {self.kind} "
+                         f"({type(self).__name__}): start from a head of kind {self.kind}")
 
     def _apply(self, fn, *args, **kwargs):
         super()._apply(fn, *args, **kwargs)

@@ -71,12 +71,13 @@ class DFlashModule(DraftModule):
             intermediate_size: MLP width of the drafter layers (null: the target's).
         """
         super().__init__(**kwargs)
-        if self.hparams.num_speculative_tokens > block_size - 1:
-            raise ValueError(f"num_speculative_tokens={self.hparams.num_speculative_tokens} exceeds the block's "
-                             f"{block_size - 1} drafts (block_size={block_size}): draft fewer or train longer blocks")
         if gamma <= 0 or num_anchors < 1:
             raise ValueError(f"gamma={gamma} must be > 0 and num_anchors={num_anchors} >= 1")
         self.head = self._new_head(tuple(target_layers or ()))
+        if self.hparams.num_speculative_tokens > self.head.config.num_drafts:
+            raise ValueError(f"num_speculative_tokens={self.hparams.num_speculative_tokens} exceeds the block's "
+                             f"{self.head.config.num_drafts} drafts (block_size={block_size}): draft fewer or train "
+                             "longer blocks")
 
     def _new_head(self, target_layers: tuple[int, ...]) -> DFlash:
         p = self.hparams
