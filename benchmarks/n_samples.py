@@ -4,14 +4,16 @@ speedup over plain decoding with n samples of one prompt against n different pro
 sequences in flight). Two servers, plain and speculative, are measured taking turns round by round (the machine's
 speed drifts); every request is sampled (temperature 0.7, seeded) and ignores EOS, so each setting generates the
 same number of tokens. Each setting's prompts open with a system message of their own (the round and setting), so no
-setting reads another's prompts from the prefix cache. Each setting sends its prompts one after the other:
+setting reads another's prompts from the prefix cache. With --context-words N that system message also carries a
+document of N words (prompt-heavy work, where computing the prompt once for n samples saves most). Each setting
+sends its prompts one after the other:
 
 - n: one request with n samples per prompt;
 - separate: n requests at once for the prompt, seeds seed + i (the samples n gives);
 - different: n requests at once, n different prompts, one sample each.
 
     python benchmarks/n_samples.py [--speculative-config JSON] [--prompts humaneval] [--num-prompts 4] [--n 4]
-        [--max-new-tokens 64] [--rounds 2] [--target smollm2-135m-instruct]
+        [--max-new-tokens 64] [--rounds 2] [--context-words 0] [--target smollm2-135m-instruct]
 """
 from __future__ import annotations
 
@@ -37,10 +39,18 @@ async def ask(client: httpx.AsyncClient, messages, n: int, seed: int, max_tokens
     return response.json()["usage"]
 
 
-def unshared(prompts, label: str):
-    """The prompts under a system message naming `label`: nothing of them is in the prefix cache yet."""
-    return [[{"role": "system", "content": f"Run {label}."}, *[m for m in messages if m["role"] != "system"]]
+def unshared(prompts, label: str, document: str = ""):
+    """The prompts under a system message naming `label` (then `document`): nothing of them is in the prefix cache
+    yet."""
+    system = f"Run {label}. {document}".strip()
+    return [[{"role": "system", "content": system}, *[m for m in messages if m["role"] != "system"]]
             for messages in prompts]
+
+
+def document_of(prompts, num_words: int) -> str:
+    """`num_words` words cycled from the prompts' own text."""
+    words = " ".join(m["content"] for messages in prompts for m in messages).split()
+    return " ".join(words[i % len(words)] for i in range(num_words)) if num_words else ""
 
 
 async def run_setting(url: str, setting: str, prompts, n: int, max_tokens: int) -> dict:
@@ -76,10 +86,13 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--context-words", type=int, default=0,
+                        help="words of a document each prompt carries in its system message")
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args()
 
     prompts = load_first_turns(args.prompts, args.num_prompts)
+    document = document_of(prompts, args.context_words)
     common = ["--target", args.target, "--max-num-seqs", "16", "--log-level", "warning"]
     rows = []
     with ServerProcess(common) as plain, ServerProcess(common + ["--speculative-config", args.speculative_config]) \
@@ -90,7 +103,7 @@ def main() -> None:
             row = {"round": round_}
             for setting in SETTINGS:
                 for name, server in (("plain", plain), ("speculative", speculative)):
-                    fresh = unshared(prompts, f"{round_}-{setting}-{name}")
+                    fresh = unshared(prompts, f"{round_}-{setting}-{name}", document)
                     result = asyncio.run(run_setting(server.url, setting, fresh, args.n, args.max_new_tokens))
                     row[f"{name}_{setting}_tok_s"] = result["tok_s"]
                     if result["tau"] is not None:
@@ -99,7 +112,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     median = lambda key: statistics.median(r[key] for r in rows)
     summary = {"target": args.target, "speculative_config": args.speculative_config, "prompts": args.prompts,
-               "num_prompts": args.num_prompts, "n": args.n, "max_new_tokens": args.max_new_tokens, "rounds": rows}
+               "num_prompts": args.num_prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
+               "context_words": args.context_words, "rounds": rows}
     for name in ("plain", "speculative"):
         summary[f"{name}_n_over_separate"] = median(f"{name}_n_tok_s") / median(f"{name}_separate_tok_s")
         print(f"{name}: n={args.n} {median(f'{name}_n_tok_s'):.1f} tok/s, {args.n} separate requests "

@@ -274,7 +274,7 @@ BAD = [
     ('{"method": "suffix", "suffix_decoding_min_token_prob": 1.5}', r"min_token_prob=1.5 must be a probability in \[0, 1\]"),
     ('{"method": "suffix", "suffix_decoding_min_token_prob": -0.1}', r"min_token_prob=-0.1 must be a probability in \[0, 1\]"),
     ('{"method": "ngram", "suffix_decoding_max_tree_depth": 8}', "suffix_decoding_max_tree_depth applies to suffix and to heads with suffix_first, not 'ngram'"),
-    ('{"method": "suffix", "suffix_first": true}', r"suffix_first applies to medusa, eagle, eagle3, mtp, peagle, dflash heads, not 'suffix' \(which drafts by suffix"),
+    ('{"method": "suffix", "suffix_first": true}', r"suffix_first applies to medusa, eagle, eagle3, mtp, peagle, dflash, dspark heads, not 'suffix' \(which drafts by suffix"),
     ('{"method": "eagle", "model": "x", "suffix_first": true, "prompt_lookup_first": true}', "either suffix_first or prompt_lookup_first"),
     ('{"method": "eagle", "model": "x", "suffix_first": true, "suffix_first_min_score": -1}', "suffix_first_min_score=-1 must be a number >= 0"),
     ('{"method": "suffix", "suffix_first_min_score": 2}', "suffix_first_min_score applies to heads with suffix_first"),

@@ -136,5 +136,5 @@ def test_bad_token_maps_are_clear_errors(tiny_llama, tmp_path):
 
 @pytest.mark.parametrize("method", ["eagle3", "ngram", "draft_model"])
 def test_token_map_is_refused_where_it_does_not_apply(method):
-    with pytest.raises(ValueError, match="token_map applies to medusa, eagle, mtp, dflash heads"):
+    with pytest.raises(ValueError, match="token_map applies to medusa, eagle, mtp, dflash, dspark heads"):
         SpeculativeConfig(method=method, model="somewhere", token_map="map.pt")

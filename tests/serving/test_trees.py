@@ -809,8 +809,8 @@ BAD_TREE_CONFIGS = [
     ('{"method": "eagle", %s, "medusa_choices": [[0]]}' % HEAD,
      r"medusa_choices applies to medusa heads, not 'eagle': use topk and num_draft_tokens"),
     ('{"method": "ngram", "topk": 2}',
-     r"draft trees \(topk, medusa_choices\) apply to medusa, eagle, eagle3, mtp, peagle, dflash heads, not 'ngram': it drafts a chain"),
-    ('{"method": "draft_model", %s, "medusa_choices": [[0]]}' % HEAD, r"apply to medusa, eagle, eagle3, mtp, peagle, dflash heads, not 'draft_model'"),
+     r"draft trees \(topk, medusa_choices\) apply to medusa, eagle, eagle3, mtp, peagle, dflash, dspark heads, not 'ngram': it drafts a chain"),
+    ('{"method": "draft_model", %s, "medusa_choices": [[0]]}' % HEAD, r"apply to medusa, eagle, eagle3, mtp, peagle, dflash, dspark heads, not 'draft_model'"),
 ]
 
 

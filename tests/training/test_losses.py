@@ -14,7 +14,8 @@ from training.modules.losses import LOSSES, DraftLoss
 
 SMALL = {"medusa": {"num_heads": 2, "num_speculative_tokens": 2}, "eagle": {"num_unroll_steps": 2},
          "eagle3": {"num_steps": 2, "draft_vocab_size": 1024}, "mtp": {}, "peagle": {"draft_vocab_size": 1024},
-         "dflash": {"block_size": 5, "mask_token_id": 16, "num_anchors": 8}}
+         "dflash": {"block_size": 5, "mask_token_id": 16, "num_anchors": 8},
+         "dspark": {"block_size": 4, "mask_token_id": 16, "num_anchors": 8, "markov_rank": 8}}
 
 
 def distributions():
@@ -102,7 +103,7 @@ def test_bad_losses_are_clear_errors():
 def test_each_kind_defaults_to_its_papers_loss():
     assert {kind: MODULES[kind](target="debug", **SMALL[kind]).draft_loss.weights for kind in MODULES} == {
         "medusa": {"ce": 1.0}, "eagle": {"kl": 1.0}, "eagle3": {"kl": 1.0}, "mtp": {"ce": 1.0}, "peagle": {"kl": 1.0},
-        "dflash": {"ce": 1.0}}
+        "dflash": {"ce": 1.0}, "dspark": {"ce": 1.0}}
 
 
 class Recorder:
