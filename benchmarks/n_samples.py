@@ -9,7 +9,11 @@ document of N words (prompt-heavy work, where computing the prompt once for n sa
 sends its prompts one after the other:
 
 - n: one request with n samples per prompt;
-- separate: n requests at once for the prompt, seeds seed + i (the samples n gives);
+- separate: n requests at once for the prompt, seeds seed + i (the samples n gives); the engine admits them over
+  the steps of the first one's prefill and they take its computed blocks from the prefix cache, so they share
+  most of the prompt's work too;
+- unshared: the same n requests on servers without prefix caching (`--no-enable-prefix-caching`): each computes
+  the whole prompt, the work n saves;
 - different: n requests at once, n different prompts, one sample each.
 
     python benchmarks/n_samples.py [--speculative-config JSON] [--prompts humaneval] [--num-prompts 4] [--n 4]
@@ -29,7 +33,7 @@ from serving.bench.bench_serve import ServerProcess, load_first_turns
 from serving.spec_decode.metrics import AcceptanceStats
 from serving.targets import DEFAULT_TARGET
 
-SETTINGS = ("n", "separate", "different")
+SETTINGS = ("n", "separate", "unshared", "different")
 
 
 async def ask(client: httpx.AsyncClient, messages, n: int, seed: int, max_tokens: int) -> dict:
@@ -61,7 +65,7 @@ async def run_setting(url: str, setting: str, prompts, n: int, max_tokens: int) 
         for i, messages in enumerate(prompts):
             if setting == "n":
                 usages.append(await ask(client, messages, n, 1000 * i, max_tokens))
-            elif setting == "separate":
+            elif setting in ("separate", "unshared"):
                 usages += await asyncio.gather(*(ask(client, messages, 1, 1000 * i + j, max_tokens) for j in range(n)))
             else:  # n different prompts at once, each prompt's turn starting a group
                 group = [prompts[(i + j) % len(prompts)] for j in range(n)]
@@ -95,14 +99,19 @@ def main() -> None:
     document = document_of(prompts, args.context_words)
     common = ["--target", args.target, "--max-num-seqs", "16", "--log-level", "warning"]
     rows = []
-    with ServerProcess(common) as plain, ServerProcess(common + ["--speculative-config", args.speculative_config]) \
-            as speculative:
-        for url in (plain.url, speculative.url):  # warm-up
+    speculative_options = ["--speculative-config", args.speculative_config]
+    no_cache = ["--no-enable-prefix-caching"]
+    with ServerProcess(common) as plain, ServerProcess(common + speculative_options) as speculative, \
+            ServerProcess(common + no_cache) as plain_no_cache, \
+            ServerProcess(common + speculative_options + no_cache) as speculative_no_cache:
+        servers = {False: (("plain", plain), ("speculative", speculative)),
+                   True: (("plain", plain_no_cache), ("speculative", speculative_no_cache))}
+        for url in (plain.url, speculative.url, plain_no_cache.url, speculative_no_cache.url):  # warm-up
             asyncio.run(run_setting(url, "n", prompts[:1], 2, 4))
         for round_ in range(args.rounds):
             row = {"round": round_}
             for setting in SETTINGS:
-                for name, server in (("plain", plain), ("speculative", speculative)):
+                for name, server in servers[setting == "unshared"]:
                     fresh = unshared(prompts, f"{round_}-{setting}-{name}", document)
                     result = asyncio.run(run_setting(server.url, setting, fresh, args.n, args.max_new_tokens))
                     row[f"{name}_{setting}_tok_s"] = result["tok_s"]
@@ -116,8 +125,11 @@ def main() -> None:
                "context_words": args.context_words, "rounds": rows}
     for name in ("plain", "speculative"):
         summary[f"{name}_n_over_separate"] = median(f"{name}_n_tok_s") / median(f"{name}_separate_tok_s")
+        summary[f"{name}_n_over_unshared"] = median(f"{name}_n_tok_s") / median(f"{name}_unshared_tok_s")
         print(f"{name}: n={args.n} {median(f'{name}_n_tok_s'):.1f} tok/s, {args.n} separate requests "
               f"{median(f'{name}_separate_tok_s'):.1f} tok/s ({summary[f'{name}_n_over_separate']:.3f}x), "
+              f"without prefix caching {median(f'{name}_unshared_tok_s'):.1f} tok/s "
+              f"({summary[f'{name}_n_over_unshared']:.3f}x), "
               f"{args.n} different prompts {median(f'{name}_different_tok_s'):.1f} tok/s")
     for setting in SETTINGS:
         summary[f"speedup_{setting}"] = median(f"speculative_{setting}_tok_s") / median(f"plain_{setting}_tok_s")

@@ -44,5 +44,7 @@ def add_options(parser: argparse.ArgumentParser, config_class, helps: dict, type
             default = ",".join(default)
         shown = "" if default is MISSING or default is None else f" (default: {default})"
         flags = ["-c", "--config"] if name == "config" else [f"--{name.replace('_', '-')}"]  # -c as fit's
-        parser.add_argument(*flags, dest=name, type=types.get(name, str), default=argparse.SUPPRESS,
-                            help=help + shown, **(extra or {}).get(name, {}))
+        more = (extra or {}).get(name, {})
+        is_flag = more.get("action") is argparse.BooleanOptionalAction  # a flag takes no value, so no type
+        typed = {} if is_flag else {"type": types.get(name, str)}
+        parser.add_argument(*flags, dest=name, default=argparse.SUPPRESS, help=help + shown, **typed, **more)

@@ -17,7 +17,7 @@ from serving.config import DTYPES, HELP as ENGINE_HELP, TYPES as ENGINE_TYPES, W
 from serving.config_file import CONFIG_HELP, add_options, merge_options
 
 ENGINE_OPTIONS = ("target", "speculative_config", "dtype", "weights", "device", "block_size", "kv_cache_memory_gib", "max_num_seqs",
-                  "max_num_batched_tokens", "max_model_len", "num_threads")
+                  "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "num_threads")
 HELP = {
     "config": CONFIG_HELP,
     **{name: ENGINE_HELP[name] for name in ENGINE_OPTIONS},
@@ -53,7 +53,7 @@ class ServeConfig(EngineConfig):
 def add_arguments(parser) -> None:
     add_options(parser, ServeConfig, HELP, {**ENGINE_TYPES, "port": int, "shutdown_timeout": float}, {
         "config": {"metavar": "FILE"}, "speculative_config": {"metavar": "JSON"}, "dtype": {"choices": list(DTYPES)}, "weights": {"choices": list(WEIGHTS)},
-        "log_level": {"choices": LOG_LEVELS}})
+        "log_level": {"choices": LOG_LEVELS}, "enable_prefix_caching": {"action": argparse.BooleanOptionalAction}})
     parser.add_argument("--access-log", dest="access_log", action="store_true", default=argparse.SUPPRESS,
                         help="log every HTTP request")
     parser.epilog = (
