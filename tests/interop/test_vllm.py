@@ -226,7 +226,7 @@ def test_vllm_serves_a_windowed_eagle3_head_with_our_outputs_and_acceptance(layo
     with torch.random.fork_rng():
         trained = tiny_heads.train("eagle3", target, tiny_heads.store(target, root / "data"), root / "eagle3-window",
                                    ("--model.init_args.draft_window=8",))
-    head = heads.load(trained)
+    head = bound(trained, target)
     assert head.config.draft_window == 8 and min(map(len, prompt_ids)) > 8
     spec = {"method": "eagle3", "num_speculative_tokens": K}
     if layout == "vllm":
