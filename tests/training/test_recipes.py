@@ -58,7 +58,7 @@ def test_eagle_noise_length_scales_the_noise_by_length_as_eagle_s_code_does(monk
     module = MODULES["eagle"](target="debug", noise=0.1, noise_length=512)
     seen = {}
 
-    def unroll(head, input_ids, features, padding_mask, num_steps, max_position):
+    def unroll(head, input_ids, features, padding_mask, num_steps, max_position, window=0):
         seen["features"] = features
         return [features]
 
