@@ -132,23 +132,31 @@ BASE_PROMPTS = random_prompts((3, 7, 12, 18, 25, 33), seed=5)
 PROMPTS = BASE_PROMPTS + [p[:13] + tail for p, tail in zip(BASE_PROMPTS[3:], random_prompts((4, 9, 2), seed=6))]
 
 
+def greedy_speculation_stats(target, spec: dict, concurrency: int, topk: int):
+    """Runs PROMPTS greedily under SCENARIOS[concurrency] with `spec` (a tree of topk where topk > 1), checks the
+    outputs are plain decoding's, the pool ends idle, prefixes were hit and (at 4) requests preempted; returns the
+    speculator's stats."""
+    if topk > 1:
+        spec = {**spec, "topk": topk, "num_draft_tokens": 8}
+    engine = make_engine(target, spec, **SCENARIOS[concurrency])
+    outputs = engine.generate(PROMPTS, greedy(24))
+    assert [o.token_ids for o in outputs] == plain_outputs(target, PROMPTS, 24)
+    assert_pool_idle(engine)
+    stats = engine.speculator.stats
+    assert sum(stats.proposed) > 0 and stats.num_draft_tokens > 0
+    assert sum(o.metrics["num_cached_tokens"] for o in outputs) > 0, "no prefix-cache hit"
+    if concurrency == 4:
+        assert sum(o.metrics["num_preemptions"] for o in outputs) > 0, "no preemption: the pool is too roomy"
+    return stats
+
+
 @pytest.mark.parametrize("concurrency", [1, 4])
 @pytest.mark.parametrize("topk", [1, 3])
 def test_greedy_outputs_are_plain_decodings(concurrency, topk, tiny_llama, heads_root):
     spec = {"method": "dflash", "model": random_dflash_dir(tiny_llama, heads_root), "num_speculative_tokens": 3}
-    if topk > 1:
-        spec.update(topk=topk, num_draft_tokens=8)
-    engine = make_engine(tiny_llama, spec, **SCENARIOS[concurrency])
-    outputs = engine.generate(PROMPTS, greedy(24))
-    assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, PROMPTS, 24)
-    assert_pool_idle(engine)
-    stats = engine.speculator.stats
-    assert sum(stats.proposed) > 0 and stats.num_draft_tokens > 0
+    stats = greedy_speculation_stats(tiny_llama, spec, concurrency, topk)
     if topk > 1:
         assert stats.num_draft_tokens > sum(stats.proposed), "trees verify more nodes than depths"
-    assert sum(o.metrics["num_cached_tokens"] for o in outputs) > 0, "no prefix-cache hit"
-    if concurrency == 4:
-        assert sum(o.metrics["num_preemptions"] for o in outputs) > 0, "no preemption: the pool is too roomy"
 
 
 def test_sampled_trees_keep_the_target_law(v8_target, heads_root):

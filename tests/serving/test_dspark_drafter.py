@@ -22,8 +22,8 @@ from serving.drafters.confidence import Confidence, top_log_probs
 from serving.drafters.tree_search import grow
 from serving.request import SamplingParams
 
-from test_dflash_drafter import PROMPTS, SCENARIOS, dense_block_outputs, proposals_equal_dense
-from test_head_drafters import assert_pool_idle, greedy, make_engine, perturb, plain_outputs, target_parts
+from test_dflash_drafter import dense_block_outputs, greedy_speculation_stats, proposals_equal_dense
+from test_head_drafters import assert_pool_idle, make_engine, perturb, target_parts
 from test_trees import E2E_PROMPT, assert_two_token_law, two_token_law
 
 BLOCK = 4  # 4 drafts sampling from the anchor, 3 in DFlash's slots
@@ -116,17 +116,7 @@ def test_the_confidence_heads_survival_cuts_chains(tiny_llama, heads_root, monke
 @pytest.mark.parametrize("topk", [1, 3])
 def test_greedy_outputs_are_plain_decodings(concurrency, topk, tiny_llama, heads_root):
     spec = {"method": "dspark", "model": random_dspark_dir(tiny_llama, heads_root), "num_speculative_tokens": 4}
-    if topk > 1:
-        spec.update(topk=topk, num_draft_tokens=8)
-    engine = make_engine(tiny_llama, spec, **SCENARIOS[concurrency])
-    outputs = engine.generate(PROMPTS, greedy(24))
-    assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, PROMPTS, 24)
-    assert_pool_idle(engine)
-    stats = engine.speculator.stats
-    assert sum(stats.proposed) > 0 and stats.num_draft_tokens > 0
-    assert sum(o.metrics["num_cached_tokens"] for o in outputs) > 0, "no prefix-cache hit"
-    if concurrency == 4:
-        assert sum(o.metrics["num_preemptions"] for o in outputs) > 0, "no preemption: the pool is too roomy"
+    greedy_speculation_stats(tiny_llama, spec, concurrency, topk)
 
 
 def test_sampled_trees_keep_the_target_law(v8_target, heads_root):
