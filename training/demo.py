@@ -118,6 +118,11 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", type=int, default=store["concurrency"],
                    help="conversations answered at once while generating (the answers are the same at any concurrency, "
                         "stored in another order; 64 wrote them 3-8%% faster than 32)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the target's compute dtype while generating, benching and serving (draftheads generate's and "
+                        "bench's --dtype): bfloat16 multiplies bfloat16 weights by bfloat16 activations with float32 "
+                        "sums, about twice float32's speed on a CPU with AVX512-BF16 (docs/benchmarks/engine.md); "
+                        "its store and results are kept apart from float32's")
     p.add_argument("--device", default="auto",
                    help="where the target generates and is benched: auto (the first CUDA GPU when torch sees one, else "
                         "the CPU), cpu, cuda or cuda:N; fits pick their accelerator themselves")
@@ -161,14 +166,19 @@ def main(argv=None) -> dict:
 def generate(args) -> Path:
     from training.data.generate import GenerateConfig, generate as run_generate
 
-    out = Path(args.data) / f"demo-{args.target.replace('/', '_')}"
+    out = store_folder(args)
     t = stage(f"generate: {args.num_prompts} ShareGPT prompts x {args.max_new_tokens} tokens -> {out} (resumes)")
     run_generate(GenerateConfig.from_options(dict(
         config=str(DEMO_CONFIGS / "generate.yaml"), target=args.target, num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, concurrency=args.concurrency, max_model_len=args.max_model_len,
-        device=args.device, out=str(out))))
+        dtype=args.dtype, device=args.device, out=str(out))))
     print(f"generate took {time.perf_counter() - t:.0f} s")
     return out
+
+
+def store_folder(args) -> Path:
+    """data/demo-<target>, with the dtype after it unless float32: stores of other compute dtypes hold other answers."""
+    return Path(args.data) / f"demo-{args.target.replace('/', '_')}{'' if args.dtype == 'float32' else '-' + args.dtype}"
 
 
 def fit(args, kind: str, store: Path, token_map: Path) -> Path:
@@ -237,7 +247,7 @@ def serve(args, heads: dict) -> dict:
               f"{args.bench_new_tokens} tokens at {SERVE_RATE} requests/s")
     report = serve_and_bench(args.target, config, prompts="mt-bench", num_prompts=args.serve_prompts,
                              max_new_tokens=args.bench_new_tokens, request_rate=SERVE_RATE, out=out,
-                             serve_options=["--device", args.device])
+                             serve_options=["--device", args.device, "--dtype", args.dtype])
     print(to_markdown(report))
     print(f"took {time.perf_counter() - t:.0f} s; wrote {out}")
     return report
@@ -282,7 +292,7 @@ def bench(args, heads: dict) -> dict:
     from serving.bench.sweep import Setting, run_settings
 
     configs = bench_configs(heads, args.full)
-    engine = Engine(EngineConfig(args.target, max_num_seqs=16, device=args.device))
+    engine = Engine(EngineConfig(args.target, max_num_seqs=16, dtype=args.dtype, device=args.device))
     pairs = [(0.0, 1)] + ([(0.0, 4), (0.0, 16), (0.7, 1), (0.7, 4), (0.7, 16)] if args.full else [])
     prompt_sets = bench_prompts(args)
     # transformers' generate is timed alongside in the goal's setting only

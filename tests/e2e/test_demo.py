@@ -92,6 +92,12 @@ def test_bench_sizes_default_to_the_demo_or_the_full_bench_and_explicit_sizes_wi
     assert [len(prompts) for prompts, _ in demo.bench_prompts(reduced).values()] == [16]
 
 
+def test_stores_of_other_compute_dtypes_are_kept_apart():
+    assert str(demo.store_folder(demo.parse_args([]))) == "data/demo-smollm2-135m-instruct"
+    bf16 = demo.parse_args(["--target", "org/model", "--dtype", "bfloat16", "--data", "d"])
+    assert str(demo.store_folder(bf16)) == "d/demo-org_model-bfloat16"
+
+
 def test_the_demo_fits_in_bfloat16_mixed_precision_only_where_bfloat16_products_are_native(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for avx512_bf16, amx, expected in [(True, False, "bf16-mixed"), (False, True, "bf16-mixed"), (False, False, "32-true")]:
