@@ -49,7 +49,7 @@ from heads.checkpoint import write_folder
 from heads.token_map import lm_head_rows
 from training.cli import DocHelpFormatter
 from training.formats import CONVERTERS, LAYOUTS, table
-from training.name_maps import to_theirs
+from training.name_maps import output_bias_for, to_theirs
 
 FORMATS = tuple(name for name, converter in CONVERTERS.items() if converter.writes)
 WRITER = "draftheads"  # config.json's key naming what wrote an export
@@ -110,8 +110,11 @@ def export(head, engine: str, out, *, verifier=None, num_speculative_tokens: int
     if head.config.qk_norm and kind in ("eagle", "eagle3", "peagle"):  # Medusa has no layer; DFlash's are Qwen3's
         raise ValueError(f"this {kind} head has q/k norms (a Qwen3 target): the {engine} Llama draft layers have none")
     layout = LAYOUTS[kind, engine]
-    tensors = {**to_theirs(layout.names, head.config, layout.exported(head)), **layout.target_values(head)}
     block = kind in ("dflash", "dspark")
+    ours = layout.exported(head)
+    if not block:
+        ours.update(output_bias_for(head.config, ours))
+    tensors = {**to_theirs(layout.names, head.config, ours), **layout.target_values(head)}
     layer = qwen3_config(head.config) if block else {**llama_config(head.config), **layout.layer_window(head)}
     drafts = head.config.num_drafts if block else num_speculative_tokens
     config = layout.format.write_config(kind, layer, layout.export_config(head),

@@ -40,7 +40,7 @@ from heads.hf_folder import read_config, read_file, weight_files
 from heads.token_map import check_token_ids, lm_head_rows
 from training.cli import DocHelpFormatter
 from training.formats import LAYOUTS, SOURCES, Layout
-from training.name_maps import to_ours
+from training.name_maps import to_ours, without_output_bias
 
 KINDS = ("eagle", "eagle3", "medusa", "peagle", "dflash", "dspark")
 SOURCE_OF = {"EagleLlamaForCausalLM": "vllm", "LlamaForCausalLMEagle": "sglang", "LlamaForCausalLM": "eagle-repo",
@@ -102,7 +102,7 @@ def import_head(src, kind: str, target, source: str | None = None) -> tuple[Draf
         raise ValueError(f"{where}: its config.json does not make a {kind} head for this target: {error}") from None
     with torch.device("cpu"):
         head = cls(head_config)
-    theirs = layout.fill(config, head_config, theirs, where)
+    theirs = without_output_bias(layout.fill(config, head_config, theirs, where), where)
     ours, used = to_ours(layout.names, head_config, theirs, head.state_dict(), where)
     for name, shape in layout.target_tensors(head_config).items():
         if name in theirs and tuple(theirs[name].shape) != shape:

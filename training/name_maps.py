@@ -18,6 +18,7 @@ LLAMA_LAYER: Names = {
     "qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "o.weight": "self_attn.o_proj.weight",
+    "o.bias": "self_attn.o_proj.bias",  # only as output_bias_for writes it: our layers' o has no bias
     "post_norm.weight": "post_attention_layernorm.weight",
     "gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "down.weight": "mlp.down_proj.weight",
@@ -122,6 +123,34 @@ def to_ours(names: Names, config, theirs: dict[str, torch.Tensor], expected: dic
             used.add(piece)
         ours[name] = (torch.cat(read) if len(read) > 1 else read[0]).to(like.dtype)
     return ours, used
+
+
+OUTPUT_BIAS = "self_attn.o_proj.bias"
+
+
+def output_bias_for(config, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Zero o biases for the Llama draft layers of a head whose q/k/v have biases (a Qwen2 target's): transformers',
+    vLLM's and SGLang's Llama attention give o_proj a bias whenever config.json's attention_bias is true, and load
+    nothing into it where the file has none (vLLM's stays uninitialised memory). This project's layer has none, so
+    the file's is zero."""
+    if not config.attention_bias:
+        return {}
+    return {name.removesuffix("weight") + "bias": torch.zeros(tensor.shape[0], dtype=tensor.dtype)
+            for name, tensor in ours.items() if name.endswith("o.weight") and name.split(".")[-2] == "o"}
+
+
+def without_output_bias(theirs: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """Their tensors less the o_proj biases output_bias_for writes (all zero); any other o_proj bias is refused:
+    this project's draft layer has none to load it into."""
+    kept = {}
+    for name, tensor in theirs.items():
+        if name.endswith(OUTPUT_BIAS):
+            if tensor.any():
+                raise ValueError(f"{where}: tensor {name} is not zero, and this project's draft layers have no bias on "
+                                 "the attention's output projection (only on q/k/v, with attention_bias)")
+            continue
+        kept[name] = tensor
+    return kept
 
 
 def draft_vocab_tensors(ids: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:

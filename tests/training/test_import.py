@@ -568,3 +568,31 @@ def test_sglang_reads_the_targets_embedding_so_a_heads_own_is_refused_and_a_file
     plain = without_own_embedding(own)
     exported = with_embedding(export(plain, "sglang", tmp_path / "plain"), own.embed_tokens.weight)
     assert_same_head(import_head(exported, "eagle3", tiny_llama)[0], plain)
+
+
+@pytest.mark.parametrize("kind, layout", [("eagle3", "vllm"), ("eagle3", "speculators"), ("eagle3", "sglang"),
+                                          ("peagle", "speculators"), ("eagle", "vllm")])
+def test_a_head_with_qkv_biases_exports_the_zero_o_proj_bias_llama_attention_loads(kind, layout, tiny_qwen2, tmp_path):
+    """A Qwen2 target's heads have q/k/v biases (attention_bias): Llama attention, in transformers, vLLM and SGLang,
+    then also gives o_proj a bias and loads it from the file. The export writes it as zeros (our layer has none);
+    import drops a zero one and refuses any other, naming it."""
+    parts = target_parts(tiny_qwen2)
+    assert parts.layer.qkv_bias
+    if kind == "eagle":
+        head = heads.Eagle.from_target(parts, fc_bias=False)
+    else:
+        options = {"mask_token_id": 7} if kind == "peagle" else {}
+        head = {"eagle3": heads.Eagle3, "peagle": heads.Peagle}[kind].from_target(
+            parts, draft_token_ids=torch.arange(1, VOCAB, 3), aux_layers=(1, 2, 3), **options)
+    head = perturbed(head, 11)
+    exported = export(head, layout, tmp_path / "exported", verifier=tiny_qwen2)
+    assert json.loads((exported / "config.json").read_text()).get("attention_bias", True)
+    tensors = load_file(exported / "model.safetensors")
+    biases = [name for name in tensors if name.endswith("self_attn.o_proj.bias")]
+    assert len(biases) == 1 and not tensors[biases[0]].any()
+    assert cli_main(import_args(exported, kind, tiny_qwen2, tmp_path / "back")) == 0
+    assert_same_head(heads.load(tmp_path / "back", targets.fingerprint(tiny_qwen2)), head)
+    tensors[biases[0]] = torch.full_like(tensors[biases[0]], 0.5)
+    save_file(tensors, exported / "model.safetensors", {"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{re.escape(biases[0])} is not zero.*no bias on the attention's output"):
+        import_head(exported, kind, tiny_qwen2, source=layout)
