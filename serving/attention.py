@@ -246,11 +246,15 @@ class PagedMetadata:
         return torch.tensor(self.new_slots, dtype=torch.long, device="cpu").to(self.device)
 
     @classmethod
-    def build(cls, query_lens, context_lens, block_tables, block_size, device, tree_paths=None):
+    def build(cls, query_lens, context_lens, block_tables, block_size, device, tree_paths=None, batch_every_query=False):
         """query_lens[i] tokens of sequence i are scheduled, causal; context_lens[i] = its keys in table order
         after this step (its last query row is key context - 1). tree_paths[i], when given, has one list per
         further row of sequence i (a draft tree's nodes): the pool slots of the keys that row sees after the
-        context, in position order, its own last (where its K/V is written)."""
+        context, in position order, its own last (where its K/V is written). batch_every_query: prefill chunks
+        too go with the short queries (where the C kernel attends them: `kernel_attends`), so that every row's sums
+        run over its keys in the order a decode step at its position reads them, whatever chunk it is computed in
+        (torch's sdpa sums a row differently in chunks of other lengths: a preempted request prefilled again would
+        not give back its bits)."""
         slot_mapping, long, short, short_slots = [], [], [], []
         start = 0
         for i, (query_len, context_len, table) in enumerate(zip(query_lens, context_lens, block_tables)):
@@ -260,7 +264,7 @@ class PagedMetadata:
             slots = context_slots(table, context_len, block_size)
             slot_mapping.extend(slots[context_len - query_len:])
             slot_mapping.extend(path[-1] for path in paths)
-            if query_len > MAX_BATCHED_QUERY_LEN and not paths:
+            if query_len > MAX_BATCHED_QUERY_LEN and not paths and not batch_every_query:
                 if query_len == context_len:
                     long.append(LongQuery(start, start + query_len, None, None, context_len, device))
                 else:
@@ -289,6 +293,13 @@ class AttentionPath(enum.Enum):
     TORCH = "torch"
 
 
+def kernel_attends(cache: KVCache) -> bool:
+    """Whether serving/kernels.c's paged_attention attends over this pool: float32 on a CPU, head_dim a multiple of 8,
+    the library built for this CPU."""
+    k = cache.k
+    return k.device.type == "cpu" and k.dtype == torch.float32 and k.shape[-1] % 8 == 0 and library() is not None
+
+
 class PagedAttention:
     """Writes this step's K/V into the pool, then attends over each sequence's blocks, along `path`."""
 
@@ -296,8 +307,7 @@ class PagedAttention:
         """use_kernel=False attends through torch even where the C kernel runs (the tests' and benchmarks' reference)."""
         self.cache, self.meta = cache, meta
         k = cache.k
-        runs = use_kernel and k.device.type == "cpu" and k.dtype == torch.float32 and k.shape[-1] % 8 == 0
-        self.lib = library() if runs else None
+        self.lib = library() if use_kernel and kernel_attends(cache) else None
         self.path = self.choose_path()
         if self.path in (AttentionPath.KERNEL, AttentionPath.KERNEL_AND_LONG):  # read once per step, used by every layer
             self.attend = self.lib.paged_attention

@@ -193,7 +193,8 @@ class Model(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.rope = Rope(c.layer.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
         self.local_rope = None if c.local_rope is None else Rope(c.layer.head_dim, c.max_position_embeddings, *c.local_rope)
-        self._drafter_lm_heads: dict[torch.dtype, PackedLinear] = {}  # not submodules: made for drafters on demand
+        # not submodules: made for drafters on demand, per (weight dtype, compute)
+        self._drafter_lm_heads: dict[tuple[torch.dtype, torch.dtype], PackedLinear] = {}
         self.fused: KernelForward | None = None  # the forward in one C call, where the layers are KernelLayers
 
     @classmethod
@@ -216,16 +217,15 @@ class Model(nn.Module):
             model.fused = KernelForward(model.layers, model.embed, model.rope, model.norm, model.packed_lm_head)
         return model
 
-    def drafter_lm_head(self, weight_dtype: torch.dtype) -> PackedLinear:
-        """The LM head packed with its weights stored as weight_dtype, for drafters: the forward's own where its dtype
-        is that one and it computes in float32; else made once per dtype."""
+    def drafter_lm_head(self, weight_dtype: torch.dtype, compute: torch.dtype = torch.float32) -> PackedLinear:
+        """The LM head packed with its weights stored as weight_dtype and products in `compute`, for drafters: the
+        forward's own where it is packed so; else made once per (weight dtype, compute)."""
         head = self.packed_lm_head
-        if self.lm_head.weight.dtype != torch.float32 or (weight_dtype == head.weight_dtype
-                                                          and head.compute == torch.float32):
+        if self.lm_head.weight.dtype != torch.float32 or (weight_dtype, compute) == (head.weight_dtype, head.compute):
             return head
-        if weight_dtype not in self._drafter_lm_heads:
-            self._drafter_lm_heads[weight_dtype] = PackedLinear(self.lm_head, weight_dtype)
-        return self._drafter_lm_heads[weight_dtype]
+        if (weight_dtype, compute) not in self._drafter_lm_heads:
+            self._drafter_lm_heads[weight_dtype, compute] = PackedLinear(self.lm_head, weight_dtype, compute)
+        return self._drafter_lm_heads[weight_dtype, compute]
 
     def load_safetensors(self, folder: Path):
         shards: dict[str, dict[int, torch.Tensor]] = {}

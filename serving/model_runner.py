@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.attention import GroupedAttention, KVCache, PagedAttention, PagedMetadata
+from serving.attention import GroupedAttention, KVCache, PagedAttention, PagedMetadata, kernel_attends
 from serving.blocks import slot
 from serving.kernels import argmax
 from serving.model import Model, ModelOutput
@@ -51,6 +51,9 @@ class ModelRunner:
         self.model, self.caches, self.block_size, self.dtype, self.device = model, caches, block_size, dtype, device
         self.cache = caches[0]  # the full-attention group's pool: the one drafters size theirs by
         self.layer_groups = layer_groups
+        # prefill chunks attended row by row as decode steps are, where the C kernel attends: a row's bits then do
+        # not depend on the chunk it is computed in (PagedMetadata.build)
+        self.batch_every_query = kernel_attends(self.cache)
 
     def attention(self, metas: list[PagedMetadata]):
         """The target's attention over its pools, given each group's metadata."""
@@ -67,7 +70,8 @@ class ModelRunner:
     def metadata(self, query_lens, context_lens, block_tables, tree_paths=None) -> PagedMetadata:
         """The attention metadata of one flat forward (serving.attention.PagedMetadata.build: what each argument
         means), for this pool's block size, on this device."""
-        return PagedMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.device, tree_paths)
+        return PagedMetadata.build(query_lens, context_lens, block_tables, self.block_size, self.device, tree_paths,
+                                   self.batch_every_query)
 
     def flatten(self, chunks):
         """chunks: (token ids, position of the first, block table) per sequence ->

@@ -83,10 +83,31 @@ def run(args) -> int:
         verifier = targets.resolve(args.target or targets.DEFAULT_TARGET)
     out = export(head, args.format, args.out, verifier=verifier, num_speculative_tokens=args.num_speculative_tokens)
     print(f"wrote the {head.config.kind} head as a {args.format} draft model to {out}")
+    if args.format in ("vllm", "speculators"):
+        note = vllm_window_note(head, targets.resolve(args.target or targets.DEFAULT_TARGET))
+        if note:
+            print(f"note: {note}")
     if head.config.kind == "eagle" and head.token_map is not None:
         print(f"it was trained to draft among the {len(head.token_map)} tokens of a token map: SGLang drafts among "
               "them given that file (--speculative-token-map), vLLM over the whole vocabulary")
     return 0
+
+
+def vllm_window_note(head, target) -> str | None:
+    """What vLLM does with the head's draft layer on a target whose every layer has one sliding window (Mistral's):
+    where the layer's config.json names no window of its own, vLLM's attention takes the cache config's, the
+    target's, so the layer drafts as in this engine only with that draft_window. None where nothing differs."""
+    from serving.model import layer_windows
+
+    if head.config.kind not in ("eagle", "eagle3", "peagle"):
+        return None
+    windows = set(layer_windows(json.loads((Path(target) / "config.json").read_text())))
+    if len(windows) != 1 or not (window := windows.pop()) or head.config.draft_window == window:
+        return None
+    return (f"every layer of the target attends through a sliding window of {window} keys, and vLLM runs this head's "
+            f"draft layer with that window too (draft_window {head.config.draft_window} here): it accepts as in "
+            f"this engine only up to {window}-token contexts; train with --model.init_args.draft_window {window} "
+            "to draft alike at any length")
 
 
 def export(head, engine: str, out, *, verifier=None, num_speculative_tokens: int = 4):

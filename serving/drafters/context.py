@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from serving.model_runner import Batch, ModelRunner, RunOutput
 from serving.request import Request
 
@@ -49,4 +51,6 @@ class DraftContext:
     fingerprint: dict  # the target's identity (serving.targets.fingerprint): heads check it
     max_num_seqs: int  # requests drafted at once at most
     enable_prefix_caching: bool  # blocks are shared between requests: a pooled drafter keeps what they need
+    # the target's products' input dtype (the engine's compute mode): heads with bfloat16 weights multiply so too
+    compute: torch.dtype = torch.float32
     step: StepOutputs | None = None  # this step's target pass, while drafting

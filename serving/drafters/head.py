@@ -23,6 +23,9 @@ def load_head(ctx, config):
     head = heads.load(config.model, ctx.fingerprint)
     parts = heads.load_target_parts(ctx.target, fingerprint=ctx.fingerprint, weights=False)
     weight_dtype = getattr(torch, config.draft_weights or "bfloat16")
+    # in the bfloat16 compute mode a head's bfloat16 products run as the target's do (dot products of bfloat16
+    # pairs), at about twice the widened products' rate; float32 weights stay float32 products
+    compute = ctx.compute if weight_dtype == torch.bfloat16 else torch.float32
     token_map = head.token_map
     if config.token_map:
         given = load_token_map(config.token_map, parts.vocab_size)
@@ -37,12 +40,12 @@ def load_head(ctx, config):
     model = runner.model
     if token_map is not None:
         token_map = token_map.to(runner.device)
-        lm_head = PackedLinear(lm_head_rows(model.lm_head, token_map), weight_dtype)
+        lm_head = PackedLinear(lm_head_rows(model.lm_head, token_map), weight_dtype, compute)
     else:
-        lm_head = model.drafter_lm_head(weight_dtype)
+        lm_head = model.drafter_lm_head(weight_dtype, compute)
     parts.embed, parts.norm, parts.lm_head = model.embed, model.norm, lm_head
     head = head.bind_target(parts).to(runner.device, runner.dtype).eval().requires_grad_(False)
-    head = for_inference(head, weight_dtype)
+    head = for_inference(head, weight_dtype, compute)
     kind = head.config.kind
     if kind != config.method:
         raise ValueError(f"{config.model} holds a head of kind {kind!r}, but the speculative config says method {config.method!r}: "

@@ -50,7 +50,7 @@ class Speculator:
         self.config = config
         self.scheduler, self.block_manager, self.runner = engine.scheduler, engine.block_manager, engine.runner
         self.ctx = DraftContext(engine.runner, engine.folder, engine.fingerprint, engine.scheduler.max_num_seqs,
-                                engine.block_manager.enable_prefix_caching)
+                                engine.block_manager.enable_prefix_caching, compute=engine.compute)
         self.drafter = make_drafter(self.ctx, config)
         self.grammars = engine.grammars
         self.stats = AcceptanceStats(config.num_speculative_tokens)

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from serving import kernels
 from serving.cpu_features import BF16_PATH_ENV, BF16_PATHS, cpu_features, parse_cpuinfo
 from serving.model import Model
+from serving.request import SamplingParams
 from test_head_drafters import PROMPTS, SCENARIOS, assert_pool_idle, greedy, make_engine, random_head_dir, spec_config
 from test_model import SEQ_LENS, PagedRun, expected_logits, hf_reference, make_sequences
 
@@ -188,9 +189,24 @@ def test_the_engine_runs_the_mode_around_a_float32_residual_stream(tiny_llama, o
     assert engine.cache.k.dtype == torch.float32
     assert engine.model.packed_lm_head.format == kernels.PAIR_PATHS[on_path]
     assert ("vdpbf16ps" if on_path == "avx512_bf16" else "widened") in engine.products
-    float32 = [o.token_ids for o in make_engine(tiny_llama).generate(PROMPTS, greedy(MAX_TOKENS))]
-    bf16 = [o.token_ids for o in engine.generate(PROMPTS, greedy(MAX_TOKENS))]
-    assert float32 != bf16  # the mode decodes otherwise than float32
+    first = SamplingParams(max_tokens=1, ignore_eos=True, logprobs=True)  # each prompt's first token: same context
+    float32 = [o.logprobs[0] for o in make_engine(tiny_llama).generate(PROMPTS, first)]
+    bf16 = [o.logprobs[0] for o in engine.generate(PROMPTS, first)]
+    assert float32 != bf16  # the mode computes otherwise than float32 (its tokens may still agree)
+    assert max(abs(a - b) for a, b in zip(float32, bf16)) < 0.1  # bfloat16 rounding apart
+
+
+@pytest.mark.parametrize("on_path", PATHS, indirect=True)
+def test_heads_with_bfloat16_weights_multiply_in_the_engines_mode(on_path, tiny_llama, tmp_path):
+    """In the mode a head's bfloat16 products run as the target's (pair panels); over the whole vocabulary it drafts
+    with the target's own packed LM head. float32 draft weights stay float32 products."""
+    engine = bf16_engine(tiny_llama, spec_config("eagle", random_head_dir("eagle", tiny_llama, tmp_path)))
+    head = engine.speculator.drafter.head
+    assert head.fc.format == kernels.PAIR_PATHS[on_path] and head.layer.qkv.format == kernels.PAIR_PATHS[on_path]
+    assert head.target.lm_head is engine.model.packed_lm_head
+    float32 = bf16_engine(tiny_llama, {**spec_config("eagle", random_head_dir("eagle", tiny_llama, tmp_path)),
+                                       "draft_weights": "float32"}).speculator.drafter.head
+    assert float32.fc.compute == torch.float32 and float32.fc.format not in kernels.PAIR_PATHS.values()
 
 
 SPECS = {
@@ -203,16 +219,8 @@ SPECS = {
 }
 
 
-# Under preemption a request's prefix is prefilled again, in other chunks than plain decoding's run prefilled it, and
-# long queries attend through torch's sdpa, whose float32 sums depend on the chunk in the last bit; in float32 that
-# almost never moves an argmax, but rounding the next product's input to bfloat16 turns it into a 2^-8 step now and
-# then. Identity there needs a chunk-invariant prefill attention, which the engine does not have yet.
-PREEMPTED = pytest.mark.xfail(reason="prefill attention (torch sdpa) is not chunk-invariant; see the comment above",
-                              strict=False)
-
-
 @pytest.mark.parametrize("on_path", PATHS, indirect=True)
-@pytest.mark.parametrize("concurrency", [1, pytest.param(8, marks=PREEMPTED)])
+@pytest.mark.parametrize("concurrency", [1, 8])
 @pytest.mark.parametrize("drafter", list(SPECS))
 def test_speculation_reproduces_plain_greedy_in_the_mode(drafter, concurrency, on_path, tiny_llama, tmp_path_factory):
     engine = bf16_engine(tiny_llama, SPECS[drafter](tiny_llama, tmp_path_factory.mktemp("heads")),

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from serving import targets
+from serving import kernels
 from serving.attention import KVCache
 from serving.config import EngineConfig
 from serving.engine import Engine, available_memory_bytes
@@ -387,6 +388,23 @@ def test_captured_hidden_states_equal_hf(tiny_llama):
     torch.testing.assert_close(out.hidden, hf.hidden_states[-1][0])
     for layer in (1, 3):
         torch.testing.assert_close(out.aux[layer], hf.hidden_states[layer][0])
+
+
+@pytest.mark.skipif(kernels.library() is None, reason="the kernels do not build here")
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+def test_a_rows_states_do_not_depend_on_the_prefill_chunk_that_computed_them(fixture, request):
+    """Where the C kernel attends, prefill chunks attend row by row as decode steps do: a sequence's states are the
+    same bits prefilled at once (40 rows), in chunks of 8 or 5 tokens (the scheduler's budget), or one token a step
+    as decode steps compute them (a preempted request prefilled again gives back its bits)."""
+    folder = request.getfixturevalue(fixture)
+    sequence = random_prompt(40, 902)
+    states = []
+    for budget in (64, 8, 5, 1):
+        engine = tiny_engine(folder, capture_hidden=True, aux_layers=(2,), max_num_batched_tokens=budget)
+        out = engine.generate([sequence], greedy(1))[0]
+        states.append((out.hidden[:len(sequence)], out.aux[2][:len(sequence)]))
+    for hidden, aux in states[1:]:
+        assert torch.equal(hidden, states[0][0]) and torch.equal(aux, states[0][1])
 
 
 @pytest.mark.parametrize("device, message", [

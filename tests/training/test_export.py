@@ -281,3 +281,20 @@ def test_eagle31_norms_sglang_lacks_or_a_repeated_aux_layer_are_clear_errors(tin
     with pytest.raises(ValueError, match="name a layer twice, and with norm_before_fc or fc_norm its norm cannot be merged"):
         exporting.export(heads.Eagle3.from_target(parts, aux_layers=(2, 2, 1), fc_norm=True), "vllm", tmp_path / "vllm")
     assert not any(tmp_path.iterdir())
+
+
+def test_exporting_for_vllm_a_head_on_a_target_windowed_everywhere_says_which_window_vllm_runs(tmp_path, capsys):
+    """vLLM runs a draft layer that names no window with the target's cache config's (Mistral's): the export says
+    so unless the head was trained with that window; gemma-style mixed windows and full attention say nothing."""
+    from serving.targets import build_tiny_model
+
+    mistral = build_tiny_model(tmp_path / "mistral", "mistral", sliding_window=16)
+    parts = heads.load_target_parts(mistral)
+    full = heads.save(heads.Eagle3.from_target(parts, aux_layers=(1, 2, 3)), tmp_path / "full")
+    assert cli_main(["export", str(full), "--format", "vllm", "--out", str(tmp_path / "out"),
+                     "--target", str(mistral)]) == 0
+    assert "note: every layer of the target attends through a sliding window of 16 keys" in capsys.readouterr().out
+    windowed = heads.save(heads.Eagle3.from_target(parts, aux_layers=(1, 2, 3), draft_window=16), tmp_path / "windowed")
+    assert cli_main(["export", str(windowed), "--format", "speculators", "--out", str(tmp_path / "out2"),
+                     "--target", str(mistral)]) == 0
+    assert "note:" not in capsys.readouterr().out
