@@ -2,8 +2,9 @@
 input, bfloat16 weights, float32 sums. Its products against a float64 reference over the rounded operands on odd
 shapes, on every path this CPU supports (vdpbf16ps, bfloat16 widened to float32 on FMAs); each row's bits alone
 equal to its bits inside any batch, on each path; the engine's logits against transformers computing the same
-products, and against transformers in bfloat16; and speculative greedy outputs (n-gram, EAGLE and EAGLE-3 heads,
-chains and a tree, alone and under preemption) equal to plain decoding's in the mode, token for token."""
+products, and against transformers in bfloat16; speculative greedy outputs (every drafter kind, chains and a tree,
+alone and under preemption) equal to plain decoding's in the mode, token for token; heads multiplying in the mode;
+and a sampled tree's law the target's."""
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,12 @@ from serving import kernels
 from serving.cpu_features import BF16_PATH_ENV, BF16_PATHS, cpu_features, parse_cpuinfo
 from serving.model import Model
 from serving.request import SamplingParams
+from test_dflash_drafter import random_dflash_dir
+from test_dspark_drafter import random_dspark_dir
 from test_head_drafters import PROMPTS, SCENARIOS, assert_pool_idle, greedy, make_engine, random_head_dir, spec_config
 from test_model import SEQ_LENS, PagedRun, expected_logits, hf_reference, make_sequences
+from test_peagle_drafter import peagle_head_dir
+from test_trees import E2E_PROMPT, assert_two_token_law, two_token_law
 
 PATHS = [pytest.param(path, marks=pytest.mark.skipif(
     not cpu_features().supports(path) or kernels.library() is None,
@@ -209,13 +214,22 @@ def test_heads_with_bfloat16_weights_multiply_in_the_engines_mode(on_path, tiny_
     assert float32.fc.compute == torch.float32 and float32.fc.format not in kernels.PAIR_PATHS.values()
 
 
-SPECS = {
+SPECS = {  # every drafter kind, chains and a tree
     "ngram": lambda folder, root: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                    "prompt_lookup_max": 2},
-    "eagle3-chain": lambda folder, root: spec_config("eagle3", random_head_dir("eagle3", folder, root)),
+    "suffix": lambda folder, root: {"method": "suffix", "num_speculative_tokens": 4},
+    "medusa-chain": lambda folder, root: spec_config("medusa", random_head_dir("medusa", folder, root)),
     "eagle-chain": lambda folder, root: spec_config("eagle", random_head_dir("eagle", folder, root)),
+    "eagle3-chain": lambda folder, root: spec_config("eagle3", random_head_dir("eagle3", folder, root)),
     "eagle3-tree": lambda folder, root: dict(spec_config("eagle3", random_head_dir("eagle3", folder, root)), topk=3,
                                              num_draft_tokens=8),
+    "mtp-chain": lambda folder, root: spec_config("mtp", random_head_dir("mtp", folder, root)),
+    "peagle-chain": lambda folder, root: {"method": "peagle", "model": peagle_head_dir(folder, root),
+                                          "num_speculative_tokens": 4},
+    "dflash-chain": lambda folder, root: {"method": "dflash", "model": random_dflash_dir(folder, root),
+                                          "num_speculative_tokens": 3},
+    "dspark-chain": lambda folder, root: {"method": "dspark", "model": random_dspark_dir(folder, root),
+                                          "num_speculative_tokens": 4},
 }
 
 
@@ -254,3 +268,22 @@ def test_an_avx2_build_loads_and_widens_as_the_avx512_build_does(monkeypatch, tm
     finally:
         monkeypatch.undo()
         kernels.library.cache_clear()
+
+
+@pytest.mark.parametrize("on_path", PATHS, indirect=True)
+def test_sampled_trees_in_the_mode_keep_the_target_law(on_path, v8_target, tmp_path):
+    """Sampling with an EAGLE-3 tree in the mode: the two tokens after the prefill's follow the target's law within
+    the noise floor (6,000 draws). The law is float32 transformers'; the mode's differs from it by bfloat16 rounding
+    of the products' inputs, far below the floor at a vocabulary of 8."""
+    num = 6000
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=4, ignore_eos=True) for i in range(num)]
+    law, _, _ = two_token_law(v8_target, E2E_PROMPT, params[0])
+    spec = dict(spec_config("eagle3", random_head_dir("eagle3", v8_target, tmp_path), k=2), topk=2, num_draft_tokens=4)
+    engine = bf16_engine(v8_target, spec, block_size=4, num_blocks=1024, max_model_len=64, max_num_seqs=256,
+                         max_num_batched_tokens=4096)
+    assert engine.compute == torch.bfloat16
+    outputs = engine.generate([E2E_PROMPT] * num, params)
+    assert_pool_idle(engine)
+    stats = engine.speculator.stats
+    assert stats.proposed[0] >= num and 0 < stats.accepted[0] < stats.reached[0]
+    assert_two_token_law(outputs, law)
