@@ -23,11 +23,16 @@ import torch.nn.functional as F
 
 from serving.drafters.confidence import top_log_probs
 from serving.drafters.dflash import DFlashDrafter
+from serving.drafters.markov import MarkovStep, Shortlist
 from serving.drafters.tree_search import grow
 
 
 class DSparkDrafter(DFlashDrafter):
     kinds = ("dspark",)
+
+    def __init__(self, ctx, head, token_map, config):
+        super().__init__(ctx, head, token_map, config)
+        self.markov = MarkovStep(head.markov_w1, head.markov_w2) if head.confidence is not None else None  # scoring that needs no normaliser
 
     @classmethod
     def check(cls, config, ctx, head=None):
@@ -38,16 +43,20 @@ class DSparkDrafter(DFlashDrafter):
                              f"{str(c.sample_from_anchor).lower()}): draft fewer tokens, or train a head with longer "
                              "blocks")
 
-    def children(self, rows: torch.Tensor, base: torch.Tensor, depth: int, previous: torch.Tensor):
-        """rows: [N, hidden] the draft slot's outputs and base: [N, rows] its backbone logits, for N nodes at depth
-        `depth` (0: the newest token); previous: [N] those nodes' target ids -> (their topk children's
-        log-scores, their target ids) as nested lists."""
+    def children(self, rows: torch.Tensor, base: torch.Tensor, shortlist: Shortlist | None, index: torch.Tensor,
+                 depth: int, previous: torch.Tensor):
+        """rows: [R, D, hidden] the draft slots' outputs, base: [R, D, rows] their backbone logits, shortlist their
+        shortlists (drafters/markov.py; None without a confidence head); index: [N] the requests of N nodes at depth
+        `depth` (0: the newest token), previous: [N] those nodes' target ids -> (their topk children's log-scores,
+        their target ids) as nested lists."""
         embed = self.head.markov_embed(previous)
-        logits = base + self.head.markov_w2(embed)
-        log_probs, tokens = top_log_probs(logits, self.topk, self.confidence.temperature(depth + 1))
-        if self.head.confidence is not None:
-            accept = F.logsigmoid(self.head.confidence_logit(rows, embed).float())
-            log_probs = accept[:, None] + log_probs - log_probs[:, :1]
+        temperature = self.confidence.temperature(depth + 1)
+        if shortlist is not None:  # scores relative to the best child: no normaliser over every row
+            logits, tokens = self.markov.top(base, index, depth, shortlist, previous, embed, self.topk)
+            accept = F.logsigmoid(self.head.confidence_logit(rows[index, depth], embed).float())
+            log_probs = accept[:, None] + (logits - logits[:, :1]) / temperature
+        else:
+            log_probs, tokens = top_log_probs(base[index, depth] + self.head.markov_w2(embed), self.topk, temperature)
         if self.token_map is not None:
             tokens = self.token_map[tokens]
         return log_probs.tolist(), tokens.tolist()
@@ -60,12 +69,14 @@ class DSparkDrafter(DFlashDrafter):
         first = c.draft_slot(1)
         rows = self.block_outputs(ctx, requests, newest)[:, first:first + max(depths)]  # [R, D, hidden]
         base = self.head.logits(rows)  # [R, D, rows]: the backbone's part of every draft's logits
+        shortlist = self.markov.shortlist(base, self.topk) if self.markov is not None else None
 
         def expand(depth, nodes, found):
             index = torch.tensor([r for r, _ in nodes], device=self.device)
             previous = torch.tensor([found[r].tokens[node] for r, node in nodes], device=self.device)
-            return self.children(rows[index, depth], base[index, depth], depth, previous)
+            return self.children(rows, base, shortlist, index, depth, previous)
 
-        found = grow(self.children(rows[:, 0], base[:, 0], 0, newest), expand, self.topk, depths,
+        first_nodes = torch.arange(len(requests), device=self.device)
+        found = grow(self.children(rows, base, shortlist, first_nodes, 0, newest), expand, self.topk, depths,
                      [self.confidence.log_threshold_for(budgets[r.request_id]) for r in requests])
         return {r.request_id: candidates.best(budgets[r.request_id].num_nodes) for r, candidates in zip(requests, found)}

@@ -1,0 +1,70 @@
+"""DSpark's Markov step (heads/dspark.py) for the drafter: the `num` largest logits of each node's children,
+base + W2 @ W1[node's token], exactly, from a few rows of W2 rather than from all of it.
+
+The full step reads all of `markov_w2` per depth (rows x rank: over the default target's vocabulary 25 MB of
+bfloat16, more than the block's forward). Instead, once per step, each draft slot's backbone logits give a shortlist:
+their `SHORTLIST` largest tokens and the largest base logit below them. By Cauchy-Schwarz the bias of a token is at
+most |W2[v]| |e| away from zero, e the node's Markov embedding, so no token off the shortlist has a logit above (the
+largest base logit below it) + max_v |W2[v]| |e|.
+Where the shortlist's `num`-th largest exact logit (from its rows of W2 alone) beats that bound, the shortlist holds
+the full product's top `num`, and the step returns them; where it does not (a bias as large as the gaps between the
+backbone's logits), the step computes the full product for that node. Either way it returns the full product's
+`num` best (up to float rounding in the order of the sums), unlike vLLM's `dspark_draft_topk`, which biases only the
+backbone's top k and can change the draft.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from serving.kernels import PackedLinear
+
+# Tokens per draft slot whose rows of W2 the step reads: the backbone's most likely.
+SHORTLIST = 64
+# Slack of the bound, far above float32 rounding at logits' magnitudes (ulp 4e-6 at 32).
+ROUNDING = 1e-3
+
+
+class Shortlist(NamedTuple):
+    """Per draft slot [...]: its backbone's best logits, then the largest base logit below them [..., listed + 1]; the
+    rows of the listed ones [..., listed]."""
+    values: torch.Tensor
+    rows: torch.Tensor
+
+
+class MarkovStep:
+    def __init__(self, markov_w1: torch.nn.Embedding, markov_w2: PackedLinear):
+        self.markov_w2 = markov_w2
+        # [rows, rank]: the stored weights row-major in float32, for gathers of a few rows (their bfloat16 values
+        # widened once, not at every step)
+        self.w2 = markov_w2.matrix().float()
+        # max_v |W2[v]| |W1[t]| for every previous token t: how far any token's bias can lift it after t, with the
+        # slack of rounding
+        self.reach = float(self.w2.norm(dim=-1).max()) * markov_w1.weight.float().norm(dim=-1) + ROUNDING
+
+    def shortlist(self, base: torch.Tensor, num: int) -> Shortlist:
+        """base: [..., rows] the draft slots' backbone logits -> their shortlists (of at least `num` tokens, the
+        children a node takes), made once per step."""
+        size = base.shape[-1]
+        listed = min(max(SHORTLIST, num), size)
+        values, rows = base.topk(min(listed + 1, size), dim=-1)
+        if listed == size:  # the whole vocabulary is listed: nothing lies beyond it
+            values = torch.cat([values, torch.full_like(values[..., :1], -torch.inf)], dim=-1)
+        return Shortlist(values, rows[..., :listed])
+
+    def top(self, base: torch.Tensor, index: torch.Tensor, depth: int, shortlist: Shortlist, previous: torch.Tensor,
+            embed: torch.Tensor, num: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """base: [R, D, rows] the draft slots' backbone logits and shortlist theirs; index: [N] the requests of N nodes
+        at slot `depth`; previous: [N] the nodes' target ids and embed [N, rank] their Markov embeddings -> (the `num`
+        largest of base + W2 @ embed per node, [N, num], descending; their rows, [N, num])."""
+        values, rows = shortlist.values[index, depth], shortlist.rows[index, depth]
+        exact = torch.baddbmm(values[:, :-1, None], self.w2[rows], embed.float()[:, :, None]).squeeze(-1)
+        best, at = exact.topk(num, dim=-1)
+        # no token off the shortlist has a logit above the largest base logit there plus its reach
+        missed = (values[:, -1] + self.reach[previous] >= best[:, -1]).nonzero().squeeze(-1)
+        rows = rows.gather(1, at)
+        if len(missed):
+            full = base[index[missed], depth] + self.markov_w2(embed[missed])
+            best[missed], rows[missed] = full.topk(num, dim=-1)
+        return best, rows
