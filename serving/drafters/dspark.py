@@ -15,6 +15,11 @@ head judges the position, the head's distribution ranks the candidates there). T
 (`DraftBudget.min_log_survival`) and `confidence_threshold` cut a path whose product falls below them, so the learned
 estimate sizes each request's draft as the calibrated probability does for other heads. A head without a confidence
 head scores children by their calibrated probabilities, as DFlash's drafter does.
+
+Those relative scores need no normaliser over the vocabulary, so with a confidence head the Markov step
+(drafters/markov.py) finds a node's best children from the rows of W2 of the backbone's shortlist, computing the full
+product over W2 only for a node whose bias could reach past it: the same children, without reading all of W2 at every
+depth. A head without one needs the normaliser and takes the full product.
 """
 from __future__ import annotations
 
