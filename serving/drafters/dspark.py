@@ -31,13 +31,52 @@ from serving.drafters.dflash import DFlashDrafter
 from serving.drafters.markov import MarkovStep, Shortlist
 from serving.drafters.tree_search import grow
 
+TOKEN_CHUNK = 4096  # tokens per product while the confidence of every token is made (bounds its scratch memory)
+# The table holds the children of this many of a slot's shortlisted tokens, the backbone's most likely: a node whose
+# token is further down (the bias lifted it there) has its children computed when the search reaches it.
+TABLE_PARENTS = 16
+
+
+class ChildrenTable:
+    """The children of every node a step's search may reach without the bias lifting a token from beyond a shortlist
+    (drafters/markov.py, `table`): of the newest token at depth 0, of the TABLE_PARENTS best tokens of slot d-1's
+    shortlist at depth d, as nested lists the search reads without a tensor operation per depth."""
+
+    def __init__(self, log_probs: list, tokens: list, missed: list, parents: list):
+        """log_probs, tokens: [R][D][P][topk] the log-scores and target ids of the children of parents[r][d][p] at
+        depth d; missed: [R][D][P] where they may be wrong; parents: [R][D][P] target ids (at depth 0 the newest
+        token, P times)."""
+        self.log_probs, self.tokens, self.missed = log_probs, tokens, missed
+        self.positions = [[{token: p for p, token in enumerate(slot)} for slot in request] for request in parents]
+
+    def get(self, r: int, depth: int, token: int) -> tuple[list, list] | None:
+        """(log-scores, target ids) of the children of request r's node holding `token` at depth `depth`, or None
+        where the table does not hold them exactly."""
+        p = self.positions[r][depth].get(token)
+        if p is None or self.missed[r][depth][p]:
+            return None
+        return self.log_probs[r][depth][p], self.tokens[r][depth][p]
+
 
 class DSparkDrafter(DFlashDrafter):
     kinds = ("dspark",)
 
     def __init__(self, ctx, head, token_map, config):
         super().__init__(ctx, head, token_map, config)
-        self.markov = MarkovStep(head.markov_w1, head.markov_w2) if head.confidence is not None else None  # scoring that needs no normaliser
+        self.markov = None  # scores relative to the best child need no normaliser: only a confidence head's do
+        if head.confidence is not None:
+            self.markov = MarkovStep(head.markov_w1, head.markov_w2)
+            # The confidence logit is affine in the Markov embedding: logit(out, e) = logit(out, 0) + what e adds,
+            # which depends on the previous token alone (zero where the head does not read e), made once here.
+            with torch.inference_mode():
+                w1 = head.markov_w1.weight
+                zeros = w1.new_zeros(TOKEN_CHUNK, head.config.hidden_size)
+                at_zero = head.confidence_logit(zeros[:1], torch.zeros_like(w1[:1]))
+                self.token_confidence = torch.cat([head.confidence_logit(zeros[:len(chunk)], chunk) - at_zero
+                                                   for chunk in w1.split(TOKEN_CHUNK)]).float()
+            self.zero_embed = torch.zeros(head.config.markov_rank, device=self.device)
+            self.temperatures = torch.tensor([self.confidence.temperature(d + 1) for d in range(head.config.num_drafts)],
+                                             device=self.device)
 
     @classmethod
     def check(cls, config, ctx, head=None):
@@ -66,6 +105,21 @@ class DSparkDrafter(DFlashDrafter):
             tokens = self.token_map[tokens]
         return log_probs.tolist(), tokens.tolist()
 
+    def children_table(self, rows: torch.Tensor, base: torch.Tensor, shortlist: Shortlist,
+                       newest: torch.Tensor) -> ChildrenTable:
+        listed = shortlist.rows if self.token_map is None else self.token_map[shortlist.rows]  # [R, D, L] target ids
+        num_parents = min(TABLE_PARENTS, listed.shape[-1])
+        parents = torch.cat([newest[:, None, None].expand(-1, 1, num_parents), listed[:, :-1, :num_parents]], dim=1)
+        logits, tokens, missed = self.markov.table(base, shortlist, parents, self.head.markov_embed(parents), self.topk)
+        at_zero = self.zero_embed.expand(*rows.shape[:-1], -1)
+        accept = F.logsigmoid(self.head.confidence_logit(rows, at_zero).float()[..., None]
+                              + self.token_confidence[parents])
+        temperatures = self.temperatures[:rows.shape[1], None, None]
+        log_probs = accept[..., None] + (logits - logits[..., :1]) / temperatures
+        if self.token_map is not None:
+            tokens = self.token_map[tokens]
+        return ChildrenTable(log_probs.tolist(), tokens.tolist(), missed.tolist(), parents.tolist())
+
     @torch.inference_mode()
     def _draft(self, ctx, requests, budgets):
         c = self.head.config
@@ -75,13 +129,23 @@ class DSparkDrafter(DFlashDrafter):
         rows = self.block_outputs(ctx, requests, newest)[:, first:first + max(depths)]  # [R, D, hidden]
         base = self.head.logits(rows)  # [R, D, rows]: the backbone's part of every draft's logits
         shortlist = self.markov.shortlist(base, self.topk) if self.markov is not None else None
+        table = self.children_table(rows, base, shortlist, newest) if shortlist is not None else None
+
+        def children_of(depth, nodes):
+            """nodes: (request index, target id) at depth `depth` -> their children, from the table where it holds
+            them."""
+            held = [table.get(r, depth, token) if table is not None else None for r, token in nodes]
+            direct = [i for i, children in enumerate(held) if children is None]
+            if direct:
+                index = torch.tensor([nodes[i][0] for i in direct], device=self.device)
+                previous = torch.tensor([nodes[i][1] for i in direct], device=self.device)
+                for i, *children in zip(direct, *self.children(rows, base, shortlist, index, depth, previous)):
+                    held[i] = children
+            return [children[0] for children in held], [children[1] for children in held]
 
         def expand(depth, nodes, found):
-            index = torch.tensor([r for r, _ in nodes], device=self.device)
-            previous = torch.tensor([found[r].tokens[node] for r, node in nodes], device=self.device)
-            return self.children(rows, base, shortlist, index, depth, previous)
+            return children_of(depth, [(r, found[r].tokens[node]) for r, node in nodes])
 
-        first_nodes = torch.arange(len(requests), device=self.device)
-        found = grow(self.children(rows, base, shortlist, first_nodes, 0, newest), expand, self.topk, depths,
+        found = grow(children_of(0, list(enumerate(newest.tolist()))), expand, self.topk, depths,
                      [self.confidence.log_threshold_for(budgets[r.request_id]) for r in requests])
         return {r.request_id: candidates.best(budgets[r.request_id].num_nodes) for r, candidates in zip(requests, found)}

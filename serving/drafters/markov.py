@@ -5,12 +5,16 @@ The full step reads all of `markov_w2` per depth (rows x rank: over the default 
 bfloat16, more than the block's forward). Instead, once per step, each draft slot's backbone logits give a shortlist:
 their `SHORTLIST` largest tokens and the largest base logit below them. By Cauchy-Schwarz the bias of a token is at
 most |W2[v]| |e| away from zero, e the node's Markov embedding, so no token off the shortlist has a logit above (the
-largest base logit below it) + max_v |W2[v]| |e|.
-Where the shortlist's `num`-th largest exact logit (from its rows of W2 alone) beats that bound, the shortlist holds
-the full product's top `num`, and the step returns them; where it does not (a bias as large as the gaps between the
-backbone's logits), the step computes the full product for that node. Either way it returns the full product's
-`num` best (up to float rounding in the order of the sums), unlike vLLM's `dspark_draft_topk`, which biases only the
-backbone's top k and can change the draft.
+largest base logit below it) + max_v |W2[v]| |e|. Where the shortlist's `num`-th largest exact logit (from its rows
+of W2 alone) beats that bound, the shortlist holds the full product's top `num`; where it does not (a bias as large
+as the gaps between the backbone's logits), only the full product over W2 finds them. Either way the step returns
+the full product's `num` best (up to float rounding in the order of the sums), unlike vLLM's `dspark_draft_topk`,
+which biases only the backbone's top k and can change the draft.
+
+A node's token is, but where the bias lifted it from beyond, on its own slot's shortlist, so `table` computes the
+children of every token of slot d's shortlist at slot d + 1 in one batched product per step (SHORTLIST x SHORTLIST
+logits per slot) and the search reads them without a tensor operation per depth; `top` computes them for the nodes
+the table does not hold.
 """
 from __future__ import annotations
 
@@ -52,6 +56,18 @@ class MarkovStep:
         if listed == size:  # the whole vocabulary is listed: nothing lies beyond it
             values = torch.cat([values, torch.full_like(values[..., :1], -torch.inf)], dim=-1)
         return Shortlist(values, rows[..., :listed])
+
+    def table(self, base: torch.Tensor, shortlist: Shortlist, previous: torch.Tensor, embed: torch.Tensor,
+              num: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """base: [R, D, rows] the draft slots' backbone logits and shortlist theirs; previous: [R, D, P] target ids of
+        P possible previous tokens per slot and embed [R, D, P, rank] their Markov embeddings -> (the `num` largest of
+        base + W2 @ embed and their rows, each [R, D, P, num], descending; [R, D, P] true where those may be wrong: a
+        token off the shortlist may beat them)."""
+        values, rows = shortlist
+        exact = values[..., None, :-1] + embed.float() @ self.w2[rows].transpose(-1, -2)  # [R, D, P, listed]
+        best, at = exact.topk(num, dim=-1)
+        missed = values[..., -1:] + self.reach[previous] >= best[..., -1]
+        return best, rows[..., None, :].expand(exact.shape).gather(-1, at), missed
 
     def top(self, base: torch.Tensor, index: torch.Tensor, depth: int, shortlist: Shortlist, previous: torch.Tensor,
             embed: torch.Tensor, num: int) -> tuple[torch.Tensor, torch.Tensor]:

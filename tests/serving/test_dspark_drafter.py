@@ -111,21 +111,29 @@ def test_paged_blocks_equal_the_dense_head_with_the_explicit_mask(anchor, confid
 @pytest.mark.parametrize("topk", [1, 2])
 def test_a_small_markov_bias_drafts_from_the_shortlist_alone(topk, tiny_llama, heads_root, monkeypatch):
     """With a Markov bias that cannot lift a token past the backbone's shortlist (drafters/markov.py), the drafter
-    never computes the full product over W2, and its candidates are still the dense head's exactly."""
-    full_products = []
-    make_step = markov.MarkovStep.__init__
+    never computes the full product over W2 and reads most nodes' children from the step's table, and its
+    candidates are still the dense head's exactly."""
+    full_products, lookups = [], []
+    make_step, table_get = markov.MarkovStep.__init__, dspark.ChildrenTable.get
 
     def counting(step, w1, w2):
         make_step(step, w1, w2)
         forward = w2.forward
         w2.forward = lambda x: full_products.append(len(x)) or forward(x)
 
+    def looked_up(table, *args):
+        children = table_get(table, *args)
+        lookups.append(children is not None)
+        return children
+
     monkeypatch.setattr(markov.MarkovStep, "__init__", counting)
+    monkeypatch.setattr(dspark.ChildrenTable, "get", looked_up)
     head_dir = random_dspark_dir(tiny_llama, heads_root, markov_scale=0.01)
     spec = {"method": "dspark", "model": head_dir, "num_speculative_tokens": 3, "topk": topk,
             "num_draft_tokens": 7 if topk == 2 else 4, "draft_weights": "float32"}
     proposals_equal_dense(tiny_llama, spec, dspark, grow, dense_of(topk), monkeypatch)
     assert not full_products
+    assert sum(lookups) > 0.8 * len(lookups)
 
 
 def test_the_confidence_heads_survival_cuts_chains(tiny_llama, heads_root, monkeypatch):

@@ -98,3 +98,24 @@ def test_a_vocabulary_within_the_shortlist_needs_no_bound():
     expected_values, expected_tokens = (base + linear(w1(previous))).topk(3, dim=-1)
     assert torch.equal(tokens, expected_tokens) and not calls
     torch.testing.assert_close(values, expected_values)
+
+
+def test_the_table_holds_every_previous_tokens_children_where_it_says_so():
+    """table() gives, for every slot and every listed previous token, the full product's top children, and flags
+    just the ones it cannot vouch for: with a small bias none, with a bias beyond the logits some; wherever unflagged
+    they equal the full product's."""
+    g = torch.Generator().manual_seed(8)
+    packed = packed_w2(torch.randn(ROWS, RANK, generator=g) / RANK ** 0.5)
+    embeddings = torch.randn(VOCAB, RANK, generator=g)
+    for scale, any_missed in ((0.3, False), (30.0, True)):
+        w1 = markov_w1(scale * embeddings / embeddings.norm(dim=-1, keepdim=True))
+        step = MarkovStep(w1, packed)
+        base = 3 * torch.randn(2, 3, ROWS, generator=g)  # 2 requests, 3 slots
+        previous = torch.randint(VOCAB, (2, 3, 5), generator=g)  # 5 previous tokens per slot
+        values, rows, missed = step.table(base, step.shortlist(base, 2), previous, w1(previous), 2)
+        assert values.shape == rows.shape == (2, 3, 5, 2) and missed.shape == (2, 3, 5)
+        assert bool(missed.any()) == any_missed
+        full = (base[:, :, None] + packed(w1(previous))).topk(2, dim=-1)
+        held = ~missed
+        assert torch.equal(rows[held], full.indices[held])
+        torch.testing.assert_close(values[held], full.values[held])
