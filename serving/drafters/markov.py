@@ -24,8 +24,10 @@ import torch
 
 from serving.kernels import PackedLinear
 
-# Tokens per draft slot whose rows of W2 the step reads: the backbone's most likely.
-SHORTLIST = 64
+# Tokens per draft slot whose rows of W2 the step reads: the backbone's most likely. 32 keeps a step's gathers and
+# products over 4 slots small enough for one thread (torch splits larger ones across threads, which a busy core
+# stalls).
+SHORTLIST = 32
 # Slack of the bound, far above float32 rounding at logits' magnitudes (ulp 4e-6 at 32).
 ROUNDING = 1e-3
 
@@ -57,6 +59,11 @@ class MarkovStep:
             values = torch.cat([values, torch.full_like(values[..., :1], -torch.inf)], dim=-1)
         return Shortlist(values, rows[..., :listed])
 
+    def rows_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [..., K] -> [..., K, rank] those rows of W2 (index_select: a few rows, gathered without the threads
+        advanced indexing starts, which a busy core stalls)."""
+        return self.w2.index_select(0, rows.flatten()).view(*rows.shape, -1)
+
     def table(self, base: torch.Tensor, shortlist: Shortlist, previous: torch.Tensor, embed: torch.Tensor,
               num: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """base: [R, D, rows] the draft slots' backbone logits and shortlist theirs; previous: [R, D, P] target ids of
@@ -64,7 +71,10 @@ class MarkovStep:
         base + W2 @ embed and their rows, each [R, D, P, num], descending; [R, D, P] true where those may be wrong: a
         token off the shortlist may beat them)."""
         values, rows = shortlist
-        exact = values[..., None, :-1] + embed.float() @ self.w2[rows].transpose(-1, -2)  # [R, D, P, listed]
+        *slots, num_previous, rank = embed.shape
+        w2 = self.rows_of(rows).view(-1, rows.shape[-1], rank)  # [R * D, listed, rank]
+        exact = torch.baddbmm(values[..., :-1].reshape(-1, 1, rows.shape[-1]), embed.float().view(-1, num_previous, rank),
+                              w2.transpose(1, 2)).view(*slots, num_previous, -1)  # [R, D, P, listed]
         best, at = exact.topk(num, dim=-1)
         missed = values[..., -1:] + self.reach[previous] >= best[..., -1]
         return best, rows[..., None, :].expand(exact.shape).gather(-1, at), missed
@@ -75,7 +85,7 @@ class MarkovStep:
         at slot `depth`; previous: [N] the nodes' target ids and embed [N, rank] their Markov embeddings -> (the `num`
         largest of base + W2 @ embed per node, [N, num], descending; their rows, [N, num])."""
         values, rows = shortlist.values[index, depth], shortlist.rows[index, depth]
-        exact = torch.baddbmm(values[:, :-1, None], self.w2[rows], embed.float()[:, :, None]).squeeze(-1)
+        exact = torch.baddbmm(values[:, :-1, None], self.rows_of(rows), embed.float()[:, :, None]).squeeze(-1)
         best, at = exact.topk(num, dim=-1)
         # no token off the shortlist has a logit above the largest base logit there plus its reach
         missed = (values[:, -1] + self.reach[previous] >= best[:, -1]).nonzero().squeeze(-1)
