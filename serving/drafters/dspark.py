@@ -35,6 +35,9 @@ TOKEN_CHUNK = 4096  # tokens per product while the confidence of every token is 
 # The table holds the children of this many of a slot's shortlisted tokens, the backbone's most likely: a node whose
 # token is further down (the bias lifted it there) has its children computed when the search reaches it.
 TABLE_PARENTS = 16
+# Steps drafted by the full product after a step whose table answered fewer than half of the lookups, before the next
+# try.
+TABLE_RETRY = 64
 
 
 class ChildrenTable:
@@ -48,13 +51,16 @@ class ChildrenTable:
         token, P times)."""
         self.log_probs, self.tokens, self.missed = log_probs, tokens, missed
         self.positions = [[{token: p for p, token in enumerate(slot)} for slot in request] for request in parents]
+        self.held = self.asked = 0  # lookups it answered, and all
 
     def get(self, r: int, depth: int, token: int) -> tuple[list, list] | None:
         """(log-scores, target ids) of the children of request r's node holding `token` at depth `depth`, or None
         where the table does not hold them exactly."""
+        self.asked += 1
         p = self.positions[r][depth].get(token)
         if p is None or self.missed[r][depth][p]:
             return None
+        self.held += 1
         return self.log_probs[r][depth][p], self.tokens[r][depth][p]
 
 
@@ -64,6 +70,7 @@ class DSparkDrafter(DFlashDrafter):
     def __init__(self, ctx, head, token_map, config):
         super().__init__(ctx, head, token_map, config)
         self.markov = None  # scores relative to the best child need no normaliser: only a confidence head's do
+        self.table_off = 0  # steps left without the table
         if head.confidence is not None:
             self.markov = MarkovStep(head.markov_w1, head.markov_w2)
             # The confidence logit is affine in the Markov embedding: logit(out, e) = logit(out, 0) + what e adds,
@@ -77,6 +84,15 @@ class DSparkDrafter(DFlashDrafter):
             self.zero_embed = torch.zeros(head.config.markov_rank, device=self.device)
             self.temperatures = torch.tensor([self.confidence.temperature(d + 1) for d in range(head.config.num_drafts)],
                                              device=self.device)
+
+    def table_pays(self) -> bool:
+        """Whether this step builds the table: not for TABLE_RETRY steps after one whose table answered fewer than
+        half of the search's lookups (a Markov bias so large that the bound rarely rules out the tokens off the
+        shortlists: then the full product per node costs less than the table and the nodes it does not hold)."""
+        if self.table_off:
+            self.table_off -= 1
+            return False
+        return True
 
     @classmethod
     def check(cls, config, ctx, head=None):
@@ -95,8 +111,11 @@ class DSparkDrafter(DFlashDrafter):
         their target ids) as nested lists."""
         embed = self.head.markov_embed(previous)
         temperature = self.confidence.temperature(depth + 1)
-        if shortlist is not None:  # scores relative to the best child: no normaliser over every row
-            logits, tokens = self.markov.top(base, index, depth, shortlist, previous, embed, self.topk)
+        if self.markov is not None:  # scores relative to the best child: no normaliser over every row
+            if shortlist is not None:
+                logits, tokens = self.markov.top(base, index, depth, shortlist, previous, embed, self.topk)
+            else:
+                logits, tokens = (base[index, depth] + self.head.markov_w2(embed)).topk(self.topk, dim=-1)
             accept = F.logsigmoid(self.head.confidence_logit(rows[index, depth], embed).float())
             log_probs = accept[:, None] + (logits - logits[:, :1]) / temperature
         else:
@@ -128,8 +147,10 @@ class DSparkDrafter(DFlashDrafter):
         first = c.draft_slot(1)
         rows = self.block_outputs(ctx, requests, newest)[:, first:first + max(depths)]  # [R, D, hidden]
         base = self.head.logits(rows)  # [R, D, rows]: the backbone's part of every draft's logits
-        shortlist = self.markov.shortlist(base, self.topk) if self.markov is not None else None
-        table = self.children_table(rows, base, shortlist, newest) if shortlist is not None else None
+        shortlist = table = None
+        if self.markov is not None and self.table_pays():
+            shortlist = self.markov.shortlist(base, self.topk)
+            table = self.children_table(rows, base, shortlist, newest)
 
         def children_of(depth, nodes):
             """nodes: (request index, target id) at depth `depth` -> their children, from the table where it holds
@@ -148,4 +169,6 @@ class DSparkDrafter(DFlashDrafter):
 
         found = grow(children_of(0, list(enumerate(newest.tolist()))), expand, self.topk, depths,
                      [self.confidence.log_threshold_for(budgets[r.request_id]) for r in requests])
+        if table is not None and 2 * table.held < table.asked:
+            self.table_off = TABLE_RETRY
         return {r.request_id: candidates.best(budgets[r.request_id].num_nodes) for r, candidates in zip(requests, found)}
