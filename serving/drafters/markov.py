@@ -5,7 +5,8 @@ The full step reads all of `markov_w2` per depth (rows x rank: over the default 
 bfloat16, more than the block's forward). Instead, once per step, each draft slot's backbone logits give a shortlist:
 their `SHORTLIST` largest tokens and the largest base logit below them. By Cauchy-Schwarz the bias of a token is at
 most |W2[v]| |e| away from zero, e the node's Markov embedding, so no token off the shortlist has a logit above (the
-largest base logit below it) + max_v |W2[v]| |e|. Where the shortlist's `num`-th largest exact logit (from its rows
+largest base logit below it) + the largest bias after the node's token (computed once per token for a head with a
+token map; max_v |W2[v]| |e| otherwise). Where the shortlist's `num`-th largest exact logit (from its rows
 of W2 alone) beats that bound, the shortlist holds the full product's top `num`; where it does not (a bias as large
 as the gaps between the backbone's logits), only the full product over W2 finds them. Either way the step returns
 the full product's `num` best (up to float rounding in the order of the sums), unlike vLLM's `dspark_draft_topk`,
@@ -28,6 +29,10 @@ from serving.kernels import PackedLinear
 # products over 4 slots small enough for one thread (torch splits larger ones across threads, which a busy core
 # stalls).
 SHORTLIST = 32
+# W2 rows up to which the largest bias after each previous token is computed exactly, once (a token map's 4,096: a
+# 49,152 x 4,096 product), rather than bounded by norms.
+EXACT_REACH_ROWS = 8192
+REACH_CHUNK = 2048  # previous tokens per product while it is made (bounds its scratch memory)
 # Slack of the bound, far above float32 rounding at logits' magnitudes (ulp 4e-6 at 32).
 ROUNDING = 1e-3
 
@@ -45,9 +50,14 @@ class MarkovStep:
         # [rows, rank]: the stored weights row-major in float32, for gathers of a few rows (their bfloat16 values
         # widened once, not at every step)
         self.w2 = markov_w2.matrix().float()
-        # max_v |W2[v]| |W1[t]| for every previous token t: how far any token's bias can lift it after t, with the
-        # slack of rounding
-        self.reach = float(self.w2.norm(dim=-1).max()) * markov_w1.weight.float().norm(dim=-1) + ROUNDING
+        # For every previous token t, at least the largest bias any token gets after t, with the slack of rounding:
+        # exactly max_v W2[v] . W1[t] where W2 has few rows (a token-mapped head: a product over the vocabulary once,
+        # here), else max_v |W2[v]| |W1[t]| (Cauchy-Schwarz), looser
+        w1 = markov_w1.weight.float()
+        if len(self.w2) <= EXACT_REACH_ROWS:
+            self.reach = torch.cat([(chunk @ self.w2.T).amax(-1) for chunk in w1.split(REACH_CHUNK)]) + ROUNDING
+        else:
+            self.reach = float(self.w2.norm(dim=-1).max()) * w1.norm(dim=-1) + ROUNDING
 
     def shortlist(self, base: torch.Tensor, num: int) -> Shortlist:
         """base: [..., rows] the draft slots' backbone logits -> their shortlists (of at least `num` tokens, the

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from serving import kernels
+from serving.drafters import markov
 from serving.drafters.markov import MarkovStep
 
 ROWS, RANK, VOCAB = 4096, 64, 5000
@@ -40,10 +41,14 @@ def step_top(step, base, previous, w1, num):
 @pytest.mark.parametrize("num", [1, 4])
 @pytest.mark.parametrize("scale, gathers", [(0.05, True), (0.5, True), (30.0, False)],
                          ids=["small-bias", "moderate-bias", "bias-beyond-the-logits"])
-def test_the_step_takes_the_full_products_top_children(weight_dtype, num, scale, gathers):
+@pytest.mark.parametrize("exact_reach", [True, False], ids=["largest-bias", "norm-bound"])
+def test_the_step_takes_the_full_products_top_children(weight_dtype, num, scale, gathers, exact_reach, monkeypatch):
     """Backbone logits spread as a drafter's (std 3), Markov embeddings of norm `scale`: a small bias cannot lift a
     token from beyond the shortlist and the step reads the shortlist's rows only; a bias beyond the logits could,
-    and the step computes the full product. Either way its children and logits are the full product's."""
+    and the step computes the full product. Either way its children and logits are the full product's, with the
+    largest bias after each token computed exactly or bounded by norms (a W2 of more rows)."""
+    if not exact_reach:
+        monkeypatch.setattr(markov, "EXACT_REACH_ROWS", 0)
     g = torch.Generator().manual_seed(int(scale * 100) + num)
     packed = packed_w2(torch.randn(ROWS, RANK, generator=g) / RANK ** 0.5, weight_dtype)
     embeddings = torch.randn(VOCAB, RANK, generator=g)
