@@ -228,6 +228,21 @@ class PackedLinear(_KernelModule):
     def weights(self) -> torch.Tensor:
         return self.panels
 
+    def matrix(self) -> torch.Tensor:
+        """The stored weights as [out, in] rows in `weight_dtype` (the panels unpacked): for callers that read a few
+        rows of a wide layer instead of the whole product (serving/drafters/markov.py)."""
+        if self.lib is None:
+            return self.weight_t.t().to(self.weight_dtype).contiguous()
+        num_panels = self.panels.shape[0]
+        if self.format in PAIR_PATHS.values():  # [panels, pairs, (column, pair member)] back to [out, in]
+            rows = self.panels.view(num_panels, -1, PANEL, 2).transpose(1, 2).reshape(num_panels * PANEL, -1)
+        else:
+            panels = self.panels
+            if self.format == BF16_PANELS:  # a bfloat16 panel's columns 0, 8, 1, 9, ... back in order
+                panels = panels.view(num_panels, -1, PANEL // 2, 2).transpose(2, 3)
+            rows = panels.reshape(num_panels, -1, PANEL).transpose(1, 2).reshape(num_panels * PANEL, -1)
+        return rows[:self.out_features, :self.in_features].contiguous()
+
     def read_pointers(self):
         if self.format in PAIR_PATHS.values():
             pairs, path = self.lib.gemm_pairs_bf16, self.format

@@ -4,7 +4,7 @@
    DEMO_NEW_TOKENS tokens at most), its hidden states captured in the same pass, into data/demo-store;
 2. `draftheads token-map`: the store's 4,096 most frequent answer tokens, which Medusa, EAGLE-1 and MTP train and
    draft among (EAGLE-3 trains over the same ones as its draft vocabulary);
-3. `draftheads fit` of Medusa, EAGLE-3, P-EAGLE and DFlash heads (with --full also EAGLE-1 and MTP) from configs/
+3. `draftheads fit` of Medusa, EAGLE-3, P-EAGLE and DFlash heads (with --full also EAGLE-1, MTP and DSpark) from configs/
    in offline mode on that store (in
    bf16-mixed precision where bfloat16 products are native, `fit_precision`),
    each exported to runs/<kind>/heads/best (the folders configs/ name);
@@ -35,11 +35,11 @@ import os
 import time
 from pathlib import Path
 
-KINDS = ("medusa", "eagle", "eagle3", "mtp", "peagle", "dflash")
+KINDS = ("medusa", "eagle", "eagle3", "mtp", "peagle", "dflash", "dspark")
 # What `make demo` trains and benches within its 30 minutes: the feature-free baseline, the best chain head and the
 # two that draft a block per forward. EAGLE-1 and MTP draft as EAGLE-3 does (autoregressively, from the target's
 # features); with all six kinds trained EAGLE-1 measured within 0.08 tau of EAGLE-3 in every row and MTP below
-# it. --full and --kinds train them too.
+# it. --full and --kinds train them too, and DSpark (DFlash's block plus a Markov and a confidence head).
 DEMO_KINDS = ("medusa", "eagle3", "peagle", "dflash")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # What the demo trains: configs/<kind>.yaml with configs/demo/<kind>.yaml laid over it (the recipe for a store of a
@@ -63,7 +63,7 @@ DRAFT_VOCAB_SIZE = 4096
 TREE = {"topk": 8, "num_draft_tokens": 16}
 # The kinds `make demo` benches as trees (--full: every kind). Medusa's tree adds what the others' show (+0.26-0.36 tau
 # in the six-kind demo) and its 16-row steps cost a minute of the 30.
-TREE_KINDS = ("eagle", "eagle3", "mtp", "peagle", "dflash")
+TREE_KINDS = ("eagle", "eagle3", "mtp", "peagle", "dflash", "dspark")
 # Suffix decoding (vLLM's defaults) beside n-gram, and the best head after suffix decoding first (suffix where its
 # tree's own frequencies expect at least a token accepted, the head elsewhere) beside it after prompt lookup first.
 SUFFIX_FIRST_KINDS = ("eagle3",)

@@ -15,6 +15,11 @@ head judges the position, the head's distribution ranks the candidates there). T
 (`DraftBudget.min_log_survival`) and `confidence_threshold` cut a path whose product falls below them, so the learned
 estimate sizes each request's draft as the calibrated probability does for other heads. A head without a confidence
 head scores children by their calibrated probabilities, as DFlash's drafter does.
+
+Those relative scores need no normaliser over the vocabulary, so with a confidence head the Markov step
+(drafters/markov.py) finds a node's best children from the rows of W2 of the backbone's shortlist, computing the full
+product over W2 only for a node whose bias could reach past it: the same children, without reading all of W2 at every
+depth. A head without one needs the normaliser and takes the full product.
 """
 from __future__ import annotations
 
@@ -23,11 +28,74 @@ import torch.nn.functional as F
 
 from serving.drafters.confidence import top_log_probs
 from serving.drafters.dflash import DFlashDrafter
+from serving.drafters.markov import MarkovStep, Shortlist
 from serving.drafters.tree_search import grow
+
+TOKEN_CHUNK = 4096  # tokens per product while the confidence of every token is made (bounds its scratch memory)
+# The table holds the children of this many of a slot's shortlisted tokens, the backbone's most likely: a node whose
+# token is further down (the bias lifted it there) has its children computed when the search reaches it.
+TABLE_PARENTS = 16
+# The table pays where it answers nearly every lookup: with the trained demo head it answered 58% of a chain's and
+# drafted slower than the full product per node. After a step whose table answered under this share, the drafter
+# drafts TABLE_RETRY steps by the full product before it tries the table again.
+TABLE_HELD = 0.9
+TABLE_RETRY = 64
+
+
+class ChildrenTable:
+    """The children of every node a step's search may reach without the bias lifting a token from beyond a shortlist
+    (drafters/markov.py, `table`): of the newest token at depth 0, of the TABLE_PARENTS best tokens of slot d-1's
+    shortlist at depth d, as nested lists the search reads without a tensor operation per depth."""
+
+    def __init__(self, log_probs: list, tokens: list, missed: list, parents: list):
+        """log_probs, tokens: [R][D][P][topk] the log-scores and target ids of the children of parents[r][d][p] at
+        depth d; missed: [R][D][P] where they may be wrong; parents: [R][D][P] target ids (at depth 0 the newest
+        token, P times)."""
+        self.log_probs, self.tokens, self.missed = log_probs, tokens, missed
+        self.positions = [[{token: p for p, token in enumerate(slot)} for slot in request] for request in parents]
+        self.held = self.asked = 0  # lookups it answered, and all
+
+    def get(self, r: int, depth: int, token: int) -> tuple[list, list] | None:
+        """(log-scores, target ids) of the children of request r's node holding `token` at depth `depth`, or None
+        where the table does not hold them exactly."""
+        self.asked += 1
+        p = self.positions[r][depth].get(token)
+        if p is None or self.missed[r][depth][p]:
+            return None
+        self.held += 1
+        return self.log_probs[r][depth][p], self.tokens[r][depth][p]
 
 
 class DSparkDrafter(DFlashDrafter):
     kinds = ("dspark",)
+
+    def __init__(self, ctx, head, token_map, config):
+        super().__init__(ctx, head, token_map, config)
+        self.markov = None  # scores relative to the best child need no normaliser: only a confidence head's do
+        self.table_off = 0  # steps left without the table
+        if head.confidence is not None:
+            self.markov = MarkovStep(head.markov_w1, head.markov_w2)
+            # The confidence logit is affine in the Markov embedding: logit(out, e) = logit(out, 0) + what e adds,
+            # which depends on the previous token alone (zero where the head does not read e), made once here.
+            with torch.inference_mode():
+                w1 = head.markov_w1.weight
+                zeros = w1.new_zeros(TOKEN_CHUNK, head.config.hidden_size)
+                at_zero = head.confidence_logit(zeros[:1], torch.zeros_like(w1[:1]))
+                self.token_confidence = torch.cat([head.confidence_logit(zeros[:len(chunk)], chunk) - at_zero
+                                                   for chunk in w1.split(TOKEN_CHUNK)]).float()
+            self.zero_embed = torch.zeros(head.config.markov_rank, device=self.device)
+            self.temperatures = torch.tensor([self.confidence.temperature(d + 1) for d in range(head.config.num_drafts)],
+                                             device=self.device)
+
+    def table_pays(self) -> bool:
+        """Whether this step builds the table: not for TABLE_RETRY steps after one whose table answered under
+        TABLE_HELD of the search's lookups (a Markov bias so large that the bound often fails to rule out the tokens
+        off the shortlists: then the full product per node costs less than the table and the nodes it does not
+        hold)."""
+        if self.table_off:
+            self.table_off -= 1
+            return False
+        return True
 
     @classmethod
     def check(cls, config, ctx, head=None):
@@ -38,19 +106,41 @@ class DSparkDrafter(DFlashDrafter):
                              f"{str(c.sample_from_anchor).lower()}): draft fewer tokens, or train a head with longer "
                              "blocks")
 
-    def children(self, rows: torch.Tensor, base: torch.Tensor, depth: int, previous: torch.Tensor):
-        """rows: [N, hidden] the draft slot's outputs and base: [N, rows] its backbone logits, for N nodes at depth
-        `depth` (0: the newest token); previous: [N] those nodes' target ids -> (their topk children's
-        log-scores, their target ids) as nested lists."""
+    def children(self, rows: torch.Tensor, base: torch.Tensor, shortlist: Shortlist | None, index: torch.Tensor,
+                 depth: int, previous: torch.Tensor):
+        """rows: [R, D, hidden] the draft slots' outputs, base: [R, D, rows] their backbone logits, shortlist their
+        shortlists (drafters/markov.py; None without a confidence head); index: [N] the requests of N nodes at depth
+        `depth` (0: the newest token), previous: [N] those nodes' target ids -> (their topk children's log-scores,
+        their target ids) as nested lists."""
         embed = self.head.markov_embed(previous)
-        logits = base + self.head.markov_w2(embed)
-        log_probs, tokens = top_log_probs(logits, self.topk, self.confidence.temperature(depth + 1))
-        if self.head.confidence is not None:
-            accept = F.logsigmoid(self.head.confidence_logit(rows, embed).float())
-            log_probs = accept[:, None] + log_probs - log_probs[:, :1]
+        temperature = self.confidence.temperature(depth + 1)
+        if self.markov is not None:  # scores relative to the best child: no normaliser over every row
+            if shortlist is not None:
+                logits, tokens = self.markov.top(base, index, depth, shortlist, previous, embed, self.topk)
+            else:
+                logits, tokens = (base[index, depth] + self.head.markov_w2(embed)).topk(self.topk, dim=-1)
+            accept = F.logsigmoid(self.head.confidence_logit(rows[index, depth], embed).float())
+            log_probs = accept[:, None] + (logits - logits[:, :1]) / temperature
+        else:
+            log_probs, tokens = top_log_probs(base[index, depth] + self.head.markov_w2(embed), self.topk, temperature)
         if self.token_map is not None:
             tokens = self.token_map[tokens]
         return log_probs.tolist(), tokens.tolist()
+
+    def children_table(self, rows: torch.Tensor, base: torch.Tensor, shortlist: Shortlist,
+                       newest: torch.Tensor) -> ChildrenTable:
+        listed = shortlist.rows if self.token_map is None else self.token_map[shortlist.rows]  # [R, D, L] target ids
+        num_parents = min(TABLE_PARENTS, listed.shape[-1])
+        parents = torch.cat([newest[:, None, None].expand(-1, 1, num_parents), listed[:, :-1, :num_parents]], dim=1)
+        logits, tokens, missed = self.markov.table(base, shortlist, parents, self.head.markov_embed(parents), self.topk)
+        at_zero = self.zero_embed.expand(*rows.shape[:-1], -1)
+        accept = F.logsigmoid(self.head.confidence_logit(rows, at_zero).float()[..., None]
+                              + self.token_confidence[parents])
+        temperatures = self.temperatures[:rows.shape[1], None, None]
+        log_probs = accept[..., None] + (logits - logits[..., :1]) / temperatures
+        if self.token_map is not None:
+            tokens = self.token_map[tokens]
+        return ChildrenTable(log_probs.tolist(), tokens.tolist(), missed.tolist(), parents.tolist())
 
     @torch.inference_mode()
     def _draft(self, ctx, requests, budgets):
@@ -60,12 +150,28 @@ class DSparkDrafter(DFlashDrafter):
         first = c.draft_slot(1)
         rows = self.block_outputs(ctx, requests, newest)[:, first:first + max(depths)]  # [R, D, hidden]
         base = self.head.logits(rows)  # [R, D, rows]: the backbone's part of every draft's logits
+        shortlist = table = None
+        if self.markov is not None and self.table_pays():
+            shortlist = self.markov.shortlist(base, self.topk)
+            table = self.children_table(rows, base, shortlist, newest)
+
+        def children_of(depth, nodes):
+            """nodes: (request index, target id) at depth `depth` -> their children, from the table where it holds
+            them."""
+            held = [table.get(r, depth, token) if table is not None else None for r, token in nodes]
+            direct = [i for i, children in enumerate(held) if children is None]
+            if direct:
+                index = torch.tensor([nodes[i][0] for i in direct], device=self.device)
+                previous = torch.tensor([nodes[i][1] for i in direct], device=self.device)
+                for i, *children in zip(direct, *self.children(rows, base, shortlist, index, depth, previous)):
+                    held[i] = children
+            return [children[0] for children in held], [children[1] for children in held]
 
         def expand(depth, nodes, found):
-            index = torch.tensor([r for r, _ in nodes], device=self.device)
-            previous = torch.tensor([found[r].tokens[node] for r, node in nodes], device=self.device)
-            return self.children(rows[index, depth], base[index, depth], depth, previous)
+            return children_of(depth, [(r, found[r].tokens[node]) for r, node in nodes])
 
-        found = grow(self.children(rows[:, 0], base[:, 0], 0, newest), expand, self.topk, depths,
+        found = grow(children_of(0, list(enumerate(newest.tolist()))), expand, self.topk, depths,
                      [self.confidence.log_threshold_for(budgets[r.request_id]) for r in requests])
+        if table is not None and table.held < TABLE_HELD * table.asked:
+            self.table_off = TABLE_RETRY
         return {r.request_id: candidates.best(budgets[r.request_id].num_nodes) for r, candidates in zip(requests, found)}

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import heads
 import serving.drafters.dspark as dspark
+import serving.drafters.markov as markov
 from serving.drafters.confidence import Confidence, top_log_probs
 from serving.drafters.tree_search import grow
 from serving.request import SamplingParams
@@ -30,17 +31,22 @@ BLOCK = 4  # 4 drafts sampling from the anchor, 3 in DFlash's slots
 
 
 def random_dspark_dir(folder, root, *, anchor=True, confidence=True, mask_token_id=7, target_layers=(1, 3),
-                      seed=11) -> str:
-    path = root / f"dspark-{folder.name}-{anchor}-{confidence}"
+                      seed=11, markov_scale=1.0) -> str:
+    """A random DSpark head whose Markov bias is as large as the backbone's logits (drafts follow the chain), or
+    `markov_scale` times that: a small one moves only near-ties (the drafter reads the shortlist's rows of W2 alone)."""
+    path = root / f"dspark-{folder.name}-{anchor}-{confidence}-{markov_scale}"
     if not path.exists():
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             head = heads.DSpark.from_target(target_parts(folder), num_layers=2, target_layers=target_layers,
                                             block_size=BLOCK, mask_token_id=mask_token_id, markov_rank=16,
                                             sample_from_anchor=anchor, confidence_head=confidence)
-            with torch.no_grad():  # a Markov bias as large as the backbone's logits: drafts follow the chain
+            with torch.no_grad():
                 head.markov_w1.weight.normal_(0, 1.0)
-        heads.save(perturb(head, seed + 1), path)
+        perturb(head, seed + 1)
+        with torch.no_grad():
+            head.markov_w1.weight.mul_(markov_scale)
+        heads.save(head, path)
     return str(path)
 
 
@@ -100,6 +106,34 @@ def test_paged_blocks_equal_the_dense_head_with_the_explicit_mask(anchor, confid
     assert full and all(len(t) == 3 * topk and t.depth >= 2 for t in full)
     if topk == 2:
         assert any(max(map(len, t.children)) == 2 for t in full)
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_a_small_markov_bias_drafts_from_the_shortlist_alone(topk, tiny_llama, heads_root, monkeypatch):
+    """With a Markov bias that cannot lift a token past the backbone's shortlist (drafters/markov.py), the drafter
+    never computes the full product over W2 and reads most nodes' children from the step's table, and its
+    candidates are still the dense head's exactly."""
+    full_products, lookups = [], []
+    make_step, table_get = markov.MarkovStep.__init__, dspark.ChildrenTable.get
+
+    def counting(step, w1, w2):
+        make_step(step, w1, w2)
+        forward = w2.forward
+        w2.forward = lambda x: full_products.append(len(x)) or forward(x)
+
+    def looked_up(table, *args):
+        children = table_get(table, *args)
+        lookups.append(children is not None)
+        return children
+
+    monkeypatch.setattr(markov.MarkovStep, "__init__", counting)
+    monkeypatch.setattr(dspark.ChildrenTable, "get", looked_up)
+    head_dir = random_dspark_dir(tiny_llama, heads_root, markov_scale=0.01)
+    spec = {"method": "dspark", "model": head_dir, "num_speculative_tokens": 3, "topk": topk,
+            "num_draft_tokens": 7 if topk == 2 else 4, "draft_weights": "float32"}
+    proposals_equal_dense(tiny_llama, spec, dspark, grow, dense_of(topk), monkeypatch)
+    assert not full_products
+    assert sum(lookups) > 0.8 * len(lookups)
 
 
 def test_the_confidence_heads_survival_cuts_chains(tiny_llama, heads_root, monkeypatch):

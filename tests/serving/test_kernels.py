@@ -110,6 +110,17 @@ def test_packed_linear_rows_do_not_depend_on_the_batch(weight_dtype):
             assert torch.equal(together[i:i + 1], alone[i])
 
 
+@pytest.mark.parametrize("weight_dtype, compute", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                   (torch.bfloat16, torch.bfloat16)])
+def test_packed_linear_unpacks_its_stored_weights(weight_dtype, compute):
+    """matrix() gives back the [out, in] weights the panels hold (odd sizes: padded panels and pairs)."""
+    layer = linear(37, 45, False)
+    packed = kernels.PackedLinear(layer, weight_dtype, compute)
+    matrix = packed.matrix()
+    assert matrix.dtype == weight_dtype and matrix.shape == (45, 37)
+    assert torch.equal(matrix, layer.weight.to(weight_dtype))
+
+
 def test_packed_linear_refuses_other_dtypes():
     packed = kernels.PackedLinear(linear(8, 8, False))
     if packed.lib is None:
@@ -152,6 +163,7 @@ def test_without_kernels_the_layers_run_torch(no_kernels):
     assert packed.lib is None and packed.panels is None
     x = torch.randn(4, 40)
     torch.testing.assert_close(packed(x), F.linear(x, layer.weight, layer.bias))
+    assert torch.equal(kernels.PackedLinear(layer, torch.bfloat16).matrix(), layer.weight.to(torch.bfloat16))
     norm = RMSNorm(40, 1e-6)
     assert kernels.FusedRMSNorm(norm)(x).equal(norm(x))
 
