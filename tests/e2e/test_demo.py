@@ -84,7 +84,7 @@ def test_bench_sizes_default_to_the_demo_or_the_full_bench_and_explicit_sizes_wi
     assert demo.parse_args([]).kinds == "medusa,eagle3,peagle,dflash"
     full = demo.parse_args(["--full"])
     assert (full.bench_mt_bench, full.bench_humaneval) == (80, 164)
-    assert full.kinds == "medusa,eagle,eagle3,mtp,peagle,dflash"
+    assert full.kinds == "medusa,eagle,eagle3,mtp,peagle,dflash,dspark"
     assert demo.parse_args(["--full", "--kinds", "mtp"]).kinds == "mtp"
     reduced = demo.parse_args(["--full", "--bench-mt-bench", "16", "--bench-humaneval", "0"])
     assert (reduced.bench_mt_bench, reduced.bench_humaneval) == (16, 0)
