@@ -18,7 +18,10 @@
    a draft model sampling at temperature 3 for requests at 0.7 (20,000 seeded requests, 2 drafts after the
    prefill's token): every emitted position's marginal is the target's (TV < 0.05, as test_spec's) and the first
    verify step's accepted counts follow the exact block law computed from transformers' p and q (TV < 0.02, mean
-   within 3 standard errors), whose mean exceeds the standard rule's by more than 5 standard errors.
+   within 3 standard errors), whose mean exceeds the standard rule's by more than 5 standard errors. Over whole
+   generations, every chain verify_block gets carries q = softmax(draft logits / draft_temperature) after its
+   prefixes (transformers' logits), the law its drafts were drawn from (uniform randomized PIT values), and p from
+   the target's logits.
 4. Config: vLLM's name and values, "synthetic" and unknown values refused clearly, a warning for configs that draft
    trees, and trees still verified by the standard rules.
 """
@@ -457,6 +460,59 @@ def v8_draft(tmp_path_factory):
     from serving.targets import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("v8_draft"), "llama", seed=1, vocab_size=8, initializer_range=0.3)
+
+
+def test_the_engine_hands_verify_block_the_law_its_drafts_were_drawn_from(v8_target, v8_draft, monkeypatch):
+    """Every verify step of whole generations (the draft model's pool caught up over accepted drafts, rejected ones
+    overwritten), draft_model at draft_temperature 1.7 for requests at temperature 0.7 with top-k 6: each chain's q
+    rows are softmax(draft logits / 1.7) from transformers after the chain's prefixes (the drafter's temperature,
+    not the request's, and no top-k), its p rows target_probs of the target's logits there, and the drafts are draws
+    from those q rows (their randomized PIT values are uniform: Kolmogorov-Smirnov distance below its 1% level)."""
+    from transformers import AutoModelForCausalLM
+
+    import serving.spec_decode.speculator as speculator
+
+    draft_temperature, num, k = 1.7, 200, 3
+    spec = {"method": "draft_model", "model": str(v8_draft), "num_speculative_tokens": k,
+            "draft_temperature": draft_temperature, "rejection_sample_method": "block"}
+    engine = make_engine(v8_target, spec, block_size=4, max_model_len=64, max_num_seqs=32)
+    steps, contexts = [], {}
+    verify = engine.speculator.verify
+
+    def verify_spy(request, logits, best):
+        contexts["now"] = list(request.token_ids)  # the newest token last: row 0 is the law after it
+        return verify(request, logits, best)
+
+    def block_spy(chain, probs, generator):
+        steps.append((contexts["now"], chain, probs.clone()))
+        return verify_block(chain, probs, generator)
+
+    engine.speculator.verify = verify_spy
+    monkeypatch.setattr(speculator, "verify_block", block_spy)
+    params = [SamplingParams(temperature=0.7, top_k=6, seed=i, max_tokens=16, ignore_eos=True) for i in range(num)]
+    engine.generate(random_prompts([3, 6, 9, 12] * (num // 4), seed=5, vocab=8), params)
+    assert_pool_idle(engine)
+    assert len(steps) > 5 * num and sum(len(chain) == k for _, chain, _ in steps) > 3 * num
+
+    target_hf = AutoModelForCausalLM.from_pretrained(v8_target, dtype=torch.float32).eval()
+    draft_hf = AutoModelForCausalLM.from_pretrained(v8_draft, dtype=torch.float32).eval()
+    pit_g, pits = torch.Generator().manual_seed(0), []
+    with torch.no_grad():
+        for context, chain, probs in steps:
+            ids = torch.tensor([context + list(chain.tokens)])
+            rows = slice(len(context) - 1, len(context) + len(chain))
+            draft_q = torch.softmax(draft_hf(ids).logits[0, rows][:-1].float() / draft_temperature, -1)
+            target_p = target_probs(target_hf(ids).logits[0, rows].float(), params[0])
+            torch.testing.assert_close(chain.q, draft_q, atol=2e-5, rtol=0)
+            torch.testing.assert_close(probs, target_p, atol=2e-5, rtol=0)
+            for q, token in zip(chain.q.double(), chain.tokens):
+                below = float(q[:token].sum())
+                pits.append(below + float(torch.rand((), generator=pit_g, dtype=torch.float64)) * float(q[token]))
+    pits = torch.tensor(sorted(pits), dtype=torch.float64)
+    n = len(pits)
+    ranks = torch.arange(1, n + 1, dtype=torch.float64)
+    distance = float(torch.maximum(ranks / n - pits, pits - (ranks - 1) / n).max())
+    assert distance < 1.63 / math.sqrt(n), (distance, n)
 
 
 def test_block_beats_standard_on_the_engines_first_verify(v8_target, v8_draft):
