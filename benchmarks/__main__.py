@@ -38,11 +38,13 @@ def bench(*options: str, configs: tuple[str, ...] = ()) -> tuple[str, ...]:
 
 
 CUT = {"confidence_threshold": 0.1}
-# Deterministic drafters (q one-hot), then one that samples: the target drafting for itself at a higher temperature, a
-# q spread out as a sampling drafter's, which is where block verification can accept more.
-BLOCK_DRAFTERS = ({"method": "ngram", "num_speculative_tokens": 4}, {"method": "suffix"},
-                  {"method": "draft_model", "model": "smollm2-135m-instruct", "draft_temperature": 1.5,
-                   "num_speculative_tokens": 4})
+# Deterministic drafters (q one-hot: n-gram, suffix decoding, the demo's heads), and one that samples: the target
+# drafting for itself at a higher temperature, a q spread out as a sampling drafter's, which is where block
+# verification can accept more.
+BLOCK_DRAFTERS = (json.dumps({"method": "ngram", "num_speculative_tokens": 4}), json.dumps({"method": "suffix"}),
+                  json.dumps({"method": "draft_model", "model": "smollm2-135m-instruct", "draft_temperature": 1.5,
+                              "num_speculative_tokens": 4}),
+                  *(spec(kind) for kind in ("medusa", "eagle3", "peagle", "dflash")))
 TABLES = {
     "demo": Table("demo.md", "the demo's bench: plain, n-gram, suffix, each head as chain, tree, after lookup",
                   ("-m", "training.demo")),
@@ -79,11 +81,9 @@ TABLES = {
     "vllm": Table("serving.md", "draftheads serve against vllm serve (make vllm)", (
         "-m", "benchmarks.vllm_side_by_side", "--head", "eagle3=runs/eagle3/heads/best", "--num-prompts", "16",
         "--max-new-tokens", "48", "--concurrency", "1", "4", "16")),
-    "block-verification": Table("trees.md", "standard against block verification, sampled, by drafter",
-                                bench("--prompts", "mt-bench", "--num-prompts", "8", "--max-new-tokens", "64",
-                                      "--temperature", "0.7", "1.0", configs=tuple(
-                                          json.dumps({**drafter, **verifier}) for drafter in BLOCK_DRAFTERS
-                                          for verifier in ({}, {"rejection_sample_method": "block"})))),
+    "block-verification": Table("trees.md", "standard against block verification, sampled, by drafter, with standard errors", (
+        "-m", "benchmarks.block_verification", "--prompts", "mt-bench", "--num-prompts", "80", "--max-new-tokens", "64",
+        "--temperature", "0.7", "1.0", "--concurrency", "8", *(arg for d in BLOCK_DRAFTERS for arg in ("--drafter", d)))),
     "engine-vs-transformers": Table("engine.md", "plain decoding against transformers' generate", bench(
         "--prompts", "mt-bench", "--num-prompts", "8", "--max-new-tokens", "64", "--concurrency", "1", "--baseline",
         "hf")),

@@ -29,7 +29,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     model: str | None = None  # draft_model: a target name or folder; medusa/eagle/eagle3/mtp/peagle: a head folder
     num_layers: int | None = None  # early_exit: how many of the target's layers draft
-    draft_temperature: float | None = None  # draft_model: sample drafts (supplying q) instead of greedy drafting
+    # draft_model: sample drafts at this temperature (supplying q, their law) instead of greedy drafting; the other
+    # drafters pick theirs deterministically (q one-hot) and refuse it
+    draft_temperature: float | None = None
     # medusa/eagle/mtp: a file of token ids (`draftheads token-map`, SGLang's --speculative-token-map): the head
     # drafts among those tokens only, reading just their rows of the LM head (FR-Spec). A head trained over a map
     # drafts among it without this; a different map is refused.
@@ -158,6 +160,10 @@ class SpeculativeConfig:
                                                        or self.disable_by_batch_size < 1):
             raise ValueError(f"disable_by_batch_size={self.disable_by_batch_size!r} must be an integer >= 1 "
                              "(leave it unset to draft at every batch size)")
+        if self.draft_temperature is not None and self.method != "draft_model":
+            # the other drafters pick their drafts deterministically (the heads their most likely tokens): q is one-hot
+            raise ValueError(f"draft_temperature applies to draft_model, not {self.method!r}, which drafts its most "
+                             "likely tokens; leave it out")
         if self.draft_temperature is not None and self.draft_temperature < 0:
             raise ValueError(f"draft_temperature={self.draft_temperature} must be >= 0")
 
@@ -316,7 +322,7 @@ class SpeculativeConfig:
 
     def label(self) -> str:
         """The method, prompt lookup first with its shortest suffix, suffix decoding's depth, nodes and (where not vLLM's
-        defaults) minimum token probability and spec factor, the tree (topk and size, or Medusa's choices), the confidence
+        defaults) minimum token probability and spec factor, a draft model's sampling temperature, the tree (topk and size, or Medusa's choices), the confidence
         threshold and the batch size that turns drafting off when set, the adaptive policy, block verification, and float32
         draft weights: a bench row's name."""
         label = self.method + (f"+lookup{self.prompt_lookup_min}" if self.prompt_lookup_first else "")
@@ -330,6 +336,7 @@ class SpeculativeConfig:
                 label += f" x{self.suffix_decoding_max_spec_factor:g}"
         if self.method == "lookahead":
             label += f" W{self.window} N{self.ngram} G{self.max_candidates}"
+        label += f" draft T{self.draft_temperature:g}" if self.draft_temperature else ""
         if self.medusa_choices is not None:
             label += f" choices{len(self.medusa_choices)}"
         elif self.topk > 1:

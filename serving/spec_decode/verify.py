@@ -88,23 +88,11 @@ def verify_sampled(tree: DraftTree, probs: torch.Tensor, generator: torch.Genera
 def verify_block(chain: DraftTree, probs: torch.Tensor, generator: torch.Generator) -> tuple[list[int], list[int]]:
     """Block verification of a chain (one child per node). probs: [1 + len(chain), vocab] the target's filtered
     distributions at each row. Returns (accepted path, tokens to emit), as verify_sampled."""
-    if not chain.is_chain:
-        raise ValueError("block verification takes a chain (one child per node); verify trees with verify_sampled")
     k = len(chain)
-    weights = [1.0]  # w_0 .. w_k
+    weights, accepts = block_acceptances(chain, probs)
     accepted = 0
-    for i, token in enumerate(chain.tokens):
-        p_token, q_token = float(probs[i, token]), _q_of(chain, i, token)
-        joint = weights[-1] * p_token
-        # a draft its own q gave no mass: a draw of probability 0 (rounding); accept as the ratio's limit would
-        weights.append(min(1.0, joint / q_token) if q_token > 0 else float(joint > 0))
-        if i + 1 < k:
-            mass = float(_residual(chain, probs, i + 1, weights[-1]).sum())
-            denominator = mass + 1.0 - weights[-1]
-            accept = mass / denominator if denominator > 0 else 1.0
-        else:
-            accept = weights[-1]
-        if _uniform(generator) < accept:
+    for i in range(k):  # one uniform per depth, all drawn: the deepest accepted depth is kept
+        if _uniform(generator) < accepts[i]:
             accepted = i + 1
     path = list(range(accepted))
     if accepted == k:
@@ -113,6 +101,46 @@ def verify_block(chain: DraftTree, probs: torch.Tensor, generator: torch.Generat
     # a residual of no mass was accepted past with probability ~1; p's row is then the residual up to rounding
     row = residual if float(residual.sum()) > 0 else probs[accepted]
     return path, list(chain.tokens[:accepted]) + [sample(row, generator)]
+
+
+def block_acceptances(chain: DraftTree, probs: torch.Tensor) -> tuple[list[float], list[float]]:
+    """The block rule's quantities for a drafted chain of k tokens: (w_0 .. w_k, h_1 .. h_k), as the module's
+    docstring defines them."""
+    if not chain.is_chain:
+        raise ValueError("block verification takes a chain (one child per node); verify trees with verify_sampled")
+    k = len(chain)
+    weights, accepts = [1.0], []
+    for i, token in enumerate(chain.tokens):
+        p_token, q_token = float(probs[i, token]), _q_of(chain, i, token)
+        joint = weights[-1] * p_token
+        # a draft its own q gave no mass: a draw of probability 0 (rounding); accept as the ratio's limit would
+        weights.append(min(1.0, joint / q_token) if q_token > 0 else float(joint > 0))
+        if i + 1 < k:
+            mass = float(_residual(chain, probs, i + 1, weights[-1]).sum())
+            denominator = mass + 1.0 - weights[-1]
+            accepts.append(mass / denominator if denominator > 0 else 1.0)
+        else:
+            accepts.append(weights[-1])
+    return weights, accepts
+
+
+def expected_accepted(chain: DraftTree, probs: torch.Tensor) -> tuple[float, float]:
+    """The expected number of drafts each rule accepts from this drafted chain, given the target's rows `probs`
+    ([1 + len(chain), vocab]): (token by token, block). Averaged over chains drawn from q these are each rule's
+    expected accepted length in the chain's context; measured on the same chains they compare the two rules
+    without the noise of the accept draws (a conditional expectation of each rule's count, so unbiased for it)."""
+    standard, survive = 0.0, 1.0
+    for i, token in enumerate(chain.tokens):
+        p_token, q_token = float(probs[i, token]), _q_of(chain, i, token)
+        survive *= min(1.0, p_token / q_token) if q_token > 0 else 0.0
+        standard += survive
+    _, accepts = block_acceptances(chain, probs)
+    # the deepest accepted depth is i when depth i is accepted and every deeper one rejected
+    block, rejected_below = 0.0, 1.0
+    for i in range(len(chain), 0, -1):
+        block += i * accepts[i - 1] * rejected_below
+        rejected_below *= 1.0 - accepts[i - 1]
+    return standard, block
 
 
 def _q_of(chain: DraftTree, node: int, token: int) -> float:

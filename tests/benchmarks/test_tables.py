@@ -25,7 +25,7 @@ def test_command_runs_a_module_with_valid_configs(name):
     command = TABLES[name].command
     assert command[0] == "-m" and importlib.util.find_spec(command[1]) is not None
     for flag, value in zip(command, command[1:]):
-        if flag == "--speculative-config":
+        if flag in ("--speculative-config", "--drafter"):
             SpeculativeConfig.from_json(value)  # raises on a bad config
 
 

@@ -9,12 +9,19 @@
    2 drafts) exactly 11/9 against 10/9.
 2. `verify_block` itself: its accepted-length frequencies over seeded draws follow the exact law of 1. (TV 0.03 on 4
    cells, 20,000 draws on the paper's example with 3 drafts; mean within 4 standard errors), and the first three emitted tokens follow the target's law
-   within TV 0.07 (12,000 draws over 125 cells) at temperature 0.8 with top-k 4 and at temperature 1.
+   within TV 0.07 (12,000 draws over 125 cells) at temperature 0.8 with top-k 4 and at temperature 1. Expected
+   accepted lengths of both rules, exact by enumeration (chains of 2 to 4, random and spread-out q, and q the
+   target's own logits at draft temperature 1.5): block >= token by token exactly, and verify_block's and
+   verify_sampled's means over seeded draws within 4 standard errors of them; `expected_accepted`, the two rules'
+   expectations given one drafted chain, averages to both exactly.
 3. Through the engine: greedy requests with block on reproduce plain greedy decoding and never reach verify_block;
    a draft model sampling at temperature 3 for requests at 0.7 (20,000 seeded requests, 2 drafts after the
    prefill's token): every emitted position's marginal is the target's (TV < 0.05, as test_spec's) and the first
    verify step's accepted counts follow the exact block law computed from transformers' p and q (TV < 0.02, mean
-   within 3 standard errors), whose mean exceeds the standard rule's by more than 5 standard errors.
+   within 3 standard errors), whose mean exceeds the standard rule's by more than 5 standard errors. Over whole
+   generations, every chain verify_block gets carries q = softmax(draft logits / draft_temperature) after its
+   prefixes (transformers' logits), the law its drafts were drawn from (uniform randomized PIT values), and p from
+   the target's logits.
 4. Config: vLLM's name and values, "synthetic" and unknown values refused clearly, a warning for configs that draft
    trees, and trees still verified by the standard rules.
 """
@@ -33,7 +40,7 @@ from serving.request import SamplingParams
 from serving.sampler import sample, target_probs
 from serving.spec_decode.config import SpeculativeConfig
 from serving.spec_decode.tree import DraftTree
-from serving.spec_decode.verify import verify_block, verify_sampled
+from serving.spec_decode.verify import expected_accepted, verify_block, verify_sampled
 
 from engine_helpers import assert_pool_idle, make_engine, plain_outputs, random_prompts
 from test_spec import exact_marginals, last_logits, tv
@@ -44,19 +51,34 @@ from test_spec import exact_marginals, last_logits, tv
 
 class Toy:
     """A target p and a drafter q over a small vocabulary: one explicit law per prefix (a tuple of tokens), drawn
-    once from a seeded generator, or given as `fixed` (the same law after every prefix)."""
+    once from a seeded generator, or given as `fixed` (the same law after every prefix). `q_scale` scales q's logits
+    (below 1: q spread out); `draft_temperature` makes q the softmax of p's own logits at that temperature (the
+    target drafting for itself, as draft_model with draft_temperature does)."""
 
-    def __init__(self, vocab: int, seed: int = 0, params: SamplingParams | None = None, fixed=None):
+    def __init__(self, vocab: int, seed: int = 0, params: SamplingParams | None = None, fixed=None,
+                 q_scale: float = 1.0, draft_temperature: float | None = None):
         self.vocab, self.params, self.fixed = vocab, params or SamplingParams(temperature=1.0), fixed
+        self.q_scale, self.draft_temperature = q_scale, draft_temperature
         self.generator = torch.Generator().manual_seed(seed)
+        self.logits: dict = {}
         self.laws: dict = {}
+
+    def _logits(self, who: str, prefix: tuple) -> torch.Tensor:
+        key = ("p" if self.draft_temperature else who, prefix)
+        if key not in self.logits:
+            self.logits[key] = 2.0 * torch.randn(1, self.vocab, generator=self.generator)
+        return self.logits[key]
 
     def _law(self, who: str, prefix: tuple) -> list:
         if self.fixed is not None:
             return list(self.fixed[who])
         if (who, prefix) not in self.laws:
-            logits = 2.0 * torch.randn(1, self.vocab, generator=self.generator)
-            law = target_probs(logits, self.params)[0] if who == "p" else torch.softmax(logits[0], -1)
+            logits = self._logits(who, prefix)
+            if who == "p":
+                law = target_probs(logits, self.params)[0]
+            else:
+                law = torch.softmax(logits[0] / self.draft_temperature if self.draft_temperature
+                                    else self.q_scale * logits[0], -1)
             law = law.double()
             self.laws[who, prefix] = (law / law.sum()).tolist()  # exact to float64 rounding
         return self.laws[who, prefix]
@@ -187,6 +209,89 @@ def test_the_papers_example_accepts_11_9_against_10_9():
     _, accepted = enumerate_block(toy, 2)
     assert abs(standard_mean(toy, 2) - float(Fraction(10, 9))) < 1e-12
     assert abs(mean(accepted) - float(Fraction(11, 9))) < 1e-12
+
+
+def exact_accepted_laws(toy: Toy, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact laws of the accepted count (0..k) of a chain of k drafts drawn from toy's q: (token by token, block).
+    Token by token from survivals, P(the first i drafts accepted) = sum over i-token prefixes of prod min(p, q),
+    a formula of its own; block from the paper's rule written out (block_outcomes), every chain enumerated."""
+    survival = [1.0] + [sum(math.prod(min(toy.p(prefix[:j])[x], toy.q(prefix[:j])[x]) for j, x in enumerate(prefix))
+                            for prefix in itertools.product(range(toy.vocab), repeat=i)) for i in range(1, k + 1)]
+    standard = torch.tensor([survival[i] - (survival[i + 1] if i < k else 0.0) for i in range(k + 1)],
+                            dtype=torch.float64)
+    block = torch.zeros(k + 1, dtype=torch.float64)
+    for chain in itertools.product(range(toy.vocab), repeat=k):
+        p_rows, q_rows = [toy.p(chain[:i]) for i in range(k + 1)], [toy.q(chain[:i]) for i in range(k)]
+        chain_prob = math.prod(q_rows[i][x] for i, x in enumerate(chain))
+        for prob, tau, _ in block_outcomes(p_rows, q_rows, chain):
+            block[tau] += chain_prob * prob
+    return standard, block
+
+
+def expected_over_chains(toy: Toy, k: int) -> tuple[float, float]:
+    """`expected_accepted` averaged exactly over the chains q draws: each rule's expected accepted count."""
+    standard = block = 0.0
+    for chain in itertools.product(range(toy.vocab), repeat=k):
+        q_rows = torch.tensor([toy.q(chain[:i]) for i in range(k)], dtype=torch.float64)
+        probs = torch.tensor([toy.p(chain[:i]) for i in range(k + 1)], dtype=torch.float64)
+        chain_prob = math.prod(float(q_rows[i, x]) for i, x in enumerate(chain))
+        one, other = expected_accepted(DraftTree.chain(chain, q_rows), probs)
+        standard, block = standard + chain_prob * one, block + chain_prob * other
+    return standard, block
+
+
+def spread(law: torch.Tensor, num: int) -> float:
+    """The standard error of the mean of `num` draws from `law` (over 0, 1, ...)."""
+    values = torch.arange(len(law), dtype=torch.float64)
+    return math.sqrt(float((law * (values - mean(law)) ** 2).sum()) / num)
+
+
+# vocab, drafts, seed, target temperature, q: ("scale", s) q's own logits times s, ("draft_temperature", t) p's logits
+# at t (the benchmark's self-drafting case). Spread-out q, where the rules differ, in every case but the first.
+EXPECTATION_TOYS = [(3, 2, 5, 1.0, ("scale", 1.0)), (4, 3, 6, 1.0, ("scale", 0.3)), (3, 4, 7, 0.7, ("scale", 0.5)),
+                    (4, 4, 8, 0.7, ("draft_temperature", 1.5)), (3, 4, 9, 1.0, ("draft_temperature", 1.5))]
+
+
+@pytest.mark.parametrize("vocab, k, seed, temperature, q", EXPECTATION_TOYS)
+def test_both_verifiers_accept_their_exact_expected_lengths_and_block_is_never_below(vocab, k, seed, temperature, q):
+    """Chains of 2 to 4 drafts on toys of 3 or 4 tokens: the exact expected accepted lengths of both rules by
+    enumeration, block >= token by token exactly, verify_block's and verify_sampled's empirical means over 6,000
+    seeded chains each within 4 standard errors of them, and their difference too; `expected_accepted` (the
+    benchmark's noise-free per-step estimate) averages exactly to both and, on the same draws, to within 4 of its
+    own (smaller) standard errors."""
+    options = {"q_scale": q[1]} if q[0] == "scale" else {"draft_temperature": q[1]}
+    toy = Toy(vocab, seed, SamplingParams(temperature=temperature), **options)
+    standard_law, block_law = exact_accepted_laws(toy, k)
+    standard, block = mean(standard_law), mean(block_law)
+    assert abs(float(standard_law.sum()) - 1) < 1e-9 and abs(float(block_law.sum()) - 1) < 1e-9
+    assert abs(standard - standard_mean(toy, k)) < 1e-12
+    assert block >= standard - 1e-12, (block, standard)
+    if q != ("scale", 1.0):
+        assert block > standard + 0.01, "q spread out: the toy separates the two rules"
+    expected = expected_over_chains(toy, k)
+    assert abs(expected[0] - standard) < 1e-9 and abs(expected[1] - block) < 1e-9, (expected, standard, block)
+
+    num = 6_000
+    draft_g, block_g, standard_g = (torch.Generator().manual_seed(seed * 10 + s) for s in range(3))
+    block_counts, standard_counts, paired = torch.zeros(k + 1), torch.zeros(k + 1), []
+    for _ in range(num):
+        chain, probs = draw_chain(toy, k, draft_g)
+        block_counts[len(verify_block(chain, probs, block_g)[0])] += 1
+        standard_counts[len(verify_sampled(chain, probs, standard_g)[0])] += 1
+        paired.append(expected_accepted(chain, probs))
+    values = torch.arange(k + 1, dtype=torch.float64)
+    block_mean = float((block_counts.double() * values).sum()) / num
+    standard_mean_drawn = float((standard_counts.double() * values).sum()) / num
+    block_se, standard_se = spread(block_law, num), spread(standard_law, num)
+    assert abs(block_mean - block) < 4 * block_se, (block_mean, block, block_se)
+    assert abs(standard_mean_drawn - standard) < 4 * standard_se, (standard_mean_drawn, standard, standard_se)
+    difference_se = math.hypot(block_se, standard_se)
+    assert abs((block_mean - standard_mean_drawn) - (block - standard)) < 4 * difference_se
+    paired = torch.tensor(paired, dtype=torch.float64)
+    gaps = paired[:, 1] - paired[:, 0]
+    gap_se = float(gaps.std()) / math.sqrt(num)
+    assert abs(float(gaps.mean()) - (block - standard)) < 4 * gap_se + 1e-6, (float(gaps.mean()), block - standard)
+    assert gap_se < difference_se / 2, "the paired estimate is the less noisy one"
 
 
 # ---- 2. verify_block's draws ---------------------------------------------------------------------------------
@@ -355,6 +460,59 @@ def v8_draft(tmp_path_factory):
     from serving.targets import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("v8_draft"), "llama", seed=1, vocab_size=8, initializer_range=0.3)
+
+
+def test_the_engine_hands_verify_block_the_law_its_drafts_were_drawn_from(v8_target, v8_draft, monkeypatch):
+    """Every verify step of whole generations (the draft model's pool caught up over accepted drafts, rejected ones
+    overwritten), draft_model at draft_temperature 1.7 for requests at temperature 0.7 with top-k 6: each chain's q
+    rows are softmax(draft logits / 1.7) from transformers after the chain's prefixes (the drafter's temperature,
+    not the request's, and no top-k), its p rows target_probs of the target's logits there, and the drafts are draws
+    from those q rows (their randomized PIT values are uniform: Kolmogorov-Smirnov distance below its 1% level)."""
+    from transformers import AutoModelForCausalLM
+
+    import serving.spec_decode.speculator as speculator
+
+    draft_temperature, num, k = 1.7, 200, 3
+    spec = {"method": "draft_model", "model": str(v8_draft), "num_speculative_tokens": k,
+            "draft_temperature": draft_temperature, "rejection_sample_method": "block"}
+    engine = make_engine(v8_target, spec, block_size=4, max_model_len=64, max_num_seqs=32)
+    steps, contexts = [], {}
+    verify = engine.speculator.verify
+
+    def verify_spy(request, logits, best):
+        contexts["now"] = list(request.token_ids)  # the newest token last: row 0 is the law after it
+        return verify(request, logits, best)
+
+    def block_spy(chain, probs, generator):
+        steps.append((contexts["now"], chain, probs.clone()))
+        return verify_block(chain, probs, generator)
+
+    engine.speculator.verify = verify_spy
+    monkeypatch.setattr(speculator, "verify_block", block_spy)
+    params = [SamplingParams(temperature=0.7, top_k=6, seed=i, max_tokens=16, ignore_eos=True) for i in range(num)]
+    engine.generate(random_prompts([3, 6, 9, 12] * (num // 4), seed=5, vocab=8), params)
+    assert_pool_idle(engine)
+    assert len(steps) > 5 * num and sum(len(chain) == k for _, chain, _ in steps) > 3 * num
+
+    target_hf = AutoModelForCausalLM.from_pretrained(v8_target, dtype=torch.float32).eval()
+    draft_hf = AutoModelForCausalLM.from_pretrained(v8_draft, dtype=torch.float32).eval()
+    pit_g, pits = torch.Generator().manual_seed(0), []
+    with torch.no_grad():
+        for context, chain, probs in steps:
+            ids = torch.tensor([context + list(chain.tokens)])
+            rows = slice(len(context) - 1, len(context) + len(chain))
+            draft_q = torch.softmax(draft_hf(ids).logits[0, rows][:-1].float() / draft_temperature, -1)
+            target_p = target_probs(target_hf(ids).logits[0, rows].float(), params[0])
+            torch.testing.assert_close(chain.q, draft_q, atol=2e-5, rtol=0)
+            torch.testing.assert_close(probs, target_p, atol=2e-5, rtol=0)
+            for q, token in zip(chain.q.double(), chain.tokens):
+                below = float(q[:token].sum())
+                pits.append(below + float(torch.rand((), generator=pit_g, dtype=torch.float64)) * float(q[token]))
+    pits = torch.tensor(sorted(pits), dtype=torch.float64)
+    n = len(pits)
+    ranks = torch.arange(1, n + 1, dtype=torch.float64)
+    distance = float(torch.maximum(ranks / n - pits, pits - (ranks - 1) / n).max())
+    assert distance < 1.63 / math.sqrt(n), (distance, n)
 
 
 def test_block_beats_standard_on_the_engines_first_verify(v8_target, v8_draft):

@@ -488,6 +488,7 @@ def test_requests_needing_history_decode_plainly_beside_speculating_ones(tiny_ll
     ('{"method": "ngram", "disable_by_batch_size": 2.5}', "disable_by_batch_size=2.5 must be an integer >= 1"),
     ('{"method": "early_exit", "num_layers": 0}', 'early_exit needs "num_layers" >= 1'),
     ('{"method": "draft_model", "model": "x", "draft_temperature": -1}', "draft_temperature=-1 must be >= 0"),
+    ('{"method": "eagle3", "model": "x", "draft_temperature": 1.5}', "draft_temperature applies to draft_model, not 'eagle3'"),
     ('{"method": "eagle", "model": "x", "confidence_threshold": 1}', r"confidence_threshold=1 must be in \[0, 1\)"),
     ('{"method": "eagle", "model": "x", "confidence_threshold": -0.1}', "confidence_threshold=-0.1"),
     ('{"method": "eagle", "model": "x", "confidence_threshold": "high"}', "confidence_threshold='high'"),
