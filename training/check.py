@@ -6,16 +6,24 @@ target accepted), side by side:
 - trained: `val/acc_i` that `draftheads fit` logged on held-out store examples and wrote into the head folder's
   config.json (metadata.training.metrics); absent for an imported head, or one never validated;
 - engine: this project's engine drafting greedy chains of num_speculative_tokens with the head over the prompts;
-- vllm: the real vLLM serving the head's vLLM export (`draftheads export --format vllm`) on the same prompts, when its
-  CPU build is installed (`make vllm`) or `--vllm-endpoint` names a running server (started with that export and
-  the same target, greedy).
+- vllm: the real vLLM serving the head's export on the same prompts: the check exports the head as vLLM serves its
+  kind (--format vllm; speculators for P-EAGLE and DFlash) and starts vLLM's CPU build (`make vllm`), or serves
+  `--vllm-export` (an export already made), or reads `--vllm-endpoint`, a running server (started with the export
+  and the same target, greedy; `--vllm-export` names the export it serves, found without it when vLLM serves a
+  speculators export as its model).
 
 It exits 1 when two columns disagree beyond their noise: the binomial standard error of the counts (z of them, 4 by
 default). Engine and vLLM run the same greedy chains on the same prompts, so any gap beyond the noise is a
 difference in how the head is read. Training scored other text (the store's held-out answers), so the engine only
-fails against it when it accepts less than half as often, beyond the noise too.
+fails against it when it accepts less than half as often, beyond the noise too. It exits 1 too where vLLM cannot
+serve the head (its export refused, or vLLM refusing to start on it).
 
-Symptoms and their likely causes:
+A gap's cause is then looked for (training/check_causes.py) and named where found: vLLM below the engine, in the
+export vLLM serves read as vLLM reads it against the head and the targets (fc's blocks against vLLM's ascending
+capture of the aux layers, a tensor vLLM's model has no parameter for such as an fc bias, the layer's settings and
+weights, the rope of the export and of the target vLLM serves); the engine below training, in the head folder's
+settings against those its fit recorded and its rope against the target's. Where none is found, the symptom names
+the likely ones:
 
 | symptom | likely cause |
 |---|---|
