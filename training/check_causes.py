@@ -34,7 +34,7 @@ FUSED_TENSORS = ("fc.weight", "fc_input_norm.weight", "fc_norm.", "mask_hidden")
 # head config fields an export does not carry or that a fit writes, and fc_bias, seen in the tensors (a zero bias
 # is none): never a cause by themselves
 NOT_COMPARED = {"target_fingerprint", "metadata", "confidence_temperatures", "format_version", "fc_bias"}
-# vLLM reads a norm's or a linear map's weights in float32 here; an export rounds nothing, so equal means equal
+# an export copies the head's tensors (fc's blocks of a layer named twice summed): equal up to float32 rounding
 ATOL = 1e-6
 
 

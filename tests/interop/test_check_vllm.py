@@ -1,18 +1,20 @@
 """`draftheads check` against the real vLLM (its CPU build, `make vllm`) serving seeded broken exports of heads
-briefly trained on the tiny target (tiny_heads): each breakage drops vLLM's acceptance far below the engine's, and
-the check exits 1 naming it, found by reading the export vLLM serves; the healthy export passes.
+trained on the cycling tiny target (tiny_heads, whose heads read the target's features: on the chaotic one, fc's
+blocks swapped change its EAGLE-3 head's acceptance by less than the noise): each breakage moves vLLM's acceptance
+far from the engine's, and the check exits 1 naming it, found by reading the export vLLM serves; the healthy export
+passes.
 
 - healthy: the check exports the EAGLE-3 head and starts vLLM itself;
-- aux layer order: an export listing the aux layers reversed, fc's blocks in that order (as an exporter that ignores
-  vLLM's ascending capture writes a head trained on layers 3, 2, 1), served by a running vLLM (--vllm-endpoint,
-  --vllm-export);
+- aux layer order: an export listing the aux layers as 2, 3, 1 with fc's blocks in that order (what an exporter that
+  ignores vLLM's ascending capture writes for a head trained on layers 2, 3, 1), served by a running vLLM
+  (--vllm-endpoint, --vllm-export): vLLM feeds every block another layer than it was trained on;
 - fc bias: an EAGLE-1 head trained with fc's bias (biased_eagle), exported with it (vLLM's EagleLlamaForCausalLM has none; its
   loader drops the tensor), given as --vllm-export; the head itself is refused for vLLM by the check's own export;
 - rope: a running vLLM serving a copy of the target whose config.json has another rope_theta (found from the
   server's /v1/models root).
 
-One vLLM start each (about a minute on 2 cores). The prompts are the store's, which the heads learned: the engine
-accepts most drafts there, so a broken export's gap lies far beyond the noise."""
+One vLLM start each (about a minute on 2 cores). The prompts are 16 of the store's, where the heads accept about
+half of their first drafts, so a broken export's gap lies far beyond the noise."""
 from __future__ import annotations
 
 import json
@@ -32,18 +34,20 @@ from training.cli import main
 pytestmark = pytest.mark.usefixtures("vllm_available")
 
 K = 4
-MAX_TOKENS = 24
+NUM_PROMPTS, MAX_TOKENS = 64, 32  # the store's
+NUM_CHECKED = 16
 START_TIMEOUT = 300
+ROTATED = [2, 3, 1]
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, vllm_available):
-    """The tiny target, its store's prompts as a prompt file, an EAGLE-3 head and an EAGLE-1 head with fc's bias."""
+    """The cycling target, its store's prompts as a prompt file, an EAGLE-3 head and an EAGLE-1 head with fc's bias."""
     root = tmp_path_factory.mktemp("check-vllm")
-    target = tiny_heads.chaotic_target(root / "target")
-    store = tiny_heads.store(target, root / "data")
+    target = tiny_heads.cycling_target(root / "target")
+    store = tiny_heads.store(target, root / "data", NUM_PROMPTS, MAX_TOKENS)
     with torch.random.fork_rng():
-        eagle3 = tiny_heads.train("eagle3", target, store, root / "eagle3")
+        eagle3 = tiny_heads.train("eagle3", target, store, root / "eagle3", ("--trainer.max_steps=400",))
     return root, target, root / "data" / "prompts.jsonl", eagle3, biased_eagle(target, store, root)
 
 
@@ -59,12 +63,13 @@ def biased_eagle(target, store, root):
             start.fc.bias.normal_()
         heads.save(start, root / "eagle-start")
         return tiny_heads.train("eagle", target, store, root / "eagle", (
-            "--model.init_args.fc_bias=true", f"--model.init_args.init_from={root / 'eagle-start'}"))
+            "--model.init_args.fc_bias=true", f"--model.init_args.init_from={root / 'eagle-start'}",
+            "--trainer.max_steps=200"))
 
 
 def check(head, target, prompts, capsys, *extra) -> tuple[int, str]:
     code = main(["check", str(head), "--target", str(target), "--prompts", str(prompts), "--num-prompts",
-                 str(tiny_heads.NUM_PROMPTS), "--max-new-tokens", str(MAX_TOKENS), "--num-speculative-tokens", str(K),
+                 str(NUM_CHECKED), "--max-new-tokens", str(MAX_TOKENS), "--num-speculative-tokens", str(K),
                  "--vllm-timeout", str(START_TIMEOUT), *extra])
     out = capsys.readouterr().out
     print(out)
@@ -91,23 +96,23 @@ def test_check_passes_the_healthy_export_it_serves_itself(workspace, capsys):
 
 def test_check_names_fc_blocks_in_another_order_than_vllm_captures(workspace, capsys):
     root, target, prompts, eagle3, _ = workspace
-    export = vllm_export(eagle3, target, root / "reversed")
+    export = vllm_export(eagle3, target, root / "rotated")
     config = json.loads((export / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == list(tiny_heads.AUX_LAYERS)
-    reversed_ids = list(reversed(tiny_heads.AUX_LAYERS))
-    config["eagle_aux_hidden_state_layer_ids"] = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = reversed_ids
+    config["eagle_aux_hidden_state_layer_ids"] = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ROTATED
     (export / "config.json").write_text(json.dumps(config))
     tensors = load_file(str(export / "model.safetensors"))
-    blocks = tensors["fc.weight"].chunk(len(reversed_ids), dim=1)
-    tensors["fc.weight"] = torch.cat(blocks[::-1], dim=1).contiguous()
+    blocks = dict(zip(tiny_heads.AUX_LAYERS, tensors["fc.weight"].chunk(len(ROTATED), dim=1)))
+    tensors["fc.weight"] = torch.cat([blocks[layer] for layer in ROTATED], dim=1).contiguous()
     save_file(tensors, str(export / "model.safetensors"), {"format": "pt"})
     spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": K}
     with VllmServer(target, spec, timeout=START_TIMEOUT) as server:
         code, out = check(eagle3, target, prompts, capsys, "--vllm-endpoint", server.url, "--vllm-export", str(export))
     assert code == 1
     assert "MISMATCH: position 1 accepts" in out and "in vllm vs" in out
-    assert "found aux layer order: vLLM captures the export's layer ids [3, 2, 1] ascending ([1, 2, 3])" in out
-    assert "the block trained on layer 3 reads layer 1" in out
+    assert "found aux layer order: vLLM captures the export's layer ids [2, 3, 1] ascending ([1, 2, 3])" in out
+    assert ("the block trained on layer 2 reads layer 1, the block trained on layer 3 reads layer 2, the block trained "
+            "on layer 1 reads layer 3") in out
 
 
 def test_check_names_the_fc_bias_vllm_drops(workspace, capsys):
@@ -134,8 +139,9 @@ def test_check_names_the_rope_of_the_target_vllm_serves(workspace, capsys):
     served = root / "target-rope"
     shutil.copytree(target, served)
     config = json.loads((served / "config.json").read_text())
-    assert config["rope_theta"] == 10000.0
-    (served / "config.json").write_text(json.dumps({**config, "rope_theta": 100.0}))
+    assert config["rope_parameters"]["rope_theta"] == 10000.0
+    config["rope_parameters"]["rope_theta"] = 100.0
+    (served / "config.json").write_text(json.dumps(config))
     export = vllm_export(eagle3, target, root / "healthy")
     spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": K}
     with VllmServer(served, spec, timeout=START_TIMEOUT) as server:

@@ -22,10 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving.targets import DEFAULT_TARGET, build_tiny_model, resolve
 from training.check import Column, compare, vllm_column_from_counts, vllm_counts
 from training.cli import main
-from training.data.generate import GenerateConfig, generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "interop"))
 import tiny_heads  # noqa: E402
@@ -95,29 +93,19 @@ def test_check_runs_on_a_fitted_head_and_reads_its_validation(checked_head, caps
 LEARNABLE_PROMPTS, LEARNABLE_TOKENS = 64, 32
 
 
-def prompt_file(path: Path, prompts: list) -> Path:
-    path.write_text("".join(json.dumps({"id": f"p{i}", "messages": m}) + "\n" for i, m in enumerate(prompts)))
-    return path
-
-
 @pytest.fixture(scope="module")
 def learnable_head(tmp_path_factory):
     """(target, head folder, held-out prompts): an EAGLE-3 head fitted (400 steps, a held-out quarter validated) on
-    64 answers of a tiny target initialised at 0.05, whose greedy answers cycle through a few tokens; held-out prompts
-    are 8 others of the same form. Measured here: val/acc_1 0.55, the engine 0.45 on the held-out prompts, 0.10 with
-    the aux layer ids rotated."""
+    64 answers of the cycling tiny target (tiny_heads); the held-out prompts are 8 others of the same form. Measured
+    here: val/acc_1 0.55, the engine 0.45 on the held-out prompts, 0.10 with the aux layer ids rotated."""
     root = tmp_path_factory.mktemp("learnable")
-    target = build_tiny_model(root / "target", "llama", tokenizer_from=resolve(DEFAULT_TARGET), hidden_size=128,
-                              intermediate_size=256, max_position_embeddings=8192, tie_word_embeddings=False,
-                              initializer_range=0.05)
-    prompts = tiny_heads.prompts(LEARNABLE_PROMPTS + 8)
-    generate(GenerateConfig(prompts=str(prompt_file(root / "train.jsonl", prompts[:LEARNABLE_PROMPTS])),
-                            out=str(root / "store"), target=str(target), aux_layers=tiny_heads.AUX_LAYERS,
-                            max_new_tokens=LEARNABLE_TOKENS, concurrency=8, shard_size=16), progress=False)
+    target = tiny_heads.cycling_target(root / "target")
+    store = tiny_heads.store(target, root / "data", LEARNABLE_PROMPTS, LEARNABLE_TOKENS)
     with torch.random.fork_rng():
-        head = tiny_heads.train("eagle3", target, root / "store", root / "fit", extra=(
+        head = tiny_heads.train("eagle3", target, store, root / "fit", extra=(
             "--data.heldout_fraction=0.25", "--trainer.check_val_every_n_epoch=5", "--trainer.max_steps=400"))
-    return target, head, prompt_file(root / "heldout.jsonl", prompts[LEARNABLE_PROMPTS:])
+    heldout = tiny_heads.prompt_file(root / "heldout.jsonl", tiny_heads.prompts(LEARNABLE_PROMPTS + 8)[LEARNABLE_PROMPTS:])
+    return target, head, heldout
 
 
 def check_learnable(target, head, prompts, capsys) -> tuple[int, str]:

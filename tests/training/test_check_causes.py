@@ -116,7 +116,8 @@ def test_rope_settings_of_the_export_or_of_the_served_target_are_named(tiny_llam
     served = tmp_path / "served-target"
     shutil.copytree(tiny_llama, served)
     config = json.loads((served / "config.json").read_text())
-    (served / "config.json").write_text(json.dumps({**config, "rope_theta": 100.0}))
+    config["rope_parameters"]["rope_theta"] = 100.0
+    (served / "config.json").write_text(json.dumps(config))
     assert target_causes(tiny_llama, tiny_llama) == []
     [cause] = target_causes(tiny_llama, served)
     assert cause.startswith(f"vLLM serves the target {served} with rope_theta 100, the engine ran {tiny_llama} with "
