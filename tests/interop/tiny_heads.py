@@ -64,11 +64,13 @@ def prompt_file(path: Path, messages: list[list[dict]]) -> Path:
     return path
 
 
-def store(target: Path, folder: Path, num_prompts: int = NUM_PROMPTS, max_new_tokens: int = MAX_NEW_TOKENS) -> Path:
-    """The target's greedy answers to prompts(num_prompts) (folder/prompts.jsonl) with its hidden states."""
+def store(target: Path, folder: Path, num_prompts: int = NUM_PROMPTS, max_new_tokens: int = MAX_NEW_TOKENS,
+          shard_size: int = 8) -> Path:
+    """The target's greedy answers to prompts(num_prompts) (folder/prompts.jsonl) with its hidden states, in shards
+    of `shard_size` examples (which set the order a fit reads them in)."""
     source = prompt_file(folder / "prompts.jsonl", prompts(num_prompts))
     generate(GenerateConfig(prompts=str(source), out=str(folder / "store"), target=str(target), aux_layers=AUX_LAYERS,
-                            max_new_tokens=max_new_tokens, concurrency=8, shard_size=8), progress=False)
+                            max_new_tokens=max_new_tokens, concurrency=8, shard_size=shard_size), progress=False)
     return folder / "store"
 
 

@@ -100,7 +100,7 @@ def learnable_head(tmp_path_factory):
     here: val/acc_1 0.55, the engine 0.45 on the held-out prompts, 0.10 with the aux layer ids rotated."""
     root = tmp_path_factory.mktemp("learnable")
     target = tiny_heads.cycling_target(root / "target")
-    store = tiny_heads.store(target, root / "data", LEARNABLE_PROMPTS, LEARNABLE_TOKENS)
+    store = tiny_heads.store(target, root / "data", LEARNABLE_PROMPTS, LEARNABLE_TOKENS, shard_size=16)
     with torch.random.fork_rng():
         head = tiny_heads.train("eagle3", target, store, root / "fit", extra=(
             "--data.heldout_fraction=0.25", "--trainer.check_val_every_n_epoch=5", "--trainer.max_steps=400"))
