@@ -40,12 +40,17 @@ def test_columns_within_noise_pass_and_a_gap_names_its_cause():
     assert [f.position for f in later] == [2] and "rope" in str(later[0])
 
 
-def test_the_engine_fails_against_training_only_below_half_of_it():
+def test_the_engine_fails_against_training_only_below_half_of_it_scaled_by_position_1():
     trained = Column("trained", [0.60, 0.50])
     assert compare({"trained": trained, "engine": Column("engine", [0.35, 0.30], [300, 100])}, z=4) == []
     assert compare({"trained": trained, "engine": Column("engine", [0.90, 0.90], [300, 270])}, z=4) == []
     [finding] = compare({"trained": trained, "engine": Column("engine", [0.05, 0.2], [300, 15])}, z=4)
     assert finding.position == 1 and "aux layer ids" in str(finding)
+    # position 1 at 0.40 for training's 0.60: position 2 is judged against 0.50 * 0.40 / 0.60, so 0.20 of 300
+    # chains passes (below half of training's own 0.50, beyond the noise) and 0.05 does not
+    assert compare({"trained": trained, "engine": Column("engine", [0.40, 0.20], [3000, 300])}, z=4) == []
+    [later] = compare({"trained": trained, "engine": Column("engine", [0.40, 0.05], [3000, 300])}, z=4)
+    assert later.position == 2 and "rope" in str(later)
     # too few chains to tell: a gap within 4 standard errors passes
     assert compare({"trained": trained, "engine": Column("engine", [0.0, 0.0], [3, 0])}, z=4) == []
 
