@@ -29,6 +29,7 @@ temperatures are not part of these layouts: `draftheads fit --model.init_args.in
 from __future__ import annotations
 
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -78,9 +79,31 @@ def run(args) -> int:
     return 0
 
 
+@dataclass
+class ReadHead:
+    """A head file read through its layout, as the engine that loads that layout reads it: the head bound to the
+    target, the layout, the file's flat config.json, and `unread`, its tensors the layout (that engine's model)
+    has no place for."""
+    head: DraftHead
+    layout: Layout
+    config: dict
+    unread: dict[str, torch.Tensor]
+    where: str
+
+
 def import_head(src, kind: str, target, source: str | None = None) -> tuple[DraftHead, Layout]:
     """The head in folder `src` (kind `kind`, layout `source` or the one its config.json names) for the target
-    `target` (a name or folder serving.targets resolves), bound to that target's parts."""
+    `target` (a name or folder serving.targets resolves), bound to that target's parts; a file with tensors the
+    layout has no place for is refused."""
+    read = read_head(src, kind, target, source)
+    if read.unread:
+        raise ValueError(f"{read.where} has tensor(s) {sorted(read.unread)} that this {kind} head has no place for")
+    return read.head, read.layout
+
+
+def read_head(src, kind: str, target, source: str | None = None) -> ReadHead:
+    """import_head's reading, which keeps the tensors the layout has no place for (`unread`) instead of refusing
+    them: what `draftheads check` compares an export with."""
     from serving import targets
 
     src = Path(src)
@@ -109,16 +132,14 @@ def import_head(src, kind: str, target, source: str | None = None) -> tuple[Draf
             raise ValueError(f"{where}: tensor {name} (the target's) has shape {tuple(theirs[name].shape)}, expected "
                              f"{shape} from the target's sizes")
         used.add(name)
-    unexpected = sorted(theirs.keys() - used)
-    if unexpected:
-        raise ValueError(f"{where} has tensor(s) {unexpected} that this {kind} head has no place for")
+    unread = {name: theirs[name] for name in sorted(theirs.keys() - used)}
     head.load_state_dict(ours)
     _check_vocabulary(head, where)
     if head.token_map is not None:
         parts.lm_head = lm_head_rows(parts.lm_head, head.token_map)
     head.bind_target(parts)
     layout.check_target(theirs, head, where)
-    return head, layout
+    return ReadHead(head, layout, config, unread, where)
 
 
 def _layout(config: dict, kind: str, source: str | None, src: Path) -> Layout:

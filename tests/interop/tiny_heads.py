@@ -1,6 +1,10 @@
 """A tiny target vLLM serves and heads of each kind briefly trained on it, for the interop tests: the "chaotic"
 target of tests/training (hidden 128, untied, larger init, the default target's tokenizer), whose greedy answers
-differ per prompt and never settle, so a head drafts well only where it learned them."""
+differ per prompt and never settle, so a head drafts well only where it learned them. And a "cycling" target (the
+same at a smaller init), whose greedy answers fall into short cycles of a few tokens that differ per prompt: a head
+fitted on them drafts new prompts' answers too, reading the target's features to tell the cycles apart (what
+`draftheads check` needs: a held-out accuracy that means something, a head that fails when its features are
+mixed up)."""
 from __future__ import annotations
 
 import contextlib
@@ -50,13 +54,23 @@ def chaotic_target(folder: Path, arch: str = "llama", **overrides) -> Path:
     return folder
 
 
-def store(target: Path, folder: Path) -> Path:
-    """The target's greedy answers to prompts() with its hidden states."""
-    folder.mkdir(parents=True, exist_ok=True)
-    source = folder / "prompts.jsonl"
-    source.write_text("".join(json.dumps({"id": f"p{i}", "messages": m}) + "\n" for i, m in enumerate(prompts())))
+def cycling_target(folder: Path) -> Path:
+    return chaotic_target(folder, initializer_range=0.05)
+
+
+def prompt_file(path: Path, messages: list[list[dict]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"id": f"p{i}", "messages": m}) + "\n" for i, m in enumerate(messages)))
+    return path
+
+
+def store(target: Path, folder: Path, num_prompts: int = NUM_PROMPTS, max_new_tokens: int = MAX_NEW_TOKENS,
+          shard_size: int = 8) -> Path:
+    """The target's greedy answers to prompts(num_prompts) (folder/prompts.jsonl) with its hidden states, in shards
+    of `shard_size` examples (which set the order a fit reads them in)."""
+    source = prompt_file(folder / "prompts.jsonl", prompts(num_prompts))
     generate(GenerateConfig(prompts=str(source), out=str(folder / "store"), target=str(target), aux_layers=AUX_LAYERS,
-                            max_new_tokens=MAX_NEW_TOKENS, concurrency=NUM_PROMPTS, shard_size=8), progress=False)
+                            max_new_tokens=max_new_tokens, concurrency=8, shard_size=shard_size), progress=False)
     return folder / "store"
 
 
