@@ -84,7 +84,7 @@ def run(args) -> int:
     out = export(head, args.format, args.out, verifier=verifier, num_speculative_tokens=args.num_speculative_tokens)
     print(f"wrote the {head.config.kind} head as a {args.format} draft model to {out}")
     if args.format in ("vllm", "speculators"):
-        note = vllm_window_note(head, targets.resolve(args.target or targets.DEFAULT_TARGET))
+        note = vllm_window_note(head, args.target or targets.DEFAULT_TARGET)
         if note:
             print(f"note: {note}")
     if head.config.kind == "eagle" and head.token_map is not None:
@@ -93,15 +93,17 @@ def run(args) -> int:
     return 0
 
 
-def vllm_window_note(head, target) -> str | None:
-    """What vLLM does with the head's draft layer on a target whose every layer has one sliding window (Mistral's):
-    where the layer's config.json names no window of its own, vLLM's attention takes the cache config's, the
-    target's, so the layer drafts as in this engine only with that draft_window. None where nothing differs."""
+def vllm_window_note(head, target: str) -> str | None:
+    """What vLLM does with the head's draft layer on a target (a name or folder) whose every layer has one sliding
+    window (Mistral's): where the layer's config.json names no window of its own, vLLM's attention takes the cache
+    config's, the target's, so the layer drafts as in this engine only with that draft_window. None where nothing
+    differs, or the head has no draft layer of that kind (the target is then not read)."""
+    from serving import targets
     from serving.model import layer_windows
 
     if head.config.kind not in ("eagle", "eagle3", "peagle"):
         return None
-    windows = set(layer_windows(json.loads((Path(target) / "config.json").read_text())))
+    windows = set(layer_windows(json.loads((Path(targets.resolve(target)) / "config.json").read_text())))
     if len(windows) != 1 or not (window := windows.pop()) or head.config.draft_window == window:
         return None
     return (f"every layer of the target attends through a sliding window of {window} keys, and vLLM runs this head's "

@@ -136,7 +136,7 @@ def output_bias_for(config, ours: dict[str, torch.Tensor]) -> dict[str, torch.Te
     if not config.attention_bias:
         return {}
     return {name.removesuffix("weight") + "bias": torch.zeros(tensor.shape[0], dtype=tensor.dtype)
-            for name, tensor in ours.items() if name.endswith("o.weight") and name.split(".")[-2] == "o"}
+            for name, tensor in ours.items() if name.split(".")[-2:] == ["o", "weight"]}
 
 
 def without_output_bias(theirs: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
