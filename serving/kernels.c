@@ -314,8 +314,8 @@ enum { F32_PANELS = 0, BF16_PANELS = 1, BF16_DOT = 2, BF16_WIDENED = 3 };
 #define DOT_GROUP(mr) ((mr) <= 6 ? 4 : (mr) <= 8 ? 3 : 2)
 /* widened tiles hold 2 float32 vectors per row and panel in AVX2's 16 (or AVX-512's 32) registers */
 #define WIDE_GROUP(mr) ((mr) * 4 <= MR ? 4 : (mr) * 3 <= MR ? 3 : (mr) * 2 <= MR ? 2 : 1)
-/* how far ahead in each panel's stream a tile asks for weights: a 17-row step's products took 7% less time at 2048
- * bytes than at 1024 (1 row and 5 rows within noise), 4096 no better */
+/* how far ahead in each panel's stream a tile asks for weights: far enough that memory's latency hides behind a
+ * 12-row tile's dot products (docs/benchmarks/engine.md has the distances tried) */
 #define PAIR_PREFETCH_BYTES 2048
 
 /* float32 -> bfloat16, rounding to nearest even, NaN to the quiet NaN: as torch's Tensor.bfloat16(). */

@@ -16,10 +16,11 @@ head judges the position, the head's distribution ranks the candidates there). T
 estimate sizes each request's draft as the calibrated probability does for other heads. A head without a confidence
 head scores children by their calibrated probabilities, as DFlash's drafter does.
 
-Those relative scores need no normaliser over the vocabulary, so with a confidence head the Markov step
-(drafters/markov.py) finds a node's best children from the rows of W2 of the backbone's shortlist, computing the full
-product over W2 only for a node whose bias could reach past it: the same children, without reading all of W2 at every
-depth. A head without one needs the normaliser and takes the full product.
+A head over a short token map holds the bias after every draft token (drafters/markov.py, `Transitions`), so a node
+past the newest token reads its bias as one row of that table. Otherwise, since relative scores need no normaliser
+over the vocabulary, with a confidence head the Markov step (`MarkovStep`) finds a node's best children from the rows
+of W2 of the backbone's shortlist, computing the full product over W2 only for a node whose bias could reach past it:
+the same children, without reading all of W2 at every depth. A head with neither takes the full product.
 """
 from __future__ import annotations
 
@@ -28,16 +29,16 @@ import torch.nn.functional as F
 
 from serving.drafters.confidence import top_log_probs
 from serving.drafters.dflash import DFlashDrafter
-from serving.drafters.markov import MarkovStep, Shortlist
+from serving.drafters.markov import TRANSITION_ROWS, MarkovStep, Shortlist, Transitions
 from serving.drafters.tree_search import grow
 
 TOKEN_CHUNK = 4096  # tokens per product while the confidence of every token is made (bounds its scratch memory)
 # The table holds the children of this many of a slot's shortlisted tokens, the backbone's most likely: a node whose
 # token is further down (the bias lifted it there) has its children computed when the search reaches it.
 TABLE_PARENTS = 16
-# The table pays where it answers nearly every lookup: with the trained demo head it answered 58% of a chain's and
-# drafted slower than the full product per node. After a step whose table answered under this share, the drafter
-# drafts TABLE_RETRY steps by the full product before it tries the table again.
+# The table pays where it answers nearly every lookup: where it answers fewer, the nodes it misses pay the full
+# product on top of it. After a step whose table answered under this share, the drafter drafts TABLE_RETRY steps by
+# the full product before it tries the table again.
 TABLE_HELD = 0.9
 TABLE_RETRY = 64
 
@@ -71,10 +72,15 @@ class DSparkDrafter(DFlashDrafter):
 
     def __init__(self, ctx, head, token_map, config):
         super().__init__(ctx, head, token_map, config)
+        self.transitions = None  # every bias between draft tokens: only a head with a short enough token map
+        if token_map is not None and len(token_map) <= TRANSITION_ROWS:
+            with torch.inference_mode():
+                self.transitions = Transitions(head.markov_w1, head.markov_w2, token_map)
         self.markov = None  # scores relative to the best child need no normaliser: only a confidence head's do
         self.table_off = 0  # steps left without the table
         if head.confidence is not None:
-            self.markov = MarkovStep(head.markov_w1, head.markov_w2)
+            if self.transitions is None:
+                self.markov = MarkovStep(head.markov_w1, head.markov_w2)
             # The confidence logit is affine in the Markov embedding: logit(out, e) = logit(out, 0) + what e adds,
             # which depends on the previous token alone (zero where the head does not read e), made once here.
             with torch.inference_mode():
@@ -106,37 +112,41 @@ class DSparkDrafter(DFlashDrafter):
                              f"{str(c.sample_from_anchor).lower()}): draft fewer tokens, or train a head with longer "
                              "blocks")
 
-    def children(self, rows: torch.Tensor, base: torch.Tensor, shortlist: Shortlist | None, index: torch.Tensor,
-                 depth: int, previous: torch.Tensor):
-        """rows: [R, D, hidden] the draft slots' outputs, base: [R, D, rows] their backbone logits, shortlist their
-        shortlists (drafters/markov.py; None without a confidence head); index: [N] the requests of N nodes at depth
-        `depth` (0: the newest token), previous: [N] those nodes' target ids -> (their topk children's log-scores,
-        their target ids) as nested lists."""
-        embed = self.head.markov_embed(previous)
+    def children(self, accept_at_zero: torch.Tensor | None, base: torch.Tensor, shortlist: Shortlist | None,
+                 index: torch.Tensor, depth: int, previous: torch.Tensor):
+        """accept_at_zero: [R, D] the confidence logit of each draft slot's output with a zero Markov embedding (None
+        without a confidence head), base: [R, D, rows] the slots' backbone logits, shortlist their shortlists
+        (drafters/markov.py; None without one); index: [N] the requests of N nodes at depth `depth` (0: the newest
+        token), previous: [N] those nodes' target ids -> (their topk children's log-scores, their target ids) as
+        nested lists."""
         temperature = self.confidence.temperature(depth + 1)
-        if self.markov is not None:  # scores relative to the best child: no normaliser over every row
-            if shortlist is not None:
-                logits, tokens = self.markov.top(base, index, depth, shortlist, previous, embed, self.topk)
-            else:
-                logits, tokens = (base[index, depth] + self.head.markov_w2(embed)).topk(self.topk, dim=-1)
-            accept = F.logsigmoid(self.head.confidence_logit(rows[index, depth], embed).float())
-            log_probs = accept[:, None] + (logits - logits[:, :1]) / temperature
+        if self.transitions is not None and depth > 0:  # a draft token: its bias is a row of the table
+            logits = base[index, depth] + self.transitions.after(previous)
+        elif shortlist is not None:
+            logits = None
+            top, tokens = self.markov.top(base, index, depth, shortlist, previous, self.head.markov_embed(previous),
+                                          self.topk)
         else:
-            log_probs, tokens = top_log_probs(base[index, depth] + self.head.markov_w2(embed), self.topk, temperature)
+            logits = base[index, depth] + self.head.markov_w2(self.head.markov_embed(previous))
+        if accept_at_zero is None:  # calibrated probabilities: the normaliser over every row
+            log_probs, tokens = top_log_probs(logits, self.topk, temperature)
+        else:  # scores relative to the best child
+            if logits is not None:
+                top, tokens = logits.topk(self.topk, dim=-1)
+            accept = F.logsigmoid(accept_at_zero[index, depth] + self.token_confidence[previous])
+            log_probs = accept[:, None] + (top - top[:, :1]) / temperature
         if self.token_map is not None:
             tokens = self.token_map[tokens]
         return log_probs.tolist(), tokens.tolist()
 
-    def children_table(self, rows: torch.Tensor, base: torch.Tensor, shortlist: Shortlist,
+    def children_table(self, accept_at_zero: torch.Tensor, base: torch.Tensor, shortlist: Shortlist,
                        newest: torch.Tensor) -> ChildrenTable:
         listed = shortlist.rows if self.token_map is None else self.token_map[shortlist.rows]  # [R, D, L] target ids
         num_parents = min(TABLE_PARENTS, listed.shape[-1])
         parents = torch.cat([newest[:, None, None].expand(-1, 1, num_parents), listed[:, :-1, :num_parents]], dim=1)
         logits, tokens, missed = self.markov.table(base, shortlist, parents, self.head.markov_embed(parents), self.topk)
-        at_zero = self.zero_embed.expand(*rows.shape[:-1], -1)
-        accept = F.logsigmoid(self.head.confidence_logit(rows, at_zero).float()[..., None]
-                              + self.token_confidence[parents])
-        temperatures = self.temperatures[:rows.shape[1], None, None]
+        accept = F.logsigmoid(accept_at_zero[..., None] + self.token_confidence[parents])
+        temperatures = self.temperatures[:base.shape[1], None, None]
         log_probs = accept[..., None] + (logits - logits[..., :1]) / temperatures
         if self.token_map is not None:
             tokens = self.token_map[tokens]
@@ -150,10 +160,13 @@ class DSparkDrafter(DFlashDrafter):
         first = c.draft_slot(1)
         rows = self.block_outputs(ctx, requests, newest)[:, first:first + max(depths)]  # [R, D, hidden]
         base = self.head.logits(rows)  # [R, D, rows]: the backbone's part of every draft's logits
+        accept_at_zero = None
+        if self.head.confidence is not None:
+            accept_at_zero = self.head.confidence_logit(rows, self.zero_embed.expand(*rows.shape[:-1], -1)).float()
         shortlist = table = None
         if self.markov is not None and self.table_pays():
             shortlist = self.markov.shortlist(base, self.topk)
-            table = self.children_table(rows, base, shortlist, newest)
+            table = self.children_table(accept_at_zero, base, shortlist, newest)
 
         def children_of(depth, nodes):
             """nodes: (request index, target id) at depth `depth` -> their children, from the table where it holds
@@ -163,7 +176,7 @@ class DSparkDrafter(DFlashDrafter):
             if direct:
                 index = torch.tensor([nodes[i][0] for i in direct], device=self.device)
                 previous = torch.tensor([nodes[i][1] for i in direct], device=self.device)
-                for i, *children in zip(direct, *self.children(rows, base, shortlist, index, depth, previous)):
+                for i, *children in zip(direct, *self.children(accept_at_zero, base, shortlist, index, depth, previous)):
                     held[i] = children
             return [children[0] for children in held], [children[1] for children in held]
 

@@ -35,6 +35,25 @@ EXACT_REACH_ROWS = 8192
 REACH_CHUNK = 2048  # previous tokens per product while it is made (bounds its scratch memory)
 # Slack of the bound, far above float32 rounding at logits' magnitudes (ulp 4e-6 at 32).
 ROUNDING = 1e-3
+# Draft rows up to which the drafter holds the bias after every draft token (`Transitions`; 4,096 rows: 64 MB of
+# float32). Past it the table would outgrow the head, and the shortlist bounds the product instead.
+TRANSITION_ROWS = 4096
+
+
+class Transitions:
+    """The Markov bias after every draft token, made once, for a head with a token map of at most TRANSITION_ROWS
+    rows: bias[i] = W2 @ W1[token_map[i]]. A node past depth 0 holds a draft token, so its children's logits are its
+    slot's backbone logits plus one row of this table, a gather instead of a product over all of W2 (the newest
+    token, at depth 0, may lie outside the map and takes the product)."""
+
+    def __init__(self, markov_w1: torch.nn.Embedding, markov_w2: PackedLinear, token_map: torch.Tensor):
+        self.bias = markov_w1(token_map).float() @ markov_w2.matrix().float().T  # [rows, rows]
+        self.row_of = torch.full((markov_w1.num_embeddings,), -1, dtype=torch.long, device=token_map.device)
+        self.row_of[token_map] = torch.arange(len(token_map), device=token_map.device)
+
+    def after(self, previous: torch.Tensor) -> torch.Tensor:
+        """previous: [N] target ids of draft tokens -> [N, rows] the bias each gives the next draft's logits."""
+        return self.bias.index_select(0, self.row_of[previous])
 
 
 class Shortlist(NamedTuple):

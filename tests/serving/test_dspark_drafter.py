@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import heads
+from heads.token_map import lm_head_rows
 import serving.drafters.dspark as dspark
 import serving.drafters.markov as markov
 from serving.drafters.confidence import Confidence, top_log_probs
@@ -31,14 +32,21 @@ BLOCK = 4  # 4 drafts sampling from the anchor, 3 in DFlash's slots
 
 
 def random_dspark_dir(folder, root, *, anchor=True, confidence=True, mask_token_id=7, target_layers=(1, 3),
-                      seed=11, markov_scale=1.0) -> str:
+                      seed=11, markov_scale=1.0, mapped=False) -> str:
     """A random DSpark head whose Markov bias is as large as the backbone's logits (drafts follow the chain), or
-    `markov_scale` times that: a small one moves only near-ties (the drafter reads the shortlist's rows of W2 alone)."""
-    path = root / f"dspark-{folder.name}-{anchor}-{confidence}-{markov_scale}"
+    `markov_scale` times that: a small one moves only near-ties (the drafter reads the shortlist's rows of W2 alone);
+    `mapped`: trained over a token map of half the vocabulary (the drafter reads each draft token's bias from its
+    table of transitions)."""
+    path = root / f"dspark-{folder.name}-{anchor}-{confidence}-{markov_scale}-{mapped}"
     if not path.exists():
+        parts, token_map = target_parts(folder), None
+        if mapped:
+            vocab = len(parts.lm_head.weight)
+            token_map = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:vocab // 2]
+            parts.lm_head = lm_head_rows(parts.lm_head, token_map)
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            head = heads.DSpark.from_target(target_parts(folder), num_layers=2, target_layers=target_layers,
+            head = heads.DSpark.from_target(parts, token_map, num_layers=2, target_layers=target_layers,
                                             block_size=BLOCK, mask_token_id=mask_token_id, markov_rank=16,
                                             sample_from_anchor=anchor, confidence_head=confidence)
             with torch.no_grad():
@@ -72,6 +80,8 @@ def dense_candidates(head, rows, newest, budget, topk, threshold=0.0):
         normed = head.norm(rows[depth])
         logits = normed @ head.target.lm_head.weight.T + w1[previous] @ w2.T
         log_probs, tokens = top_log_probs(logits, topk, confidence.temperature(depth + 1))
+        if head.token_map is not None:  # rows of the map -> target ids
+            tokens = head.token_map[tokens]
         if head.confidence is not None:
             features = torch.cat([normed, w1[previous]])
             accept = F.logsigmoid(features @ head.confidence.weight[0] + head.confidence.bias[0])
@@ -106,6 +116,29 @@ def test_paged_blocks_equal_the_dense_head_with_the_explicit_mask(anchor, confid
     assert full and all(len(t) == 3 * topk and t.depth >= 2 for t in full)
     if topk == 2:
         assert any(max(map(len, t.children)) == 2 for t in full)
+
+
+@pytest.mark.parametrize("confidence", [True, False], ids=["confidence", "no-confidence"])
+@pytest.mark.parametrize("topk", [1, 2])
+def test_a_head_over_a_token_map_reads_each_draft_tokens_bias_from_its_transitions(confidence, topk, tiny_llama,
+                                                                                  heads_root, monkeypatch):
+    """A head over a token map holds the bias after every draft token (drafters/markov.py, `Transitions`): past the
+    newest token's children no node pays a product over W2, and the candidates are still the dense head's."""
+    full_products = []
+    make_transitions = markov.Transitions.__init__
+
+    def counting(transitions, w1, w2, token_map):
+        make_transitions(transitions, w1, w2, token_map)
+        forward = w2.forward
+        w2.forward = lambda x: full_products.append(len(x)) or forward(x)
+
+    monkeypatch.setattr(markov.Transitions, "__init__", counting)
+    head_dir = random_dspark_dir(tiny_llama, heads_root, confidence=confidence, mapped=True)
+    spec = {"method": "dspark", "model": head_dir, "num_speculative_tokens": 3, "topk": topk,
+            "num_draft_tokens": 7 if topk == 2 else 4, "draft_weights": "float32"}
+    records = proposals_equal_dense(tiny_llama, spec, dspark, grow, dense_of(topk), monkeypatch)
+    assert sum(len(tree) for *_, tree, _ in records) > len(records)  # nodes past depth 1 were drafted
+    assert 0 < len(full_products) <= len(records)  # the newest tokens' children alone (one product per step)
 
 
 @pytest.mark.parametrize("topk", [1, 2])

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import heads
+from heads.token_map import lm_head_rows
 from heads.attention import DenseCausalAttention, sdpa_gqa
 from serving import targets
 from serving.drafters.base import DraftBudget
@@ -375,12 +376,14 @@ def test_head_drafters_name_the_engines_device(kind, fixture, serve_mode, heads_
 
 def load_as_drafted(head_dir, folder, draft_weights="bfloat16"):
     """The head in head_dir, bound to the target in `folder`, with the weights the engine's drafter computes with:
-    its own linear layers and the target's LM head rounded to draft_weights (the embedding stays as it is)."""
+    its own linear layers and the target's LM head (the rows of its token map, if it has one) rounded to
+    draft_weights (the embedding stays as it is)."""
     dtype = getattr(torch, draft_weights)
     parts = target_parts(folder)
     lm_head = torch.nn.Linear(parts.hidden_size, parts.vocab_size, bias=False).requires_grad_(False)
     lm_head.weight.copy_(parts.lm_head.weight.to(dtype))
-    parts.lm_head = lm_head  # untied: rounding it leaves the embedding alone
+    token_map = heads.load(head_dir).token_map
+    parts.lm_head = lm_head if token_map is None else lm_head_rows(lm_head, token_map)  # untied from the embedding
     head = heads.load(head_dir, target=parts).eval()
     with torch.no_grad():
         for module in head.modules():
