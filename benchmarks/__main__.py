@@ -96,7 +96,14 @@ TABLES = {
     "step": Table("engine.md", "where a plain step's time goes, float32 and bfloat16 weights", (
         "-m", "benchmarks.step", "plain", "--concurrency", "1", "--weights", "float32", "bfloat16", "--rounds", "3")),
     "weights": Table("engine.md", "float32 against bfloat16 weights, every method on each",
-                     ("-m", "benchmarks.weights")),
+                     ("-m", "benchmarks.modes")),
+    "compute-speedups": Table("engine.md", "every method's speedup in float32 and in the bfloat16 compute mode", (
+        "-m", "benchmarks.modes", "--modes", "float32", "bfloat16", "--prompts", "mt-bench", "--num-prompts", "80",
+        "--max-new-tokens", "64", *(arg for c in (
+            json.dumps({"method": "ngram", "num_speculative_tokens": 4}), json.dumps({"method": "suffix"}),
+            *(spec(kind) for kind in ("medusa", "eagle3", "peagle", "dflash")),
+            spec("eagle3", topk=8, num_draft_tokens=16), spec("eagle3", prompt_lookup_first=True, **CUT),
+            spec("eagle3", suffix_first=True, **CUT)) for arg in ("--speculative-config", c)))),
     "generate": Table("training.md", "self-distillation throughput", ("-m", "benchmarks.generate")),
     "train": Table("training.md", "fit throughput by kind, offline against online", ("-m", "benchmarks.train")),
     "recipes": Table("training.md", "our configs against the published recipes", (
@@ -112,7 +119,7 @@ TABLES = {
     "capture": Table("targets.md", "the capture backends side by side: engine, transformers, vLLM",
                      ("-m", "benchmarks.capture", "--num-prompts", "16")),
     "gemma3": Table("targets.md", "gemma3-270m's plain decoding against its bandwidth floor", (
-        "-m", "benchmarks.weights", "--target", "gemma3-270m", "--num-prompts", "4", "--max-new-tokens", "64")),
+        "-m", "benchmarks.modes", "--target", "gemma3-270m", "--num-prompts", "4", "--max-new-tokens", "64")),
     "sliding-window-memory": Table("targets.md", "K/V held by a 4k-token request on gemma3-270m, by KV cache group", (
         "-m", "benchmarks.sliding_window_memory", "--target", "gemma3-270m", "--prompt-tokens", "4096",
         "--max-new-tokens", "32")),

@@ -1,6 +1,8 @@
 """Plain decoding at concurrency 1 against llama.cpp at the same precision, side by side in one run: the target's
-weights as float32 and as bfloat16 in this engine (EngineConfig.weights), and llama.cpp's llama-bench on an F32 and
-a BF16 GGUF written from the same safetensors by llama.cpp's own converter, all on the same threads. Each round
+weights as float32 and as bfloat16 in this engine (EngineConfig.weights), its bfloat16 compute mode
+(EngineConfig.dtype: activations rounded to bfloat16 too, as llama.cpp's BF16 path rounds them), and llama.cpp's
+llama-bench on an F32 and a BF16 GGUF written from the same safetensors by llama.cpp's own converter, all on the same
+threads. Each round
 runs every engine once in a rotated order (this machine's memory bandwidth drifts); the table gives each engine's
 median tokens/s over the rounds and its time per token against its weights' bandwidth floors, measured just before
 each run (serving.bench.offline.bandwidth_floor: a copy's rate and reading alone), and the ratio of the two engines
@@ -31,7 +33,11 @@ from serving.engine import Engine
 from serving.request import SamplingParams
 from serving.targets import DEFAULT_TARGET, resolve
 
-OUTTYPES = {"float32": "f32", "bfloat16": "bf16"}
+# this engine's modes: label -> (EngineConfig options, the llama.cpp GGUF type it is compared with)
+MODES = {"float32": ({"weights": "float32"}, "f32"), "bfloat16 weights": ({"weights": "bfloat16"}, "bf16"),
+         "bfloat16 compute": ({"dtype": "bfloat16"}, "bf16")}
+# llama.cpp's GGUF types -> the mode of this engine whose weights have their bytes (the floors of its runs)
+OUTTYPES = {"f32": "float32", "bf16": "bfloat16 weights"}
 
 
 def llama_tree(root: Path) -> tuple[Path, Path, Path]:
@@ -77,13 +83,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     bench, converter, site = llama_tree(args.llama_cpp)
     folder = Path(resolve(args.target))
-    runs, engines = {}, {}
-    for weights, outtype in OUTTYPES.items():
-        gguf = write_gguf(converter, site, folder, outtype, args.llama_cpp / f"{folder.name}-{outtype}.gguf")
-        runs[f"llama.cpp {outtype.upper()}"] = (weights, lambda g=gguf: llama_bench(bench, g, args.tokens, args.threads))
-        engine = engines[weights] = Engine(EngineConfig(args.target, weights=weights, device="cpu", max_num_seqs=1))
+    runs, engines = {}, {}  # run name -> (the mode whose weights give its floors, what it measures)
+    for mode, (options, _) in MODES.items():
+        engine = engines[mode] = Engine(EngineConfig(args.target, device="cpu", max_num_seqs=1, **options))
         ours(engine, 4)  # warm-up
-        runs[f"draftheads {weights}"] = (weights, lambda e=engine: ours(e, args.tokens))
+        runs[f"draftheads {mode}"] = (mode, lambda e=engine: ours(e, args.tokens))
+    for outtype, mode in OUTTYPES.items():
+        gguf = write_gguf(converter, site, folder, outtype, args.llama_cpp / f"{folder.name}-{outtype}.gguf")
+        runs[f"llama.cpp {outtype.upper()}"] = (mode, lambda g=gguf: llama_bench(bench, g, args.tokens, args.threads))
     rates = {name: [] for name in runs}
     floors = {name: {"copy": [], "read": []} for name in runs}
     names = list(runs)
@@ -102,11 +109,11 @@ def main() -> None:
         rate = statistics.median(rates[name])
         print(f"| {name} | {rate:.1f} | {1e3 / rate:.1f} | {statistics.median(floors[name]['copy']):.2f}x | "
               f"{statistics.median(floors[name]['read']):.2f}x |")
-    for weights, outtype in OUTTYPES.items():
-        ours_rates, theirs = rates[f"draftheads {weights}"], rates[f"llama.cpp {outtype.upper()}"]
+    for mode, (_, outtype) in MODES.items():
+        ours_rates, theirs = rates[f"draftheads {mode}"], rates[f"llama.cpp {outtype.upper()}"]
         ratio = statistics.median(ours_rates) / statistics.median(theirs)
         by_round = sorted(a / b for a, b in zip(ours_rates, theirs))  # the same round: minutes apart at most
-        print(f"\ndraftheads {weights} / llama.cpp {outtype.upper()}: {ratio:.2f}x; round by round "
+        print(f"\ndraftheads {mode} / llama.cpp {outtype.upper()}: {ratio:.2f}x; round by round "
               f"{' '.join(f'{r:.2f}' for r in by_round)} (median {statistics.median(by_round):.2f}x)", end="")
     print()
 

@@ -118,11 +118,12 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", type=int, default=store["concurrency"],
                    help="conversations answered at once while generating (the answers are the same at any concurrency, "
                         "stored in another order; 64 wrote them 3-8%% faster than 32)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="the target's compute dtype while generating, benching and serving (draftheads generate's and "
                         "bench's --dtype): bfloat16 multiplies bfloat16 weights by bfloat16 activations with float32 "
                         "sums, about twice float32's speed on a CPU with AVX512-BF16 (docs/benchmarks/engine.md); "
-                        "its store and results are kept apart from float32's")
+                        "its store and results are kept apart from float32's. auto (default): bfloat16 on a CPU whose "
+                        "vector units multiply bfloat16 (AVX512-BF16 or AMX), float32 elsewhere")
     p.add_argument("--device", default="auto",
                    help="where the target generates and is benched: auto (the first CUDA GPU when torch sees one, else "
                         "the CPU), cpu, cuda or cuda:N; fits pick their accelerator themselves")
@@ -139,7 +140,19 @@ def parse_args(argv=None):
     unknown = sorted(set(args.kinds.split(",")) - set(KINDS))
     if unknown:
         p.error(f"--kinds: unknown kind(s) {', '.join(unknown)}; choose among {', '.join(KINDS)}")
+    if args.dtype == "auto":
+        args.dtype = auto_dtype(args.device)
     return args
+
+
+def auto_dtype(device: str) -> str:
+    """bfloat16 compute where the CPU runs it natively (products on vdpbf16ps or AMX tiles, about twice float32's
+    speed), float32 on other CPUs, where bfloat16 is widened to float32 and gains little, and on GPUs."""
+    from serving.config import resolve_device
+    from serving.cpu_features import cpu_features
+
+    native = cpu_features().supports("avx512_bf16")  # every CPU with AMX has it too
+    return "bfloat16" if resolve_device(device).type == "cpu" and native else "float32"
 
 
 def stage(title: str):
