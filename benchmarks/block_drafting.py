@@ -6,7 +6,7 @@ tree search) summed over the steps that drafted, divided by their number: an EAG
 depth, P-EAGLE once per step.
 
     python benchmarks/block_drafting.py --config '{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 4}' \
-        --config '{"method": "peagle", "model": "DIR", "num_speculative_tokens": 4}' --num-prompts 8
+        --config '{"method": "peagle", "model": "DIR", "num_speculative_tokens": 4}' --num-prompts 8 [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -43,9 +43,11 @@ def main() -> None:
     parser.add_argument("--prompts", default="mt-bench")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the target's compute dtype (the drafters compute in the same mode)")
     parser.add_argument("--json", default=None, metavar="FILE")
     args = parser.parse_args()
-    engine = Engine(EngineConfig(args.target, max_num_seqs=1))
+    engine = Engine(EngineConfig(args.target, max_num_seqs=1, dtype=args.dtype))
     configs = [SpeculativeConfig.from_json(text) for text in args.config]
     loaded = load_prompts(args.prompts, args.num_prompts)
     prompts = [first_turn(m) for m in loaded["messages"]]
