@@ -1,7 +1,8 @@
 """The engine's three CPU compute modes side by side in one run, on the default target: float32; bfloat16 weights
 (EngineConfig.weights, float32 products); and bfloat16 compute (EngineConfig.dtype = bfloat16: bfloat16 weights
 times activations rounded to bfloat16, float32 sums, on vdpbf16ps where the CPU has AVX512-BF16). For each mode:
-the linear layers' products alone (every layer's weights once, as a forward streams them) in GFLOP/s; a target step
+the linear layers' products alone (every layer's weights once, as a forward streams them) in GFLOP/s, and the same
+products over one layer's weights as many times (in cache: what the arithmetic alone gives); a target step
 of 1, 5 and 17 rows (the newest token and a 4-ary draft tree) against the one-row step; and plain greedy decoding in
 tokens/s. The modes take turns within every repeat (this machine's speed drifts, and other work shares its cores);
 each number is the median over the repeats.
@@ -87,6 +88,7 @@ def main(argv=None) -> None:
     prompt = engines["float32"].encode("Hello")[:1]
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     gemm = {(m, n): [] for m in MODES for n in sizes}  # seconds of each mode's products at n rows
+    cached = {(m, n): [] for m in MODES for n in sizes}  # of one layer's products, as many times, from cache
     steps = {(m, n): [] for m in MODES for n in sizes}  # of its steps of n rows
     rates = {m: [] for m in MODES}  # its plain decoding's tokens/s
     for label in MODES:  # warm-up
@@ -96,6 +98,8 @@ def main(argv=None) -> None:
         for label in MODES:
             for n in sizes:
                 gemm[label, n].append(seconds(lambda: [p(xs[n][p.in_features]) for p in packed[label]]))
+                cached[label, n].append(seconds(lambda: [p(xs[n][p.in_features]) for _ in range(c.num_layers)
+                                                         for p in packed[label][:4]]))
                 steps[label, n].append(seconds(lambda: step(label, n)))
             rates[label].append(args.tokens / seconds(lambda: engines[label].generate([prompt], params)))
 
@@ -103,14 +107,15 @@ def main(argv=None) -> None:
           f"machine: {machine()}")
     for label, (_, dtypes) in MODES.items():
         print(f"- {label}: {product_path(*dtypes)}")
-    print("\n| mode | rows | products ms | GFLOP/s | step ms | step vs 1 row | plain decoding tok/s |\n"
-          "|---|---|---|---|---|---|---|")
+    print("\n| mode | rows | products ms | GFLOP/s | GFLOP/s in cache | step ms | step vs 1 row | plain decoding tok/s |\n"
+          "|---|---|---|---|---|---|---|---|")
     for label in MODES:
         base = statistics.median(steps[label, sizes[0]])
         for n in sizes:
             product_s, step_s = statistics.median(gemm[label, n]), statistics.median(steps[label, n])
+            in_cache = flops_per_row * n / statistics.median(cached[label, n]) / 1e9
             rate = f"{statistics.median(rates[label]):.1f}" if n == sizes[0] else ""
-            print(f"| {label} | {n} | {product_s * 1e3:.2f} | {flops_per_row * n / product_s / 1e9:.1f} | "
+            print(f"| {label} | {n} | {product_s * 1e3:.2f} | {flops_per_row * n / product_s / 1e9:.1f} | {in_cache:.1f} | "
                   f"{step_s * 1e3:.1f} | {step_s / base:.2f}x | {rate} |")
 
 
