@@ -16,8 +16,8 @@ head judges the position, the head's distribution ranks the candidates there). T
 estimate sizes each request's draft as the calibrated probability does for other heads. A head without a confidence
 head scores children by their calibrated probabilities, as DFlash's drafter does.
 
-A head over a short token map holds the bias after every draft token (drafters/markov.py, `Transitions`), so a node
-past the newest token reads its bias as one row of that table. Otherwise, since relative scores need no normaliser
+A head over a short token map holds the bias after every token of the map (drafters/markov.py, `Transitions`), so a
+node whose token is in the map reads its bias as one row of that table. Otherwise, since relative scores need no normaliser
 over the vocabulary, with a confidence head the Markov step (`MarkovStep`) finds a node's best children from the rows
 of W2 of the backbone's shortlist, computing the full product over W2 only for a node whose bias could reach past it:
 the same children, without reading all of W2 at every depth. A head with neither takes the full product.
@@ -120,8 +120,9 @@ class DSparkDrafter(DFlashDrafter):
         token), previous: [N] those nodes' target ids -> (their topk children's log-scores, their target ids) as
         nested lists."""
         temperature = self.confidence.temperature(depth + 1)
-        if self.transitions is not None and depth > 0:  # a draft token: its bias is a row of the table
-            logits = base[index, depth] + self.transitions.after(previous)
+        bias = self.transitions.after(previous) if self.transitions is not None else None
+        if bias is not None:  # tokens of the map: their biases are rows of the table
+            logits = base[index, depth] + bias
         elif shortlist is not None:
             logits = None
             top, tokens = self.markov.top(base, index, depth, shortlist, previous, self.head.markov_embed(previous),

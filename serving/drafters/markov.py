@@ -42,18 +42,21 @@ TRANSITION_ROWS = 4096
 
 class Transitions:
     """The Markov bias after every draft token, made once, for a head with a token map of at most TRANSITION_ROWS
-    rows: bias[i] = W2 @ W1[token_map[i]]. A node past depth 0 holds a draft token, so its children's logits are its
-    slot's backbone logits plus one row of this table, a gather instead of a product over all of W2 (the newest
-    token, at depth 0, may lie outside the map and takes the product)."""
+    rows: bias[i] = W2 @ W1[token_map[i]]. A node past depth 0 holds a draft token, and the newest token at depth 0
+    mostly does too (the map holds the most frequent tokens), so a node's children's logits are its slot's backbone
+    logits plus one row of this table, a gather instead of a product over all of W2; only a newest token outside the
+    map takes the product."""
 
     def __init__(self, markov_w1: torch.nn.Embedding, markov_w2: PackedLinear, token_map: torch.Tensor):
         self.bias = markov_w1(token_map).float() @ markov_w2.matrix().float().T  # [rows, rows]
         self.row_of = torch.full((markov_w1.num_embeddings,), -1, dtype=torch.long, device=token_map.device)
         self.row_of[token_map] = torch.arange(len(token_map), device=token_map.device)
 
-    def after(self, previous: torch.Tensor) -> torch.Tensor:
-        """previous: [N] target ids of draft tokens -> [N, rows] the bias each gives the next draft's logits."""
-        return self.bias.index_select(0, self.row_of[previous])
+    def after(self, previous: torch.Tensor) -> torch.Tensor | None:
+        """previous: [N] target ids -> [N, rows] the bias each gives the next draft's logits, or None where one of them
+        lies outside the map."""
+        rows = self.row_of[previous]
+        return self.bias.index_select(0, rows) if bool((rows >= 0).all()) else None
 
 
 class Shortlist(NamedTuple):

@@ -122,8 +122,9 @@ def test_paged_blocks_equal_the_dense_head_with_the_explicit_mask(anchor, confid
 @pytest.mark.parametrize("topk", [1, 2])
 def test_a_head_over_a_token_map_reads_each_draft_tokens_bias_from_its_transitions(confidence, topk, tiny_llama,
                                                                                   heads_root, monkeypatch):
-    """A head over a token map holds the bias after every draft token (drafters/markov.py, `Transitions`): past the
-    newest token's children no node pays a product over W2, and the candidates are still the dense head's."""
+    """A head over a token map holds the bias after every token of the map (drafters/markov.py, `Transitions`): only
+    a newest token outside the map (half the vocabulary here) pays a product over W2, and the candidates are still
+    the dense head's."""
     full_products = []
     make_transitions = markov.Transitions.__init__
 
@@ -138,7 +139,7 @@ def test_a_head_over_a_token_map_reads_each_draft_tokens_bias_from_its_transitio
             "num_draft_tokens": 7 if topk == 2 else 4, "draft_weights": "float32"}
     records = proposals_equal_dense(tiny_llama, spec, dspark, grow, dense_of(topk), monkeypatch)
     assert sum(len(tree) for *_, tree, _ in records) > len(records)  # nodes past depth 1 were drafted
-    assert 0 < len(full_products) <= len(records)  # the newest tokens' children alone (one product per step)
+    assert 0 < len(full_products) < len(records)  # some newest tokens' children alone (one product per step at most)
 
 
 @pytest.mark.parametrize("topk", [1, 2])
