@@ -153,6 +153,27 @@ class DSparkDrafter(DFlashDrafter):
             tokens = self.token_map[tokens]
         return ChildrenTable(log_probs.tolist(), tokens.tolist(), missed.tolist(), parents.tolist())
 
+    def chain_table(self, accept_at_zero: torch.Tensor | None, base: torch.Tensor, newest: torch.Tensor) -> ChildrenTable:
+        """Chains (topk 1) over the transition table: every request's greedy chain at once, one add, argmax and
+        gather per depth over all requests, as the table of each chain node's one child."""
+        bias = self.transitions.after(newest)
+        if bias is None:  # a newest token outside the map
+            bias = self.head.markov_w2(self.head.markov_embed(newest))
+        logits, rows = [], []
+        for depth in range(base.shape[1]):
+            logits.append(base[:, depth] + bias)
+            rows.append(logits[-1].argmax(-1))
+            bias = self.transitions.bias.index_select(0, rows[-1])
+        tokens = self.token_map[torch.stack(rows, 1)]  # [R, D] target ids
+        parents = torch.cat([newest[:, None], tokens[:, :-1]], dim=1)
+        if accept_at_zero is None:  # calibrated probabilities
+            log_probs = torch.stack([(x.float() / self.confidence.temperature(d + 1)).log_softmax(-1).gather(
+                -1, row[:, None])[:, 0] for d, (x, row) in enumerate(zip(logits, rows))], dim=1)
+        else:  # the best child's score: the confidence head's alone
+            log_probs = F.logsigmoid(accept_at_zero + self.token_confidence[parents])
+        return ChildrenTable(log_probs[..., None, None].tolist(), tokens[..., None, None].tolist(),
+                             torch.zeros_like(parents, dtype=torch.bool)[..., None].tolist(), parents[..., None].tolist())
+
     @torch.inference_mode()
     def _draft(self, ctx, requests, budgets):
         c = self.head.config
@@ -165,7 +186,9 @@ class DSparkDrafter(DFlashDrafter):
         if self.head.confidence is not None:
             accept_at_zero = self.head.confidence_logit(rows, self.zero_embed.expand(*rows.shape[:-1], -1)).float()
         shortlist = table = None
-        if self.markov is not None and self.table_pays():
+        if self.topk == 1 and self.transitions is not None:
+            table = self.chain_table(accept_at_zero, base, newest)
+        elif self.markov is not None and self.table_pays():
             shortlist = self.markov.shortlist(base, self.topk)
             table = self.children_table(accept_at_zero, base, shortlist, newest)
 
