@@ -112,6 +112,12 @@ class DSparkDrafter(DFlashDrafter):
                              f"{str(c.sample_from_anchor).lower()}): draft fewer tokens, or train a head with longer "
                              "blocks")
 
+    def markov_bias(self, previous: torch.Tensor) -> torch.Tensor:
+        """previous: [N] target ids -> [N, rows] the Markov bias each gives the next draft's logits: rows of the
+        transition table where it holds them all, else the product over W2."""
+        bias = self.transitions.after(previous) if self.transitions is not None else None
+        return bias if bias is not None else self.head.markov_w2(self.head.markov_embed(previous))
+
     def children(self, accept_at_zero: torch.Tensor | None, base: torch.Tensor, shortlist: Shortlist | None,
                  index: torch.Tensor, depth: int, previous: torch.Tensor):
         """accept_at_zero: [R, D] the confidence logit of each draft slot's output with a zero Markov embedding (None
@@ -120,15 +126,12 @@ class DSparkDrafter(DFlashDrafter):
         token), previous: [N] those nodes' target ids -> (their topk children's log-scores, their target ids) as
         nested lists."""
         temperature = self.confidence.temperature(depth + 1)
-        bias = self.transitions.after(previous) if self.transitions is not None else None
-        if bias is not None:  # tokens of the map: their biases are rows of the table
-            logits = base[index, depth] + bias
-        elif shortlist is not None:
+        if shortlist is not None:
             logits = None
             top, tokens = self.markov.top(base, index, depth, shortlist, previous, self.head.markov_embed(previous),
                                           self.topk)
         else:
-            logits = base[index, depth] + self.head.markov_w2(self.head.markov_embed(previous))
+            logits = base[index, depth] + self.markov_bias(previous)
         if accept_at_zero is None:  # calibrated probabilities: the normaliser over every row
             log_probs, tokens = top_log_probs(logits, self.topk, temperature)
         else:  # scores relative to the best child
@@ -156,9 +159,7 @@ class DSparkDrafter(DFlashDrafter):
     def chain_table(self, accept_at_zero: torch.Tensor | None, base: torch.Tensor, newest: torch.Tensor) -> ChildrenTable:
         """Chains (topk 1) over the transition table: every request's greedy chain at once, one add, argmax and
         gather per depth over all requests, as the table of each chain node's one child."""
-        bias = self.transitions.after(newest)
-        if bias is None:  # a newest token outside the map
-            bias = self.head.markov_w2(self.head.markov_embed(newest))
+        bias = self.markov_bias(newest)
         logits, rows = [], []
         for depth in range(base.shape[1]):
             logits.append(base[:, depth] + bias)
