@@ -302,11 +302,14 @@ static void few_rows(const float *x, long m, long ldx, const void *w, int bf16, 
  * vdpbf16ps takes: 16 float32 lanes, each adding the two products of its column's pair. Where the CPU has no
  * AVX512-BF16 the same panels and rounded activations run widened to float32 on FMAs (the even k's product, then
  * the odd one's). Either way each output is one running sum over the pairs in order, whatever the number of rows: a
- * row's bits do not depend on its batch within a path (the two paths differ from each other in the last bits).
- * A CPU with AMX would take a third path here (tiles of 16 rows x 32 pairs of k), not written: the machines it was
- * developed on have none to test it on. */
-enum { F32_PANELS = 0, BF16_PANELS = 1, BF16_DOT = 2, BF16_WIDENED = 3 };
+ * row's bits do not depend on its batch within a path (the paths differ from each other in the last bits).
+ * On a CPU with AMX the panels are also the tiles' layout: 16 rows of a panel (16 pairs of k) are one weight tile,
+ * so each panel holds its pairs padded with zeros to a multiple of 16 (on every path: one format). */
+enum { F32_PANELS = 0, BF16_PANELS = 1, BF16_DOT = 2, BF16_WIDENED = 3, BF16_AMX = 4 };
 #define PAIR_ROW 32  /* bfloat16 values in a pair panel's row: NR columns x 2 */
+#define TILE_PAIRS 16  /* pairs of k in one AMX weight tile: its 16 rows of 64 bytes */
+/* a pair panel's rows for k inputs: ceil(k / 2) pairs, padded to whole tiles */
+#define PANEL_PAIRS(k) (((k) + 2 * TILE_PAIRS - 1) / (2 * TILE_PAIRS) * TILE_PAIRS)
 /* rows of a dot tile: 12 rows x 2 panels keep 24 sums in AVX-512's 32 registers */
 #define DOT_ROWS 12
 /* the panels a tile of mr rows streams together: as many as keep mr x g <= 24 sums (fewer rows, more panels: more
@@ -406,6 +409,134 @@ static inline __attribute__((always_inline)) void wide_tile(int mr, int g, const
     store_pairs(out, 4 * NR, mr, g, n, q, bias, add, y, ldy);
 }
 
+/* AMX: tiles of up to 16 rows x 64 bytes. A step's rows of x (bfloat16, padded with zero rows to a multiple of 16
+ * where there are more than 16) are tile 4, 16 pairs of k at a time; 16 pair-panel rows are a weight tile (5, 6, 7;
+ * the fourth panel reuses 5); tdpbf16ps adds into tiles 0-3 the float32 sums of 4 panels' 64 columns. Each sum runs
+ * over the pairs in order, tile after tile, whatever the rows: a row's bits do not depend on its batch. Linux hands
+ * a process the tiles' state only on request (serving/cpu_features.py asks before this path is chosen). */
+#define AMX_ROWS 16
+#define AMX_GROUP 4
+typedef struct {
+    unsigned char palette, start_row, reserved[14];
+    unsigned short colsb[16];
+    unsigned char rows[16];
+} tile_config;
+
+#ifdef DRAFTHEADS_EMULATE_AMX
+/* For tests on CPUs without AMX (tests/serving/test_amx_tiles.py builds the library with this defined): each tile
+ * instruction done in C over this thread's eight tiles as Intel's manual defines it (denormals aside), so that the
+ * loops below, their tile shapes and strides, run and are checked anywhere. */
+#define AMX_TARGET
+static __thread tile_config emu_config;
+static __thread unsigned char emu_tiles[8][16][64] __attribute__((aligned(64)));
+static void emu_load(int t, const void *base, long stride) {
+    for (int r = 0; r < emu_config.rows[t]; r++)
+        memcpy(emu_tiles[t][r], (const char *)base + r * stride, emu_config.colsb[t]);
+}
+static void emu_store(int t, void *base, long stride) {
+    for (int r = 0; r < emu_config.rows[t]; r++)
+        memcpy((char *)base + r * stride, emu_tiles[t][r], emu_config.colsb[t]);
+}
+static float emu_widen(unsigned short b) {
+    unsigned int bits = (unsigned int)b << 16;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+static void emu_dp(int c, int a, int b) {
+    for (int m = 0; m < emu_config.rows[c]; m++) {
+        float sums[16];
+        const unsigned short *x = (const unsigned short *)emu_tiles[a][m];
+        memcpy(sums, emu_tiles[c][m], 64);
+        for (int k = 0; k < emu_config.colsb[a] / 4; k++) {
+            const unsigned short *w = (const unsigned short *)emu_tiles[b][k];
+            for (int j = 0; j < emu_config.colsb[c] / 4; j++) {
+                sums[j] += emu_widen(x[2 * k]) * emu_widen(w[2 * j]);
+                sums[j] += emu_widen(x[2 * k + 1]) * emu_widen(w[2 * j + 1]);
+            }
+        }
+        memcpy(emu_tiles[c][m], sums, 64);
+    }
+}
+#define TILE_CONFIG(config) (emu_config = *(config), memset(emu_tiles, 0, sizeof emu_tiles))
+#define TILE_RELEASE() ((void)0)
+#define TILE_ZERO(t) memset(emu_tiles[t], 0, 1024)
+#define TILE_LOAD(t, base, stride) emu_load(t, base, stride)
+#define TILE_STORE(t, base, stride) emu_store(t, base, stride)
+#define TILE_DP(c, a, b) emu_dp(c, a, b)
+#else
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+#define TILE_CONFIG(config) _tile_loadconfig(config)
+#define TILE_RELEASE() _tile_release()
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
+#define TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+#endif
+
+/* This thread's tiles for blocks of `rows` rows: sums and x `rows` x 64 bytes, weights 16 x 64. */
+AMX_TARGET static void amx_configure(int rows) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.colsb[t] = 64;
+        config.rows[t] = t < 5 ? rows : TILE_PAIRS;
+    }
+    TILE_CONFIG(&config);
+}
+
+/* The configured rows of x (bfloat16, ldx apart, 2 kp long) over panels q .. q + g - 1, g <= AMX_GROUP. */
+AMX_TARGET static void amx_block(int mr, int g, const unsigned short *x, long ldx, const unsigned short *w, long kp,
+                                 long n, const float *bias, const float *add, float *y, long ldy, long q) {
+    long panel_elems = kp * PAIR_ROW, row_bytes = PAIR_ROW * 2;
+    const unsigned short *w0 = w + q * panel_elems, *w1 = w0 + panel_elems, *w2 = w1 + panel_elems,
+                         *w3 = w2 + panel_elems;
+    TILE_ZERO(0);
+    TILE_ZERO(1);
+    TILE_ZERO(2);
+    TILE_ZERO(3);
+    for (long p = 0; p < kp; p += TILE_PAIRS) {
+        long at = p * PAIR_ROW;
+        TILE_LOAD(4, x + 2 * p, ldx * 2);
+        TILE_LOAD(5, w0 + at, row_bytes);
+        TILE_DP(0, 4, 5);
+        if (g > 1) {
+            TILE_LOAD(6, w1 + at, row_bytes);
+            TILE_DP(1, 4, 6);
+        }
+        if (g > 2) {
+            TILE_LOAD(7, w2 + at, row_bytes);
+            TILE_DP(2, 4, 7);
+        }
+        if (g > 3) {
+            TILE_LOAD(5, w3 + at, row_bytes);
+            TILE_DP(3, 4, 5);
+        }
+    }
+    float out[AMX_ROWS * AMX_GROUP * NR];
+    long ldo = AMX_GROUP * NR;
+    TILE_STORE(0, out, ldo * 4);
+    if (g > 1) TILE_STORE(1, out + NR, ldo * 4);
+    if (g > 2) TILE_STORE(2, out + 2 * NR, ldo * 4);
+    if (g > 3) TILE_STORE(3, out + 3 * NR, ldo * 4);
+    store_pairs(out, ldo, mr, g, n, q, bias, add, y, ldy);
+}
+
+/* One thread's panels [q0, q1): AMX_GROUP at a time, every block of rows over each group (x holds whole blocks). */
+AMX_TARGET static void amx_panels(const unsigned short *x, long m, long ldx, const unsigned short *w, long kp,
+                                  long n, const float *bias, const float *add, float *y, long ldy, long q0, long q1) {
+    amx_configure(m < AMX_ROWS ? (int)m : AMX_ROWS);
+    for (long q = q0; q < q1; q += AMX_GROUP) {
+        int g = q1 - q < AMX_GROUP ? (int)(q1 - q) : AMX_GROUP;
+        for (long i = 0; i < m; i += AMX_ROWS) {
+            int rows = m - i < AMX_ROWS ? (int)(m - i) : AMX_ROWS;
+            amx_block(rows, g, x + i * ldx, ldx, w, kp, n, bias, add ? add + i * ldy : 0, y + i * ldy, ldy, q);
+        }
+    }
+    TILE_RELEASE();
+}
+
 /* Each (rows, panels) tile its own compiled loop, as the float32 tiles are. */
 typedef void (*pair_fn)(const void *, long, const unsigned short *, long, long, const float *, const float *, float *,
                         long, long);
@@ -447,12 +578,14 @@ static const pair_fn wides[MR + 1][5] = {
  * equal share of the panels, a group of them at a time, and every block of rows over that group. */
 static void gemm_pairs(const float *x, long m, long ldx, const unsigned short *w, int path, long k, long n,
                        const float *bias, const float *add, float *y, long ldy) {
-    long kp = (k + 1) / 2, ldb = 2 * kp, panels = (n + NR - 1) / NR;
-    int dot = path == BF16_DOT;
-    void *buf = malloc((size_t)m * ldb * (dot ? 2 : 4));
-    for (long r = 0; r < m; r++)
+    long kp = PANEL_PAIRS(k), ldb = 2 * kp, panels = (n + NR - 1) / NR;
+    int dot = path == BF16_DOT || path == BF16_AMX;
+    /* AMX reads x in whole blocks of rows: the rows past m are zeros */
+    long buf_rows = path == BF16_AMX && m > AMX_ROWS ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m;
+    void *buf = malloc((size_t)buf_rows * ldb * (dot ? 2 : 4));
+    for (long r = 0; r < buf_rows; r++)
         for (long c = 0; c < ldb; c++) {
-            unsigned short b = c < k ? round_bf16(x[r * ldx + c]) : 0;
+            unsigned short b = r < m && c < k ? round_bf16(x[r * ldx + c]) : 0;
             if (dot) ((unsigned short *)buf)[r * ldb + c] = b;
             else {
                 unsigned int bits = (unsigned int)b << 16;
@@ -463,10 +596,11 @@ static void gemm_pairs(const float *x, long m, long ldx, const unsigned short *w
     #pragma omp parallel
     {
         long threads = omp_get_num_threads(), t = omp_get_thread_num();
-        long end = panels * (t + 1) / threads;
+        long start = panels * t / threads, end = panels * (t + 1) / threads;
         /* a group's panels stay in L2 for every further block of rows; a block of fewer rows takes as many */
         long full = m < block ? m : block, most = dot ? DOT_GROUP(full) : WIDE_GROUP(full);
-        for (long q = panels * t / threads; q < end; q += most) {
+        if (path == BF16_AMX) amx_panels(buf, m, ldb, w, kp, n, bias, add, y, ldy, start, end);
+        else for (long q = start; q < end; q += most) {
             long g = end - q < most ? end - q : most;
             for (long i = 0; i < m; i += block) {
                 long rows = m - i < block ? m - i : block;
@@ -482,7 +616,7 @@ static void gemm_pairs(const float *x, long m, long ldx, const unsigned short *w
 static void gemm(const float *x, long m, long ldx, const void *w, int bf16, long k, long n, const float *bias,
                  const float *add, float *y, long ldy) {
     if (m == 0) return;
-    if (bf16 == BF16_DOT || bf16 == BF16_WIDENED) {
+    if (bf16 == BF16_DOT || bf16 == BF16_WIDENED || bf16 == BF16_AMX) {
         gemm_pairs(x, m, ldx, (const unsigned short *)w, bf16, k, n, bias, add, y, ldy);
         return;
     }
@@ -505,7 +639,8 @@ void gemm_panels_bf16(const float *x, long m, long ldx, const unsigned short *w,
     gemm(x, m, ldx, w, 1, k, n, bias, 0, y, ldy);
 }
 
-/* bfloat16 compute over pair panels; path: BF16_DOT (only where the CPU has AVX512-BF16) or BF16_WIDENED. */
+/* bfloat16 compute over pair panels; path: BF16_AMX (only where the CPU has AMX and Linux granted its tiles), BF16_DOT
+ * (only where it has AVX512-BF16) or BF16_WIDENED. */
 void gemm_pairs_bf16(const float *x, long m, long ldx, const unsigned short *w, long k, long n, const float *bias,
                      float *y, long ldy, long path) {
     gemm(x, m, ldx, w, (int)path, k, n, bias, 0, y, ldy);

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
 PANEL = 16  # NR in kernels.c
+TILE_PAIRS = 16  # kernels.c's TILE_PAIRS: pairs of inputs in one AMX weight tile
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _long, _ptr, _float = ctypes.c_long, ctypes.c_void_p, ctypes.c_float
 # The leaf kernels' argument lists; the calls that take more take one struct (serving/kernel_abi.py).
@@ -51,7 +52,7 @@ RESULT_TYPES = {"model_forward": _long, "kernel_layouts": _long}
 # kernels.c's weight formats (layer_weights.bf16, forward_args.lm_bf16): float32 panels, bfloat16 panels under
 # float32 activations, and bfloat16 pair panels under bfloat16 activations on each product path (serving.cpu_features)
 F32_PANELS, BF16_PANELS = 0, 1
-PAIR_PATHS = {"avx512_bf16": 2, "widened": 3}
+PAIR_PATHS = {"amx": 4, "avx512_bf16": 2, "widened": 3}
 
 
 def build_id() -> str:
@@ -66,7 +67,8 @@ def product_path(weight_dtype: torch.dtype, compute: torch.dtype) -> str:
     if library() is None:
         return "torch operators"
     if compute == torch.bfloat16:
-        return {"avx512_bf16": "bfloat16 x bfloat16 on AVX512-BF16 dot products (vdpbf16ps), float32 sums",
+        return {"amx": "bfloat16 x bfloat16 on AMX tiles (tdpbf16ps), float32 sums",
+                "avx512_bf16": "bfloat16 x bfloat16 on AVX512-BF16 dot products (vdpbf16ps), float32 sums",
                 "widened": "bfloat16 x bfloat16 widened to float32 FMA tiles"}[bf16_path()]
     return f"float32 FMA tiles over {str(weight_dtype).removeprefix('torch.')} weights"
 
@@ -85,7 +87,13 @@ def library() -> ctypes.CDLL | None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.warning("serving.kernels: this CPU has no AVX2; the engine uses torch's operators")
         return None
-    compiler, flags = os.environ.get("CC", "cc"), compile_flags()
+    return build_library(compile_flags())
+
+
+def build_library(flags: list[str]) -> ctypes.CDLL | None:
+    """kernels.c compiled with these flags (once: kept in the cache folder under their digest) and loaded, or None
+    where it does not compile."""
+    compiler = os.environ.get("CC", "cc")
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"kernels-{digest}.so"
     if not path.exists():
@@ -168,10 +176,12 @@ class _KernelModule(nn.Module):
 
 
 def to_pair_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] bfloat16 -> [ceil(out / PANEL), ceil(in / 2), 2 PANEL]: per panel and pair of inputs (2p, 2p + 1),
-    each of its PANEL columns' two weights side by side (kernels.c's gemm_pairs), zero past `in` and `out`."""
+    """[out, in] bfloat16 -> [ceil(out / PANEL), pairs, 2 PANEL]: per panel and pair of inputs (2p, 2p + 1), each of
+    its PANEL columns' two weights side by side (kernels.c's gemm_pairs), zero past `in` and `out`; pairs is
+    ceil(in / 2) rounded up to whole AMX weight tiles (TILE_PAIRS), in every path's panels alike."""
     out_features, in_features = weight.shape
-    num_panels, pairs = -(-out_features // PANEL), -(-in_features // 2)
+    num_panels = -(-out_features // PANEL)
+    pairs = -(-in_features // (2 * TILE_PAIRS)) * TILE_PAIRS
     padded = weight.new_zeros(num_panels * PANEL, 2 * pairs)
     padded[:out_features, :in_features] = weight
     return padded.view(num_panels, PANEL, pairs, 2).transpose(1, 2).contiguous().view(num_panels, pairs, 2 * PANEL)
@@ -199,8 +209,8 @@ class PackedLinear(_KernelModule):
     never the output, and for the target with EngineConfig.weights = bfloat16.
 
     compute=torch.bfloat16 (the target with EngineConfig.dtype = bfloat16) also rounds each input to bfloat16 and
-    stores the weights as pair panels (`to_pair_panels`) for products on vdpbf16ps, or widened to float32 where the
-    CPU has no AVX512-BF16 (serving.cpu_features.bf16_path): float32 sums, one in-order sum per output in each path."""
+    stores the weights as pair panels (`to_pair_panels`) for products on AMX tiles or vdpbf16ps, or widened to float32
+    where the CPU has neither (serving.cpu_features.bf16_path): float32 sums, one in-order sum per output in each path."""
 
     def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype = torch.float32,
                  compute: torch.dtype = torch.float32):

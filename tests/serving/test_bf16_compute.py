@@ -13,7 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from serving import kernels
-from serving.cpu_features import BF16_PATH_ENV, BF16_PATHS, cpu_features, parse_cpuinfo
+from serving.cpu_features import BF16_PATH_ENV, BF16_PATHS, amx_granted, cpu_features, parse_cpuinfo, usable
 from serving.model import Model
 from serving.request import SamplingParams
 from test_dflash_drafter import random_dflash_dir
@@ -24,8 +24,9 @@ from test_peagle_drafter import peagle_head_dir
 from test_trees import E2E_PROMPT, assert_two_token_law, two_token_law
 
 PATHS = [pytest.param(path, marks=pytest.mark.skipif(
-    not cpu_features().supports(path) or kernels.library() is None,
-    reason=f"this CPU lacks {' or '.join(BF16_PATHS[path])} (or the kernels do not build here)")) for path in BF16_PATHS]
+    not usable(cpu_features(), path) or kernels.library() is None,
+    reason=f"this CPU lacks {' or '.join(BF16_PATHS[path])} (or Linux does not grant AMX, or the kernels do not build "
+           "here)")) for path in BF16_PATHS]
 SHAPES = [(1, 1), (7, 23), (33, 17), (64, 40), (577, 100), (96, 150), (575, 1537)]
 
 
@@ -52,9 +53,9 @@ def reference(layer: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def test_pair_panels_hold_each_column_s_pair_side_by_side():
     weight = torch.arange(35 * 5, dtype=torch.float32).view(35, 5).bfloat16()  # 35 columns of 5 inputs
     panels = kernels.to_pair_panels(weight)
-    assert panels.shape == (3, 3, 32)
+    assert panels.shape == (3, 16, 32)  # 3 pairs of inputs, padded to one AMX weight tile's 16
     for c in range(48):
-        for k in range(6):
+        for k in range(32):
             value = panels[c // 16, k // 2, 2 * (c % 16) + k % 2]
             assert value == (weight[c, k] if c < 35 and k < 5 else 0), (c, k)
 
@@ -125,8 +126,25 @@ def test_the_path_follows_the_cpu_s_flags(monkeypatch):
     monkeypatch.setenv(BF16_PATH_ENV, "auto")
     assert features.bf16_path() == "avx512_bf16"
     monkeypatch.setenv(BF16_PATH_ENV, "amx")
+    with pytest.raises(ValueError, match="lacks"):
+        features.bf16_path()
+    monkeypatch.setenv(BF16_PATH_ENV, "tiles")
     with pytest.raises(ValueError, match="choose auto or one of"):
         features.bf16_path()
+    # a Xeon with AMX: its tiles once Linux grants them, else its dot products
+    xeon = parse_cpuinfo("model name\t: Intel Xeon\nflags\t\t: avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    monkeypatch.setattr(features, "cpu_features", lambda: xeon)
+    monkeypatch.setenv(BF16_PATH_ENV, "auto")
+    for granted, path in ((True, "amx"), (False, "avx512_bf16")):
+        monkeypatch.setattr(features, "amx_granted", lambda: granted)
+        assert features.bf16_path() == path
+    monkeypatch.setenv(BF16_PATH_ENV, "amx")
+    with pytest.raises(ValueError, match="did not grant"):
+        features.bf16_path()
+
+
+def test_linux_grants_amx_where_the_cpu_has_it_and_only_there():
+    assert amx_granted() == cpu_features().has("amx_tile"), "a Linux older than 5.16 grants no tile state"
 
 
 # ---- the mode in the engine -------------------------------------------------------------------------------------
@@ -193,7 +211,7 @@ def test_the_engine_runs_the_mode_around_a_float32_residual_stream(tiny_llama, o
     assert engine.compute == torch.bfloat16 and engine.dtype == torch.float32  # residual stream, K/V, logits
     assert engine.cache.k.dtype == torch.float32
     assert engine.model.packed_lm_head.format == kernels.PAIR_PATHS[on_path]
-    assert ("vdpbf16ps" if on_path == "avx512_bf16" else "widened") in engine.products
+    assert {"amx": "AMX", "avx512_bf16": "vdpbf16ps", "widened": "widened"}[on_path] in engine.products
     first = SamplingParams(max_tokens=1, ignore_eos=True, logprobs=True)  # each prompt's first token: same context
     float32 = [o.logprobs[0] for o in make_engine(tiny_llama).generate(PROMPTS, first)]
     bf16 = [o.logprobs[0] for o in engine.generate(PROMPTS, first)]
