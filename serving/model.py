@@ -16,6 +16,7 @@ from heads.target_parts import NORM_OFFSETS
 from heads.text_model import TEXT_ARCHITECTURES, is_multimodal, text_architecture, text_config, text_name
 from serving.attention import AttentionPath, PagedAttention
 from serving.kernels import FusedRMSNorm, KernelForward, KernelLayer, PackedLinear, for_inference, kernel_layers
+from serving import weight_arena
 from serving.targets import generation_limits
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
@@ -196,6 +197,7 @@ class Model(nn.Module):
         # not submodules: made for drafters on demand, per (weight dtype, compute)
         self._drafter_lm_heads: dict[tuple[torch.dtype, torch.dtype], PackedLinear] = {}
         self.fused: KernelForward | None = None  # the forward in one C call, where the layers are KernelLayers
+        self.weight_arena: torch.Tensor | None = None  # the packed weights' one allocation (serving/weight_arena.py)
 
     @classmethod
     def from_folder(cls, folder, dtype=torch.float32, device="cpu", weights=torch.float32,
@@ -209,10 +211,13 @@ class Model(nn.Module):
             model = cls(ModelConfig.from_folder(folder))
         model.load_safetensors(folder)
         model.to(dtype=dtype).eval().requires_grad_(False)  # the rope tables stay float32
-        model.layers = kernel_layers(for_inference(model.layers, weights, compute), model.config.layer)
-        model.norm = FusedRMSNorm(model.norm)
+        layers = for_inference(model.layers, weights, compute)
         # a packed copy for forward; the embedding stays as it is
         model.packed_lm_head = PackedLinear(model.lm_head, weights, compute)
+        model.weight_arena = weight_arena.place([*(m for m in layers.modules() if isinstance(m, PackedLinear)),
+                                                 model.packed_lm_head])
+        model.layers = kernel_layers(layers, model.config.layer)
+        model.norm = FusedRMSNorm(model.norm)
         if isinstance(model.layers[0], KernelLayer) and not any(model.config.windows):  # model_forward has no windows
             model.fused = KernelForward(model.layers, model.embed, model.rope, model.norm, model.packed_lm_head)
         return model
