@@ -318,8 +318,10 @@ enum { F32_PANELS = 0, BF16_PANELS = 1, BF16_DOT = 2, BF16_WIDENED = 3, BF16_AMX
 /* widened tiles hold 2 float32 vectors per row and panel in AVX2's 16 (or AVX-512's 32) registers */
 #define WIDE_GROUP(mr) ((mr) * 4 <= MR ? 4 : (mr) * 3 <= MR ? 3 : (mr) * 2 <= MR ? 2 : 1)
 /* how far ahead in each panel's stream a tile asks for weights: far enough that memory's latency hides behind a
- * 12-row tile's dot products (docs/benchmarks/engine.md has the distances tried) */
+ * 12-row tile's dot products; a one-row tile (a decode step), which does little between loads, streams faster
+ * asking nearer (docs/benchmarks/engine.md has the distances tried) */
 #define PAIR_PREFETCH_BYTES 2048
+#define ONE_ROW_PAIR_PREFETCH_BYTES 1024
 
 /* float32 -> bfloat16, rounding to nearest even, NaN to the quiet NaN: as torch's Tensor.bfloat16(). */
 static inline unsigned short round_bf16(float v) {
@@ -355,7 +357,8 @@ dot_tile(int mr, int g, const unsigned short *x, long ldx, const unsigned short 
         __m512i wv[4];
         _Pragma("GCC unroll 4") for (int i = 0; i < g; i++) {
             const unsigned short *row = wq + i * panel_elems + p * PAIR_ROW;
-            __builtin_prefetch((const char *)row + PAIR_PREFETCH_BYTES, 0, PREFETCH_LOCALITY);
+            __builtin_prefetch((const char *)row + (mr > 1 ? PAIR_PREFETCH_BYTES : ONE_ROW_PAIR_PREFETCH_BYTES), 0,
+                               PREFETCH_LOCALITY);
             wv[i] = _mm512_loadu_si512(row);
         }
         _Pragma("GCC unroll 12") for (int r = 0; r < mr; r++) {
