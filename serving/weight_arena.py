@@ -33,7 +33,7 @@ def _madvise():
 
 def huge_page_bytes(num_bytes: int) -> torch.Tensor:
     """An untouched uint8 CPU tensor of num_bytes starting on a 2 MB boundary, asked for huge pages (on Linux)."""
-    raw = torch.empty(num_bytes + HUGE_PAGE, dtype=torch.uint8)
+    raw = torch.empty(num_bytes + HUGE_PAGE, dtype=torch.uint8, device="cpu")
     start = -raw.data_ptr() % HUGE_PAGE
     arena = raw[start:start + num_bytes]
     madvise = _madvise()
