@@ -276,17 +276,21 @@ class Model(nn.Module):
             return ForwardPath.ONE_CALL
         return ForwardPath.KERNEL_LAYERS if isinstance(self.layers[0], KernelLayer) else ForwardPath.TORCH_LAYERS
 
-    @torch.inference_mode()
     def forward(self, input_ids, positions, attention, logits_rows=None, return_hidden=False, aux_layers=(),
                 num_layers=None):
         """input_ids, positions: [num_tokens]; attention: the step's PagedAttention, or any callable
         (layer_idx, q, k, v) -> output (training's dense attention); logits_rows: rows that need logits (None: all);
         num_layers: run only the first layers, then the final norm and LM head (early-exit drafting)."""
         stop = len(self.layers) if num_layers is None else num_layers
-        if self.forward_path(attention) is ForwardPath.ONE_CALL:
+        if self.forward_path(attention) is ForwardPath.ONE_CALL:  # no autograd to switch off: no torch operator runs
             logits, best, hidden, aux = self.fused(input_ids, positions, attention.paged_kv(), logits_rows,
                                                    return_hidden, aux_layers, stop)
             return ModelOutput(logits, hidden, aux, best)
+        with torch.inference_mode():
+            return self.layers_forward(input_ids, positions, attention, logits_rows, return_hidden, aux_layers, stop)
+
+    def layers_forward(self, input_ids, positions, attention, logits_rows, return_hidden, aux_layers, stop):
+        """forward's operator by operator path (ForwardPath.KERNEL_LAYERS or TORCH_LAYERS), through layer `stop`."""
         hidden = self.embed(input_ids)  # [num_tokens, hidden]
         if self.config.embed_scale != 1.0:
             hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)

@@ -9,8 +9,7 @@ too fragmented) the arena is still one ordered allocation and every result is th
 """
 from __future__ import annotations
 
-import ctypes
-import functools
+import mmap
 import sys
 
 import torch
@@ -19,27 +18,21 @@ from serving.kernels import PackedLinear
 
 HUGE_PAGE = 2 * 2**20
 ALIGN = 64  # each tensor's start: a cache line, as torch's own allocations
-MADV_HUGEPAGE = 14
-
-
-@functools.cache
-def _madvise():
-    if sys.platform != "linux":
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return libc.madvise
 
 
 def huge_page_bytes(num_bytes: int) -> torch.Tensor:
-    """An untouched uint8 CPU tensor of num_bytes starting on a 2 MB boundary, asked for huge pages (on Linux)."""
-    raw = torch.empty(num_bytes + HUGE_PAGE, dtype=torch.uint8, device="cpu")
+    """An untouched uint8 CPU tensor of num_bytes starting on a 2 MB boundary, asked for huge pages (on Linux).
+    A mapping of its own, not torch's allocator: glibc may serve a large allocation from its heap, where the advice
+    would outlive the arena and cover whatever the heap reuses that range for."""
+    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping: unmapped when the tensor goes
     start = -raw.data_ptr() % HUGE_PAGE
-    arena = raw[start:start + num_bytes]
-    madvise = _madvise()
-    if madvise is not None and num_bytes:
-        madvise(arena.data_ptr(), -(-num_bytes // HUGE_PAGE) * HUGE_PAGE, MADV_HUGEPAGE)  # advice: failure is harmless
-    return arena
+    if num_bytes and sys.platform == "linux":
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE, start, -(-num_bytes // HUGE_PAGE) * HUGE_PAGE)
+        except OSError:  # a kernel without transparent huge pages: advice, no result depends on it
+            pass
+    return raw[start:start + num_bytes]
 
 
 def place(linears: list[PackedLinear]) -> torch.Tensor | None:
