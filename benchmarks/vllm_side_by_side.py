@@ -74,7 +74,7 @@ def main() -> None:
                 options = ours_options + (["--speculative-config", json.dumps(spec)] if spec else [])
                 server = ServerProcess(options)
             else:
-                server = VllmServer(folder, spec, max_model_len=2048, max_num_seqs=MAX_NUM_SEQS)
+                server = VllmServer(folder, spec, max_model_len=2048, max_num_seqs=MAX_NUM_SEQS, for_speed=True)
             with server:
                 for concurrency in args.concurrency:
                     turns = load_first_turns(args.prompts, max(args.num_prompts, concurrency))

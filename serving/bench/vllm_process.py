@@ -26,6 +26,10 @@ STARTUP_TIMEOUT_S = 300.0
 # float32 and eager, so that greedy outputs compare token for token with this project's float32 engine.
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(0, (os.cpu_count() or 1) - 1)}",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+# The model's worker inside the engine core's process: vLLM otherwise starts a third Python for it, whose imports
+# cost each start ~6 s of its ~30 on 2 cores. vLLM's CPU platform then skips its OpenMP thread binding (it runs the
+# multiprocess executor wherever V1's multiprocessing is on, for that binding), so speed measurements keep the default.
+ONE_WORKER_PROCESS = (["--distributed-executor-backend", "uni"], {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 
 def executable() -> Path:
@@ -53,22 +57,27 @@ def free_port() -> int:
 
 class VllmServer:
     """`vllm serve TARGET` with `speculative_config` (a dict, or None for plain decoding), float32, eager, greedy
-    outputs reproducible; `url` is its base URL once /health answers."""
+    outputs reproducible; `url` is its base URL once /health answers. for_speed: vLLM's own process layout and
+    thread binding (a benchmark's), else its worker in its engine core's process (ONE_WORKER_PROCESS: a faster start,
+    the same outputs)."""
 
     def __init__(self, target, speculative_config: dict | None = None, *, max_model_len: int = 512,
-                 max_num_seqs: int = 16, extra: list[str] = (), timeout: float = STARTUP_TIMEOUT_S):
+                 max_num_seqs: int = 16, extra: list[str] = (), timeout: float = STARTUP_TIMEOUT_S,
+                 for_speed: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [str(executable()), "-m", SERVER_MODULE, "--model", str(target), "--host", "127.0.0.1", "--port", str(self.port),
                    "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
                    "--max-num-seqs", str(max_num_seqs), "--seed", "0", "--served-model-name", "target", *extra]
+        layout_options, layout_env = ([], {}) if for_speed else ONE_WORKER_PROCESS
+        command += layout_options
         if speculative_config is not None:
             command += ["--speculative-config", json.dumps(speculative_config)]
         self.command = command
         self.log = tempfile.TemporaryFile(mode="w+")
         # its own session: stop() signals the API server and the engine core it forks, together
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        env={**os.environ, **CPU_ENV}, cwd=tempfile.gettempdir())
+                                        env={**os.environ, **CPU_ENV, **layout_env}, cwd=tempfile.gettempdir())
         try:
             wait_healthy(self.url, self.process, time.monotonic() + timeout, "vllm serve", self.tail)
         except BaseException:

@@ -150,7 +150,7 @@ def trained_head(target: Path, store: Store, root: Path) -> tuple[dict, dict]:
 
 
 @pytest.mark.fit
-def test_heads_trained_on_either_backends_store_are_interchangeable(tmp_path):
+def test_heads_trained_on_either_backends_store_are_interchangeable(tmp_path, in_tmp_path):
     """The same seeded fit on the engine's and on transformers' store ends at the same head, within the drift a
     bfloat16 step in a few inputs makes, far below what training moved (each tensor's change from its start)."""
     target = build_tiny_model(tmp_path / "llama", "llama", tokenizer_from=resolve(DEFAULT_TARGET))
@@ -189,7 +189,8 @@ def test_the_gemma3_target_gets_a_chat_template_and_its_stores_agree(tmp_path):
 
 @pytest.mark.fit
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
-def test_a_head_trained_on_a_new_family_s_store_drafts_in_the_engine_without_changing_its_outputs(family, tmp_path):
+def test_a_head_trained_on_a_new_family_s_store_drafts_in_the_engine_without_changing_its_outputs(family, tmp_path,
+                                                                                                  in_tmp_path):
     """A brief EAGLE-3 fit on the engine's store of a Gemma 3 or gpt-oss target, then drafting for it in the engine:
     the loss falls, and speculative greedy outputs equal plain decoding's."""
     target = build_tiny_model(tmp_path / family, family, tokenizer_from=resolve(DEFAULT_TARGET), **FAMILIES[family])
