@@ -282,17 +282,51 @@ static const group_fn groups[FEW_ROWS + 1][ROW_GROUP + 1] = {
 #endif
 };
 
-/* Up to FEW_ROWS rows (a decode step, or a verify step of a few rows): each thread takes an equal share of the
- * panels, ROW_GROUP at a time. */
+/* One thread's share of a product's panels [start, end), in groups of `most`: `groups` holds the next group from
+ * the front (low 32 bits) and the end of those not taken (high 32 bits). The owner takes from the front, the others,
+ * done with their own, from the back; each group's outputs are computed whole by whoever takes it, so the split
+ * changes no result. A cache line each: the threads' words do not share one. */
+typedef struct {
+    long start, end, most;
+    unsigned long groups;
+} __attribute__((aligned(64))) share;
+
+/* The first panel of a group taken from the share (front or back), or -1 when none is left. */
+static long take(share *s, int front) {
+    unsigned long now = __atomic_load_n(&s->groups, __ATOMIC_ACQUIRE), next;
+    long group;
+    do {
+        unsigned long first = now & 0xFFFFFFFFu, last = now >> 32;
+        if (first >= last) return -1;
+        group = (long)(front ? first : last - 1);
+        next = front ? now + 1 : now - (1ul << 32);
+    } while (!__atomic_compare_exchange_n(&s->groups, &now, next, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    return s->start + group * s->most;
+}
+
+/* A product's `panels` in equal shares for `threads` threads, groups of `most` panels. */
+static void split(share *shares, long threads, long panels, long most) {
+    for (long t = 0; t < threads; t++) {
+        long start = panels * t / threads, end = panels * (t + 1) / threads;
+        shares[t] = (share){start, end, most, (unsigned long)((end - start + most - 1) / most) << 32};
+    }
+}
+
+/* Up to FEW_ROWS rows (a decode step, or a verify step of a few rows): each thread its share of the panels
+ * (split), ROW_GROUP at a time, then what is left of the others'. */
 static void few_rows(const float *x, long m, long ldx, const void *w, int bf16, long k, long n, const float *bias,
                      const float *add, float *y, long ldy) {
-    long panels = (n + NR - 1) / NR;
+    long threads = omp_get_max_threads();
+    share shares[threads];
+    split(shares, threads, (n + NR - 1) / NR, ROW_GROUP);
     #pragma omp parallel
     {
-        long threads = omp_get_num_threads(), t = omp_get_thread_num();
-        long end = panels * (t + 1) / threads;
-        for (long q = panels * t / threads; q < end; q += ROW_GROUP)
-            groups[m][end - q < ROW_GROUP ? end - q : ROW_GROUP](x, ldx, w, bf16, k, n, bias, add, y, ldy, q);
+        long t = omp_get_thread_num();
+        for (long v = 0; v < threads; v++) {
+            share *s = shares + (t + v) % threads;
+            for (long q; (q = take(s, v == 0)) >= 0;)
+                groups[m][s->end - q < ROW_GROUP ? s->end - q : ROW_GROUP](x, ldx, w, bf16, k, n, bias, add, y, ldy, q);
+        }
     }
 }
 
@@ -526,19 +560,16 @@ AMX_TARGET static void amx_block(int mr, int g, const unsigned short *x, long ld
     store_pairs(out, ldo, mr, g, n, q, bias, add, y, ldy);
 }
 
-/* One thread's panels [q0, q1): AMX_GROUP at a time, every block of rows over each group (x holds whole blocks). */
-AMX_TARGET static void amx_panels(const unsigned short *x, long m, long ldx, const unsigned short *w, long kp,
-                                  long n, const float *bias, const float *add, float *y, long ldy, long q0, long q1) {
-    amx_configure(m < AMX_ROWS ? (int)m : AMX_ROWS);
-    for (long q = q0; q < q1; q += AMX_GROUP) {
-        int g = q1 - q < AMX_GROUP ? (int)(q1 - q) : AMX_GROUP;
-        for (long i = 0; i < m; i += AMX_ROWS) {
-            int rows = m - i < AMX_ROWS ? (int)(m - i) : AMX_ROWS;
-            amx_block(rows, g, x + i * ldx, ldx, w, kp, n, bias, add ? add + i * ldy : 0, y + i * ldy, ldy, q);
-        }
+/* Panels q .. q + g - 1 (g <= AMX_GROUP), every block of rows (x holds whole blocks), on tiles amx_configure set. */
+AMX_TARGET static void amx_group(const unsigned short *x, long m, long ldx, const unsigned short *w, long kp, long n,
+                                 const float *bias, const float *add, float *y, long ldy, long q, int g) {
+    for (long i = 0; i < m; i += AMX_ROWS) {
+        int rows = m - i < AMX_ROWS ? (int)(m - i) : AMX_ROWS;
+        amx_block(rows, g, x + i * ldx, ldx, w, kp, n, bias, add ? add + i * ldy : 0, y + i * ldy, ldy, q);
     }
-    TILE_RELEASE();
 }
+
+AMX_TARGET static void amx_release(void) { TILE_RELEASE(); }
 
 /* Each (rows, panels) tile its own compiled loop, as the float32 tiles are. */
 typedef void (*pair_fn)(const void *, long, const unsigned short *, long, long, const float *, const float *, float *,
@@ -595,22 +626,32 @@ static void gemm_pairs(const float *x, long m, long ldx, const unsigned short *w
                 memcpy((float *)buf + r * ldb + c, &bits, 4);
             }
         }
-    long block = dot ? DOT_ROWS : MR, elem = dot ? 2 : 4;
+    long block = path == BF16_AMX ? AMX_ROWS : dot ? DOT_ROWS : MR, elem = dot ? 2 : 4;
+    /* a group's panels stay in L2 for every further block of rows; a block of fewer rows takes as many */
+    long full = m < block ? m : block;
+    long most = path == BF16_AMX ? AMX_GROUP : dot ? DOT_GROUP(full) : WIDE_GROUP(full);
+    long threads = omp_get_max_threads();
+    share shares[threads];
+    split(shares, threads, panels, most);
     #pragma omp parallel
     {
-        long threads = omp_get_num_threads(), t = omp_get_thread_num();
-        long start = panels * t / threads, end = panels * (t + 1) / threads;
-        /* a group's panels stay in L2 for every further block of rows; a block of fewer rows takes as many */
-        long full = m < block ? m : block, most = dot ? DOT_GROUP(full) : WIDE_GROUP(full);
-        if (path == BF16_AMX) amx_panels(buf, m, ldb, w, kp, n, bias, add, y, ldy, start, end);
-        else for (long q = start; q < end; q += most) {
-            long g = end - q < most ? end - q : most;
-            for (long i = 0; i < m; i += block) {
-                long rows = m - i < block ? m - i : block;
-                const void *xi = (const char *)buf + i * ldb * elem;
-                (dot ? dots : wides)[rows][g](xi, ldb, w, kp, n, bias, add ? add + i * ldy : 0, y + i * ldy, ldy, q);
+        long t = omp_get_thread_num();
+        if (path == BF16_AMX) amx_configure(m < AMX_ROWS ? (int)m : AMX_ROWS);
+        /* its own share from the front, then what is left of the others' from their backs (those of threads a smaller
+         * team lacks too): a thread the memory served slower this time does not hold the rest at the barrier */
+        for (long v = 0; v < threads; v++) {
+            share *s = shares + (t + v) % threads;
+            for (long q; (q = take(s, v == 0)) >= 0;) {
+                long g = s->end - q < most ? s->end - q : most;
+                if (path == BF16_AMX) amx_group(buf, m, ldb, w, kp, n, bias, add, y, ldy, q, (int)g);
+                else for (long i = 0; i < m; i += block) {
+                    long rows = m - i < block ? m - i : block;
+                    const void *xi = (const char *)buf + i * ldb * elem;
+                    (dot ? dots : wides)[rows][g](xi, ldb, w, kp, n, bias, add ? add + i * ldy : 0, y + i * ldy, ldy, q);
+                }
             }
         }
+        if (path == BF16_AMX) amx_release();
     }
     free(buf);
 }
