@@ -24,7 +24,8 @@ def huge_page_bytes(num_bytes: int) -> torch.Tensor:
     """An untouched uint8 CPU tensor of num_bytes starting on a 2 MB boundary, asked for huge pages (on Linux).
     A mapping of its own, not torch's allocator: glibc may serve a large allocation from its heap, where the advice
     would outlive the arena and cover whatever the heap reuses that range for."""
-    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE)
+    # private: Linux backs a shared anonymous mapping with shmem, whose huge pages a system's THP "madvise" leaves off
+    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping: unmapped when the tensor goes
     start = -raw.data_ptr() % HUGE_PAGE
     if num_bytes and sys.platform == "linux":

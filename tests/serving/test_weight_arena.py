@@ -50,6 +50,7 @@ def test_the_arena_is_advised_for_huge_pages():
     arena = weight_arena.huge_page_bytes(5 * weight_arena.HUGE_PAGE + 100)
     assert arena.data_ptr() % weight_arena.HUGE_PAGE == 0 and arena.numel() == 5 * weight_arena.HUGE_PAGE + 100
     assert "hg" in vm_flags(arena.data_ptr())
+    assert "sh" not in vm_flags(arena.data_ptr())  # private memory: shared anonymous memory is shmem, whose THP differs
     assert "hg" not in vm_flags(torch.empty(8 * weight_arena.HUGE_PAGE, dtype=torch.uint8).data_ptr())
 
 
