@@ -304,6 +304,21 @@ static long take(share *s, int front) {
     return s->start + group * s->most;
 }
 
+/* The first panel of thread t's next group, and in *end the end of the share it came from: from the front of its own
+ * share, then from the backs of the others' (those of threads a smaller team lacks too), *v the share it is on
+ * (0: its own; start at 0). -1 when every share is taken. */
+static long next_group(share *shares, long threads, long t, long *v, long *end) {
+    for (; *v < threads; (*v)++) {
+        share *s = shares + (t + *v) % threads;
+        long q = take(s, *v == 0);
+        if (q >= 0) {
+            *end = s->end;
+            return q;
+        }
+    }
+    return -1;
+}
+
 /* A product's `panels` in equal shares for `threads` threads, groups of `most` panels. */
 static void split(share *shares, long threads, long panels, long most) {
     for (long t = 0; t < threads; t++) {
@@ -313,7 +328,7 @@ static void split(share *shares, long threads, long panels, long most) {
 }
 
 /* Up to FEW_ROWS rows (a decode step, or a verify step of a few rows): each thread its share of the panels
- * (split), ROW_GROUP at a time, then what is left of the others'. */
+ * (split), ROW_GROUP at a time, then what is left of the others' (next_group). */
 static void few_rows(const float *x, long m, long ldx, const void *w, int bf16, long k, long n, const float *bias,
                      const float *add, float *y, long ldy) {
     long threads = omp_get_max_threads();
@@ -321,12 +336,9 @@ static void few_rows(const float *x, long m, long ldx, const void *w, int bf16, 
     split(shares, threads, (n + NR - 1) / NR, ROW_GROUP);
     #pragma omp parallel
     {
-        long t = omp_get_thread_num();
-        for (long v = 0; v < threads; v++) {
-            share *s = shares + (t + v) % threads;
-            for (long q; (q = take(s, v == 0)) >= 0;)
-                groups[m][s->end - q < ROW_GROUP ? s->end - q : ROW_GROUP](x, ldx, w, bf16, k, n, bias, add, y, ldy, q);
-        }
+        long t = omp_get_thread_num(), v = 0, end;
+        for (long q; (q = next_group(shares, threads, t, &v, &end)) >= 0;)
+            groups[m][end - q < ROW_GROUP ? end - q : ROW_GROUP](x, ldx, w, bf16, k, n, bias, add, y, ldy, q);
     }
 }
 
@@ -635,20 +647,16 @@ static void gemm_pairs(const float *x, long m, long ldx, const unsigned short *w
     split(shares, threads, panels, most);
     #pragma omp parallel
     {
-        long t = omp_get_thread_num();
+        long t = omp_get_thread_num(), v = 0, end;
         if (path == BF16_AMX) amx_configure(m < AMX_ROWS ? (int)m : AMX_ROWS);
-        /* its own share from the front, then what is left of the others' from their backs (those of threads a smaller
-         * team lacks too): a thread the memory served slower this time does not hold the rest at the barrier */
-        for (long v = 0; v < threads; v++) {
-            share *s = shares + (t + v) % threads;
-            for (long q; (q = take(s, v == 0)) >= 0;) {
-                long g = s->end - q < most ? s->end - q : most;
-                if (path == BF16_AMX) amx_group(buf, m, ldb, w, kp, n, bias, add, y, ldy, q, (int)g);
-                else for (long i = 0; i < m; i += block) {
-                    long rows = m - i < block ? m - i : block;
-                    const void *xi = (const char *)buf + i * ldb * elem;
-                    (dot ? dots : wides)[rows][g](xi, ldb, w, kp, n, bias, add ? add + i * ldy : 0, y + i * ldy, ldy, q);
-                }
+        /* a thread the memory served slower this time does not hold the rest at the barrier: next_group */
+        for (long q; (q = next_group(shares, threads, t, &v, &end)) >= 0;) {
+            long g = end - q < most ? end - q : most;
+            if (path == BF16_AMX) amx_group(buf, m, ldb, w, kp, n, bias, add, y, ldy, q, (int)g);
+            else for (long i = 0; i < m; i += block) {
+                long rows = m - i < block ? m - i : block;
+                const void *xi = (const char *)buf + i * ldb * elem;
+                (dot ? dots : wides)[rows][g](xi, ldb, w, kp, n, bias, add ? add + i * ldy : 0, y + i * ldy, ldy, q);
             }
         }
         if (path == BF16_AMX) amx_release();
