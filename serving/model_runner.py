@@ -85,7 +85,8 @@ class ModelRunner:
             query_lens.append(len(tokens))
             context_lens.append(start + len(tokens))
         meta = self.metadata(query_lens, context_lens, [table for _, _, table in chunks])
-        return torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, query_lens
+        ids, positions = self.host_longs(ids, positions)
+        return ids, positions, meta, query_lens
 
     def forward_chunks(self, model: Model, cache: KVCache, chunks, num_layers=None) -> torch.Tensor:
         """A model of the target's family (the target itself, a draft model) over `cache`, addressed by the
