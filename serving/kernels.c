@@ -515,7 +515,9 @@ static void emu_dp(int c, int a, int b) {
 #define TILE_DP(c, a, b) emu_dp(c, a, b)
 #else
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
-#define TILE_CONFIG(config) _tile_loadconfig(config)
+/* not _tile_loadconfig: GCC 12's declares an 8-byte operand, so the stores that fill the rest of the configuration
+ * are dropped as dead and ldtilecfg faults on what the stack held */
+#define TILE_CONFIG(config) __asm__ volatile("ldtilecfg %0" ::"m"(*(const tile_config *)(config)))
 #define TILE_RELEASE() _tile_release()
 #define TILE_ZERO(t) _tile_zero(t)
 #define TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
