@@ -309,7 +309,7 @@ def run(args) -> int:
         notes.append(f"no vllm column: vLLM's CPU build serves no {method} head here")
         use_vllm = False
     elif not use_vllm:
-        notes.append(f"no vllm column: {vllm_process.missing_reason() or '--vllm off'}")
+        notes.append(f"no vllm column: {'--vllm off' if args.vllm == 'off' else vllm_process.missing_reason()}")
     loaded = bound_head(head, target)
     served = Served(None, None)
     with tempfile.TemporaryDirectory(prefix="draftheads-check-") as folder:
