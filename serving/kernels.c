@@ -377,6 +377,49 @@ static inline unsigned short round_bf16(float v) {
     return (unsigned short)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* Eight floats' round_bf16, each in the high half of its 32-bit lane (the low half zero): the same bits. */
+static inline __m256i round_bf16_8(__m256 v) {
+    __m256i bits = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    __m256i rounded = _mm256_slli_epi32(_mm256_srli_epi32(up, 16), 16);
+    __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(nan));
+}
+
+/* The rows of x rounded to bfloat16 into buf (ldb apart; rows m .. buf_rows - 1 and columns k .. ldb - 1 zero):
+ * as bfloat16 for the dot products (dot), else widened back to float32. Vectorised: a step of 17 rows rounds ~3
+ * million activations, which one scalar loop, before the threads start, made a visible part of the step. */
+static void round_rows(const float *x, long m, long ldx, long k, void *buf, long buf_rows, long ldb, int dot) {
+    long elem = dot ? 2 : 4;
+    for (long r = 0; r < m; r++) {
+        const float *xr = x + r * ldx;
+        unsigned short *b16 = (unsigned short *)buf + r * ldb;
+        float *b32 = (float *)buf + r * ldb;
+        long c = 0;
+        for (; c + 16 <= k; c += 16) {
+            __m256i lo = round_bf16_8(_mm256_loadu_ps(xr + c)), hi = round_bf16_8(_mm256_loadu_ps(xr + c + 8));
+            if (dot) {
+                __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(lo, 16), _mm256_srli_epi32(hi, 16));
+                _mm256_storeu_si256((__m256i *)(b16 + c), _mm256_permute4x64_epi64(packed, 0xD8));
+            } else {
+                _mm256_storeu_si256((__m256i *)(b32 + c), lo);
+                _mm256_storeu_si256((__m256i *)(b32 + c + 8), hi);
+            }
+        }
+        for (; c < k; c++) {
+            unsigned short b = round_bf16(xr[c]);
+            if (dot) b16[c] = b;
+            else {
+                unsigned int bits = (unsigned int)b << 16;
+                memcpy(b32 + c, &bits, 4);
+            }
+        }
+        memset((char *)buf + (r * ldb + k) * elem, 0, (ldb - k) * elem);
+    }
+    memset((char *)buf + m * ldb * elem, 0, (buf_rows - m) * ldb * elem);
+}
+
 /* The tile's sums (16 columns per panel) into y, with the bias and the added rows as `tile` does. */
 static inline __attribute__((always_inline)) void store_pairs(const float *out, long ldo, int mr, int g, long n,
                                                               long q, const float *bias, const float *add, float *y,
@@ -458,13 +501,17 @@ static inline __attribute__((always_inline)) void wide_tile(int mr, int g, const
     store_pairs(out, 4 * NR, mr, g, n, q, bias, add, y, ldy);
 }
 
-/* AMX: tiles of up to 16 rows x 64 bytes. A step's rows of x (bfloat16, padded with zero rows to a multiple of 16
- * where there are more than 16) are tile 4, 16 pairs of k at a time; 16 pair-panel rows are a weight tile (5, 6, 7;
- * the fourth panel reuses 5); tdpbf16ps adds into tiles 0-3 the float32 sums of 4 panels' 64 columns. Each sum runs
- * over the pairs in order, tile after tile, whatever the rows: a row's bits do not depend on its batch. Linux hands
- * a process the tiles' state only on request (serving/cpu_features.py asks before this path is chosen). */
+/* AMX: tiles of up to 16 rows x 64 bytes, 16 pairs of k at a time; 16 pair-panel rows are a weight tile. Two
+ * layouts of the eight tiles, chosen once per product by its rows:
+ * - up to 16 rows: x is tile 4; the weights tiles 5, 6, 7 (the fourth panel reuses 5); tdpbf16ps adds into tiles 0-3
+ *   the float32 sums of 4 panels' 64 columns;
+ * - more: two blocks of rows at once, x tiles 4 and 5 (16 rows and the rest, or 16 and 16 with x padded with zero
+ *   rows to a multiple of 32), over 2 panels (weights 6, 7) into tiles 0, 1 and 2, 3: each weight tile, loaded
+ *   once, serves both blocks, where one block at a time loaded it once per 16 rows.
+ * Each sum runs over the pairs in order, tile after tile, whatever the rows or the layout: a row's bits do not
+ * depend on its batch. Linux hands a process the tiles' state only on request (serving/cpu_features.py asks before
+ * this path is chosen). */
 #define AMX_ROWS 16
-#define AMX_GROUP 4
 typedef struct {
     unsigned char palette, start_row, reserved[14];
     unsigned short colsb[16];
@@ -525,19 +572,21 @@ static void emu_dp(int c, int a, int b) {
 #define TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
 #endif
 
-/* This thread's tiles for blocks of `rows` rows: sums and x `rows` x 64 bytes, weights 16 x 64. */
-AMX_TARGET static void amx_configure(int rows) {
+/* This thread's tiles: rows_b == 0, one block of rows_a rows (sums and x rows_a x 64 bytes); else blocks of rows_a
+ * and rows_b rows (tiles 0, 1 and x 4: rows_a; 2, 3 and x 5: rows_b). Weight tiles 16 x 64 bytes. */
+AMX_TARGET static void amx_configure(int rows_a, int rows_b) {
     tile_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
     for (int t = 0; t < 8; t++) {
         config.colsb[t] = 64;
-        config.rows[t] = t < 5 ? rows : TILE_PAIRS;
+        if (rows_b == 0) config.rows[t] = t < 5 ? rows_a : TILE_PAIRS;
+        else config.rows[t] = t == 0 || t == 1 || t == 4 ? rows_a : t == 2 || t == 3 || t == 5 ? rows_b : TILE_PAIRS;
     }
     TILE_CONFIG(&config);
 }
 
-/* The configured rows of x (bfloat16, ldx apart, 2 kp long) over panels q .. q + g - 1, g <= AMX_GROUP. */
+/* One block: the configured rows of x (bfloat16, ldx apart, 2 kp long) over panels q .. q + g - 1, g <= 4. */
 AMX_TARGET static void amx_block(int mr, int g, const unsigned short *x, long ldx, const unsigned short *w, long kp,
                                  long n, const float *bias, const float *add, float *y, long ldy, long q) {
     long panel_elems = kp * PAIR_ROW, row_bytes = PAIR_ROW * 2;
@@ -565,8 +614,8 @@ AMX_TARGET static void amx_block(int mr, int g, const unsigned short *x, long ld
             TILE_DP(3, 4, 5);
         }
     }
-    float out[AMX_ROWS * AMX_GROUP * NR];
-    long ldo = AMX_GROUP * NR;
+    float out[AMX_ROWS * 4 * NR];
+    long ldo = 4 * NR;
     TILE_STORE(0, out, ldo * 4);
     if (g > 1) TILE_STORE(1, out + NR, ldo * 4);
     if (g > 2) TILE_STORE(2, out + 2 * NR, ldo * 4);
@@ -574,13 +623,61 @@ AMX_TARGET static void amx_block(int mr, int g, const unsigned short *x, long ld
     store_pairs(out, ldo, mr, g, n, q, bias, add, y, ldy);
 }
 
-/* Panels q .. q + g - 1 (g <= AMX_GROUP), every block of rows (x holds whole blocks), on tiles amx_configure set. */
+/* Two blocks: rows x and x + 16 rows (their first ma and mb stored) over panels q .. q + g - 1, g <= 2. */
+AMX_TARGET static void amx_blocks(int ma, int mb, int g, const unsigned short *x, long ldx, const unsigned short *w,
+                                  long kp, long n, const float *bias, const float *add, float *y, long ldy, long q) {
+    long panel_elems = kp * PAIR_ROW, row_bytes = PAIR_ROW * 2;
+    const unsigned short *w0 = w + q * panel_elems, *w1 = w0 + panel_elems, *xb = x + AMX_ROWS * ldx;
+    TILE_ZERO(0);
+    TILE_ZERO(1);
+    TILE_ZERO(2);
+    TILE_ZERO(3);
+    for (long p = 0; p < kp; p += TILE_PAIRS) {
+        long at = p * PAIR_ROW;
+        TILE_LOAD(4, x + 2 * p, ldx * 2);
+        TILE_LOAD(5, xb + 2 * p, ldx * 2);
+        TILE_LOAD(6, w0 + at, row_bytes);
+        TILE_DP(0, 4, 6);
+        TILE_DP(2, 5, 6);
+        if (g > 1) {
+            TILE_LOAD(7, w1 + at, row_bytes);
+            TILE_DP(1, 4, 7);
+            TILE_DP(3, 5, 7);
+        }
+    }
+    float out[2][AMX_ROWS * 2 * NR];
+    long ldo = 2 * NR;
+    TILE_STORE(0, out[0], ldo * 4);
+    TILE_STORE(2, out[1], ldo * 4);
+    if (g > 1) {
+        TILE_STORE(1, out[0] + NR, ldo * 4);
+        TILE_STORE(3, out[1] + NR, ldo * 4);
+    }
+    store_pairs(out[0], ldo, ma, g, n, q, bias, add, y, ldy);
+    if (mb > 0)
+        store_pairs(out[1], ldo, mb, g, n, q, bias, add ? add + AMX_ROWS * ldy : 0, y + AMX_ROWS * ldy, ldy);
+}
+
+/* Panels q .. q + g - 1 for every row, in the layout amx_configure set for m rows (amx_rows). */
 AMX_TARGET static void amx_group(const unsigned short *x, long m, long ldx, const unsigned short *w, long kp, long n,
                                  const float *bias, const float *add, float *y, long ldy, long q, int g) {
-    for (long i = 0; i < m; i += AMX_ROWS) {
-        int rows = m - i < AMX_ROWS ? (int)(m - i) : AMX_ROWS;
-        amx_block(rows, g, x + i * ldx, ldx, w, kp, n, bias, add ? add + i * ldy : 0, y + i * ldy, ldy, q);
+    if (m <= AMX_ROWS) {
+        amx_block((int)m, g, x, ldx, w, kp, n, bias, add, y, ldy, q);
+        return;
     }
+    for (long i = 0; i < m; i += 2 * AMX_ROWS) {
+        long ma = m - i < AMX_ROWS ? m - i : AMX_ROWS, mb = m - i - ma < AMX_ROWS ? m - i - ma : AMX_ROWS;
+        amx_blocks((int)ma, (int)mb, g, x + i * ldx, ldx, w, kp, n, bias, add ? add + i * ldy : 0, y + i * ldy, ldy,
+                   q);
+    }
+}
+
+/* The tile rows of m rows' layout (amx_configure's), the rows x must hold (the rest zeros) and the panels of a group. */
+static void amx_rows(long m, int *rows_a, int *rows_b, long *buf_rows, long *group) {
+    *rows_a = m < AMX_ROWS ? (int)m : AMX_ROWS;
+    *rows_b = m <= AMX_ROWS ? 0 : m <= 2 * AMX_ROWS ? (int)(m - AMX_ROWS) : AMX_ROWS;
+    *buf_rows = m <= 2 * AMX_ROWS ? m : (m + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS) * (2 * AMX_ROWS);
+    *group = m <= AMX_ROWS ? 4 : 2;
 }
 
 AMX_TARGET static void amx_release(void) { TILE_RELEASE(); }
@@ -628,29 +725,22 @@ static void gemm_pairs(const float *x, long m, long ldx, const unsigned short *w
                        const float *bias, const float *add, float *y, long ldy) {
     long kp = PANEL_PAIRS(k), ldb = 2 * kp, panels = (n + NR - 1) / NR;
     int dot = path == BF16_DOT || path == BF16_AMX;
-    /* AMX reads x in whole blocks of rows: the rows past m are zeros */
-    long buf_rows = path == BF16_AMX && m > AMX_ROWS ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m;
+    int rows_a = 0, rows_b = 0;
+    long buf_rows = m, amx_group_panels = 0;
+    if (path == BF16_AMX) amx_rows(m, &rows_a, &rows_b, &buf_rows, &amx_group_panels);
     void *buf = malloc((size_t)buf_rows * ldb * (dot ? 2 : 4));
-    for (long r = 0; r < buf_rows; r++)
-        for (long c = 0; c < ldb; c++) {
-            unsigned short b = r < m && c < k ? round_bf16(x[r * ldx + c]) : 0;
-            if (dot) ((unsigned short *)buf)[r * ldb + c] = b;
-            else {
-                unsigned int bits = (unsigned int)b << 16;
-                memcpy((float *)buf + r * ldb + c, &bits, 4);
-            }
-        }
+    round_rows(x, m, ldx, k, buf, buf_rows, ldb, dot);
     long block = path == BF16_AMX ? AMX_ROWS : dot ? DOT_ROWS : MR, elem = dot ? 2 : 4;
     /* a group's panels stay in L2 for every further block of rows; a block of fewer rows takes as many */
     long full = m < block ? m : block;
-    long most = path == BF16_AMX ? AMX_GROUP : dot ? DOT_GROUP(full) : WIDE_GROUP(full);
+    long most = path == BF16_AMX ? amx_group_panels : dot ? DOT_GROUP(full) : WIDE_GROUP(full);
     long threads = omp_get_max_threads();
     share shares[threads];
     split(shares, threads, panels, most);
     #pragma omp parallel
     {
         long t = omp_get_thread_num(), v = 0, end;
-        if (path == BF16_AMX) amx_configure(m < AMX_ROWS ? (int)m : AMX_ROWS);
+        if (path == BF16_AMX) amx_configure(rows_a, rows_b);
         /* a thread the memory served slower this time does not hold the rest at the barrier: next_group */
         for (long q; (q = next_group(shares, threads, t, &v, &end)) >= 0;) {
             long g = end - q < most ? end - q : most;
@@ -764,6 +854,142 @@ static inline long key_slot(const long *sl, long context, const long *path, long
  * depend on its keys alone, whichever task computes them. */
 #define KEY_CHUNK 128
 
+/* One row's scores against 8 keys (kr), for its heads r0 .. r0 + g - 1 (qs rows, dim apart), into scores (width
+ * apart) at column at: per key 8 lanes summing q * k over the dims 8 at a time, then sum8. */
+static inline void scores8(const float *qs, long dim, long r0, long g, const float *const *kr, float *scores,
+                           long width, long at) {
+    for (long r = r0; r < r0 + g; r++) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+        for (long v = 0; v < dim / 8; v++) {
+            __m256 qv = _mm256_loadu_ps(qs + r * dim + 8 * v);
+            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + 8 * v), a[j]);
+        }
+        _mm256_storeu_ps(scores + r * width + at, sum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
+    }
+}
+
+/* One row's weighted sums of values (part + 2 of each head's part, part_floats apart) for its heads sharing the
+ * keys: per head and lane one running sum over the visible keys in order, weights s (width apart per head). */
+static inline void weigh_values(const float *v_pool, const long *sl, long context, const long *path, long c0,
+                                long visible, long h, long kv_heads, long dim, const float *s, long width, long g,
+                                float *part, long part_floats) {
+    long vecs = dim / 8;
+    for (long x = 0; x < g; x++) {
+        const float *sx = s + x * width;
+        float *px = part + x * part_floats;
+        for (long v0 = 0; v0 < vecs; v0 += 8) {  /* 8 vectors of the sums at a time, in registers */
+            __m256 acc[8];
+            long nv = vecs - v0 < 8 ? vecs - v0 : 8;
+            for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
+            for (long c = 0; c < visible; c++) {
+                const float *vr = v_pool + (key_slot(sl, context, path, c0 + c) * kv_heads + h) * dim + 8 * v0;
+                __m256 p = _mm256_set1_ps(sx[c]);
+                if (nv == 8)
+                    for (int v = 0; v < 8; v++) acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+                else
+                    for (int v = 0; v < nv; v++) acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+            }
+            for (int v = 0; v < nv; v++) _mm256_storeu_ps(px + 2 + 8 * (v0 + v), acc[v]);
+        }
+    }
+}
+
+#ifdef __AVX512F__
+/* With AVX-512 the same sums, two 8-lane sums to a 512-bit register, so that one FMA does the work of two and each
+ * key (or value) read serves every head of the row: the additions, their lanes and their order are scores8's and
+ * weigh_values', so the bits are the AVX2 build's. A verify step's rows make attention FMA-bound. */
+static inline __m512 join8(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+static inline __m512 twice8(const float *at) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(at))));
+}
+#define LO8(z) _mm512_castps512_ps256(z)
+#define HI8(z) _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1))
+
+/* scores8 for G heads at once: keys 2p and 2p + 1 side by side in pair p */
+static inline __attribute__((always_inline)) void scores8_x(int G, const float *qs, long dim, long r0,
+                                                             const float *const *kr, float *scores, long width,
+                                                             long at) {
+    __m512 acc[4][4];
+    _Pragma("GCC unroll 4") for (int x = 0; x < G; x++)
+        _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) acc[x][p] = _mm512_setzero_ps();
+    for (long v = 0; v < dim / 8; v++) {
+        __m512 keys[4];
+        _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++)
+            keys[p] = join8(_mm256_loadu_ps(kr[2 * p] + 8 * v), _mm256_loadu_ps(kr[2 * p + 1] + 8 * v));
+        _Pragma("GCC unroll 4") for (int x = 0; x < G; x++) {
+            __m512 qv = twice8(qs + (r0 + x) * dim + 8 * v);
+            _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) acc[x][p] = _mm512_fmadd_ps(qv, keys[p], acc[x][p]);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int x = 0; x < G; x++)
+        _mm256_storeu_ps(scores + (r0 + x) * width + at,
+                         sum8(LO8(acc[x][0]), HI8(acc[x][0]), LO8(acc[x][1]), HI8(acc[x][1]), LO8(acc[x][2]),
+                              HI8(acc[x][2]), LO8(acc[x][3]), HI8(acc[x][3])));
+}
+
+static inline void scores8_heads(const float *qs, long dim, long r0, long g, const float *const *kr, float *scores,
+                                 long width, long at) {
+    for (long x = 0; x < g; x += 4) {
+        switch (g - x < 4 ? g - x : 4) {
+        case 4: scores8_x(4, qs, dim, r0 + x, kr, scores, width, at); break;
+        case 3: scores8_x(3, qs, dim, r0 + x, kr, scores, width, at); break;
+        case 2: scores8_x(2, qs, dim, r0 + x, kr, scores, width, at); break;
+        default: scores8_x(1, qs, dim, r0 + x, kr, scores, width, at);
+        }
+    }
+}
+
+/* weigh_values for G heads and 16 of the dims (d0 ..) at once, each 512-bit sum two 8-lane ones */
+static inline __attribute__((always_inline)) void weigh_x(int G, const float *v_pool, const long *sl, long context,
+                                                           const long *path, long c0, long visible, long h,
+                                                           long kv_heads, long dim, long d0, const float *s,
+                                                           long width, float *part, long part_floats) {
+    __m512 acc[4][4];
+    _Pragma("GCC unroll 4") for (int x = 0; x < G; x++)
+        _Pragma("GCC unroll 4") for (int z = 0; z < 4; z++) acc[x][z] = _mm512_setzero_ps();
+    for (long c = 0; c < visible; c++) {
+        const float *vr = v_pool + (key_slot(sl, context, path, c0 + c) * kv_heads + h) * dim + d0;
+        __m512 vals[4];
+        _Pragma("GCC unroll 4") for (int z = 0; z < 4; z++) vals[z] = _mm512_loadu_ps(vr + 16 * z);
+        _Pragma("GCC unroll 4") for (int x = 0; x < G; x++) {
+            __m512 p = _mm512_set1_ps(s[x * width + c]);
+            _Pragma("GCC unroll 4") for (int z = 0; z < 4; z++) acc[x][z] = _mm512_fmadd_ps(p, vals[z], acc[x][z]);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int x = 0; x < G; x++)
+        _Pragma("GCC unroll 4") for (int z = 0; z < 4; z++)
+            _mm512_storeu_ps(part + x * part_floats + 2 + d0 + 16 * z, acc[x][z]);
+}
+
+static inline void weigh_values_heads(const float *v_pool, const long *sl, long context, const long *path, long c0,
+                                      long visible, long h, long kv_heads, long dim, const float *s, long width,
+                                      long g, float *part, long part_floats) {
+    if (dim % 64) {
+        weigh_values(v_pool, sl, context, path, c0, visible, h, kv_heads, dim, s, width, g, part, part_floats);
+        return;
+    }
+    for (long d0 = 0; d0 < dim; d0 += 64)
+        for (long x = 0; x < g; x += 3) {
+            const float *sx = s + x * width;
+            float *px = part + x * part_floats;
+            switch (g - x < 3 ? g - x : 3) {
+            case 3: weigh_x(3, v_pool, sl, context, path, c0, visible, h, kv_heads, dim, d0, sx, width, px,
+                            part_floats); break;
+            case 2: weigh_x(2, v_pool, sl, context, path, c0, visible, h, kv_heads, dim, d0, sx, width, px,
+                            part_floats); break;
+            default: weigh_x(1, v_pool, sl, context, path, c0, visible, h, kv_heads, dim, d0, sx, width, px,
+                             part_floats);
+            }
+        }
+}
+#else
+#define scores8_heads scores8
+#define weigh_values_heads weigh_values
+#endif
+
 /* One task of paged_attention: every row of one sequence and the query heads of key-value heads [h0, h1) over its
  * keys [c0, c1), into parts ([rows][heads][dim + 2]): per (row, head) the chunk's largest score, its sum of
  * exponentials and the unnormalised weighted sum of values. Two passes rather than an online softmax: every row's
@@ -774,7 +1000,7 @@ static void attend_chunk(const float *q, long q_stride, const float *k_pool, con
                          const long *sl, const long *tree_paths, long path_stride, long c0, long c1, long h0, long h1,
                          long heads, long kv_heads, long dim, float scale, long window, float *parts) {
     long first = seq->first_row, rows = seq->query_rows, context = seq->context, group = heads / kv_heads;
-    long hs = (h1 - h0) * group, n = (rows + seq->tree_rows) * hs, vecs = dim / 8, width = (c1 - c0 + 7) / 8 * 8;
+    long hs = (h1 - h0) * group, n = (rows + seq->tree_rows) * hs, width = (c1 - c0 + 7) / 8 * 8;
     float *buf = malloc(sizeof(float) * n * (dim + width));
     long *seen = malloc(sizeof(long) * n);
     float *qs = buf, *scores = buf + n * dim;  /* row-head r = i * hs + (head - h0 * group): row i */
@@ -803,64 +1029,57 @@ static void attend_chunk(const float *q, long q_stride, const float *k_pool, con
                         kp[j] = k_pool + (key_slot(sl, context, tree_paths + t * path_stride, b0 + j) * kv_heads + h) * dim;
                     krow = kp;
                 }
-                for (long r = r0; r < r0 + group; r++) {
-                    __m256 a[8];
-                    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-                    for (long v = 0; v < vecs; v++) {
-                        __m256 qv = _mm256_loadu_ps(qs + r * dim + 8 * v);
-                        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krow[j] + 8 * v), a[j]);
-                    }
-                    _mm256_storeu_ps(scores + r * width + (b0 - c0), sum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
-                }
+                scores8_heads(qs, dim, r0, group, krow, scores, width, b0 - c0);
             }
         }
     }
-    for (long r = 0; r < n; r++) {
-        long i = r / hs, hq = h0 * group + r % hs, h = hq / group, t = i - rows;
+    for (long r0 = 0; r0 < n; r0 += group) {  /* one row's heads of one key-value head: the same keys */
+        long i = r0 / hs, hq0 = h0 * group + r0 % hs, h = hq0 / group, t = i - rows;
         const long *path = t >= 0 ? tree_paths + t * path_stride : 0;
-        float *part = parts + (i * heads + hq) * (dim + 2);
-        long visible = (seen[r] < c1 ? seen[r] : c1) - c0;  /* this chunk's keys up to the row's own */
-        long hidden = window && seen[r] - window > c0 ? seen[r] - window - c0 : 0;  /* those before its window */
+        float *part0 = parts + (i * heads + hq0) * (dim + 2);
+        long visible = (seen[r0] < c1 ? seen[r0] : c1) - c0;  /* this chunk's keys up to the row's own */
+        long hidden = window && seen[r0] - window > c0 ? seen[r0] - window - c0 : 0;  /* those before its window */
         if (visible <= hidden) {
-            part[0] = -INFINITY;
-            for (long d = 1; d < dim + 2; d++) part[d] = 0.0f;
+            for (long x = 0; x < group; x++) {
+                float *part = part0 + x * (dim + 2);
+                part[0] = -INFINITY;
+                for (long d = 1; d < dim + 2; d++) part[d] = 0.0f;
+            }
             continue;
         }
         long blocks = (visible + 7) / 8 * 8;
-        float *s = scores + r * width;
-        for (long c = visible; c < blocks; c++) s[c] = -INFINITY;
-        for (long c = 0; c < hidden; c++) s[c] = -INFINITY;
-        __m256 mv = _mm256_set1_ps(-INFINITY), lv = _mm256_setzero_ps();
-        for (long c = 0; c < blocks; c += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + c));
-        float lanes[8], mx = -INFINITY, l = 0.0f;
-        _mm256_storeu_ps(lanes, mv);
-        for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
-        for (long c = 0; c < blocks; c += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_set1_ps(mx)));
-            _mm256_storeu_ps(s + c, e);
-            lv = _mm256_add_ps(lv, e);
-        }
-        _mm256_storeu_ps(lanes, lv);
-        for (int j = 0; j < 8; j++) l += lanes[j];
-        part[0] = mx;
-        part[1] = l;
-        for (long v0 = 0; v0 < vecs; v0 += 8) {  /* 8 vectors of the sums at a time, in registers */
-            __m256 acc[8];
-            long nv = vecs - v0 < 8 ? vecs - v0 : 8;
-            for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
-            for (long c = 0; c < visible; c++) {
-                const float *vr = v_pool + (key_slot(sl, context, path, c0 + c) * kv_heads + h) * dim + 8 * v0;
-                __m256 p = _mm256_set1_ps(s[c]);
-                if (nv == 8)
-                    for (int v = 0; v < 8; v++) acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
-                else
-                    for (int v = 0; v < nv; v++) acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+        for (long r = r0; r < r0 + group; r++) {
+            float *s = scores + r * width, *part = part0 + (r - r0) * (dim + 2);
+            for (long c = visible; c < blocks; c++) s[c] = -INFINITY;
+            for (long c = 0; c < hidden; c++) s[c] = -INFINITY;
+            __m256 mv = _mm256_set1_ps(-INFINITY), lv = _mm256_setzero_ps();
+            for (long c = 0; c < blocks; c += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + c));
+            float lanes[8], mx = -INFINITY, l = 0.0f;
+            _mm256_storeu_ps(lanes, mv);
+            for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+            for (long c = 0; c < blocks; c += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), _mm256_set1_ps(mx)));
+                _mm256_storeu_ps(s + c, e);
+                lv = _mm256_add_ps(lv, e);
             }
-            for (int v = 0; v < nv; v++) _mm256_storeu_ps(part + 2 + 8 * (v0 + v), acc[v]);
+            _mm256_storeu_ps(lanes, lv);
+            for (int j = 0; j < 8; j++) l += lanes[j];
+            part[0] = mx;
+            part[1] = l;
         }
+        weigh_values_heads(v_pool, sl, context, path, c0, visible, h, kv_heads, dim, scores + r0 * width, width,
+                           group, part0, dim + 2);
     }
     free(seen);
     free(buf);
+}
+
+/* A sequence's tasks per chunk of keys: one per key-value head where its keys are one chunk, or where it has rows
+ * enough that the arithmetic outweighs reading each head's keys through strides (a verify step's: a 17-row tree over
+ * 3 chunks was 3 tasks for 2 threads); else one over every head. Which task computes a row's sums changes none. */
+#define SPLIT_HEADS_ROWS 4
+static long head_tasks(const sequence *seq, long chunks, long kv_heads) {
+    return chunks == 1 || seq->query_rows + seq->tree_rows >= SPLIT_HEADS_ROWS ? kv_heads : 1;
 }
 
 /* Attention of short queries (decode, verify) and draft-tree rows over keys read in place from the paged pool,
@@ -868,8 +1087,8 @@ static void attend_chunk(const float *q, long q_stride, const float *k_pool, con
  * Query row i of a sequence sees keys 0 .. context - query_rows + i. Tree row t, after the query rows, sees the whole
  * context and then its path (its ancestors' slots and its own), so its sums run over the keys a decode step at its
  * position would read, in the same chunks and order: a node's output is the one that step gives.
- * Tasks per sequence (attend_chunk): one per key-value head where its keys are one chunk, else one per chunk over
- * every head; then each row's chunks are merged in order (a lone chunk's result as it is). */
+ * Tasks per sequence (attend_chunk): per chunk of keys, one per key-value head or one over every head (head_tasks);
+ * then each row's chunks are merged in order (a lone chunk's result as it is). */
 void paged_attention(const attention_args *a) {
     const attention_batch *batch = a->batch;
     const float *q = a->q;
@@ -897,7 +1116,7 @@ void paged_attention(const attention_args *a) {
             if (seq->context + tree_paths[t * path_stride] > num_keys[b])
                 num_keys[b] = seq->context + tree_paths[t * path_stride];
         long chunks = (num_keys[b] + KEY_CHUNK - 1) / KEY_CHUNK;
-        first_task[b + 1] = first_task[b] + (chunks == 1 ? kv_heads : chunks);
+        first_task[b + 1] = first_task[b] + chunks * head_tasks(seq, chunks, kv_heads);
         first_part[b + 1] = first_part[b] + chunks * (seq->query_rows + seq->tree_rows);
     }
     long part_floats = heads * (dim + 2);
@@ -907,8 +1126,9 @@ void paged_attention(const attention_args *a) {
         long b = 0;
         while (first_task[b + 1] <= task) b++;
         const sequence *seq = seqs + b;
-        long k = task - first_task[b], one_chunk = num_keys[b] <= KEY_CHUNK;
-        long j = one_chunk ? 0 : k, h0 = one_chunk ? k : 0, h1 = one_chunk ? k + 1 : kv_heads, c0 = j * KEY_CHUNK;
+        long chunks = (num_keys[b] + KEY_CHUNK - 1) / KEY_CHUNK, split = head_tasks(seq, chunks, kv_heads);
+        long k = task - first_task[b], j = k / split, h0 = split == 1 ? 0 : k % split, h1 = split == 1 ? kv_heads : h0 + 1;
+        long c0 = j * KEY_CHUNK;
         long c1 = c0 + KEY_CHUNK < num_keys[b] ? c0 + KEY_CHUNK : num_keys[b];
         attend_chunk(q, q_stride, k_pool, v_pool, seq, slots + b * slot_stride, paths + seq->first_path * path_stride,
                      path_stride, c0, c1, h0, h1, heads, kv_heads, dim, scale, a->window,

@@ -91,6 +91,25 @@ def test_a_row_s_bits_do_not_depend_on_its_batch(on_path, in_features, out_featu
     assert torch.equal(packed(x[37:50]), alone[37:50])  # rows in another place of the batch
 
 
+@pytest.mark.parametrize("on_path", PATHS, indirect=True)
+def test_the_activations_round_as_torch_rounds_them(on_path):
+    """Through an identity layer each output is its input rounded to bfloat16, bit for bit as Tensor.bfloat16():
+    halfway cases (to even, up and down) of either sign, the largest values and the scalar tail past the vectorised
+    part (not infinities, whose product with the identity's zeros is NaN, nor subnormals, which AMX and vdpbf16ps
+    read as zero)."""
+    k = 37
+    layer = nn.Linear(k, k, bias=False).requires_grad_(False)
+    layer.weight.copy_(torch.eye(k))
+    packed = kernels.PackedLinear(layer, torch.bfloat16, torch.bfloat16)
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0xBF808000, 0xBF818000, 0x7F7E8000,
+                         0xFF7E8000, 0x7F7F7FFF, 0x00818000, 0x00828000], dtype=torch.int64)
+    special = bits.to(torch.int32).view(torch.float32)
+    x = torch.randn(5, k)
+    x[:, :len(special)] = special
+    x[3, 20:20 + len(special)] = special  # in the scalar tail of a row (past the 16-wide part)
+    assert torch.equal(packed(x), x.bfloat16().float())
+
+
 def test_without_kernels_torch_computes_over_the_rounded_operands(monkeypatch):
     monkeypatch.setenv("DRAFTHEADS_KERNELS", "torch")
     kernels.library.cache_clear()

@@ -212,6 +212,42 @@ def test_paged_attention_kernel_matches_torch(num_heads, num_kv, head_dim):
     torch.testing.assert_close(fast(1, q, k, v), reference(1, q, k, v))
 
 
+@pytest.mark.skipif(kernels.library() is None or kernels.compile_flags() == kernels.FLAGS,
+                    reason="the kernels do not build here, or this CPU has no AVX-512 build to compare")
+@pytest.mark.parametrize("num_heads,num_kv,head_dim", [(9, 3, 64), (8, 2, 16), (4, 1, 256), (2, 1, 96), (5, 1, 64)])
+def test_attention_with_avx512_gives_the_avx2_build_s_bits(num_heads, num_kv, head_dim, monkeypatch, tmp_path):
+    """The AVX-512 build's attention (two 8-lane sums to a register, every head of a key-value head at once) adds
+    the same numbers in the same order as the AVX2 build (Zen 3): decode rows, verify rows and a sequence long
+    enough to split into chunks, bit for bit."""
+    from serving.attention import KVCache, PagedAttention, PagedMetadata
+
+    torch.manual_seed(head_dim)
+    block_size, query_lens, context_lens = 4, [1, 17, 5, 1], [9, 300, 40, 600]
+    cache = KVCache(2, 300, block_size, num_kv, head_dim, torch.float32, "cpu")
+    cache.k.normal_()
+    cache.v.normal_()
+    order = torch.randperm(300).tolist()
+    tables, used = [], 0
+    for context in context_lens:
+        tables.append(order[used:used - (-context // block_size)])
+        used += -(-context // block_size)
+    meta = PagedMetadata.build(query_lens, context_lens, tables, block_size, "cpu")
+    q = torch.randn(sum(query_lens), num_heads, head_dim)
+    k, v = torch.randn(sum(query_lens), num_kv, head_dim), torch.randn(sum(query_lens), num_kv, head_dim)
+    avx512 = PagedAttention(cache, meta)
+    wide = avx512(1, q, k, v)
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "compile_flags", lambda: kernels.FLAGS)
+    kernels.library.cache_clear()
+    try:
+        narrow = PagedAttention(cache, meta)
+        assert narrow.lib is not None and narrow.lib is not avx512.lib
+        assert torch.equal(narrow(1, q, k, v), wide)
+    finally:
+        monkeypatch.undo()
+        kernels.library.cache_clear()
+
+
 @pytest.mark.parametrize("rows", [1, 3, 5, 16])
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 23, 4096, 49157])
 def test_argmax_matches_torch_with_ties_and_nans(rows, n):
