@@ -291,30 +291,32 @@ typedef struct {
     unsigned long groups;
 } __attribute__((aligned(64))) share;
 
-/* The first panel of a group taken from the share (front or back), or -1 when none is left. */
-static long take(share *s, int front) {
+/* Groups taken from the share: from the front (its owner) a quarter of those left, at least one; from the back
+ * (another thread) one. The first panel taken, and in *stop the end of the panels taken; -1 when none is left.
+ * The owner's claims shrink as its share does, so a product takes a few compare-and-swaps a thread (each a full
+ * fence) rather than one per group, and the last groups are still single ones for the others to take. */
+static long take(share *s, int front, long *stop) {
     unsigned long now = __atomic_load_n(&s->groups, __ATOMIC_ACQUIRE), next;
-    long group;
+    long group, count;
     do {
         unsigned long first = now & 0xFFFFFFFFu, last = now >> 32;
         if (first >= last) return -1;
+        count = front && (last - first) / 4 > 1 ? (long)((last - first) / 4) : 1;
         group = (long)(front ? first : last - 1);
-        next = front ? now + 1 : now - (1ul << 32);
+        next = front ? now + (unsigned long)count : now - (1ul << 32);
     } while (!__atomic_compare_exchange_n(&s->groups, &now, next, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
-    return s->start + group * s->most;
+    long q = s->start + group * s->most, e = q + count * s->most;
+    *stop = e < s->end ? e : s->end;
+    return q;
 }
 
-/* The first panel of thread t's next group, and in *end the end of the share it came from: from the front of its own
+/* The first panel of thread t's next groups, and in *end the end of the panels taken: from the front of its own
  * share, then from the backs of the others' (those of threads a smaller team lacks too), *v the share it is on
  * (0: its own; start at 0). -1 when every share is taken. */
 static long next_group(share *shares, long threads, long t, long *v, long *end) {
     for (; *v < threads; (*v)++) {
-        share *s = shares + (t + *v) % threads;
-        long q = take(s, *v == 0);
-        if (q >= 0) {
-            *end = s->end;
-            return q;
-        }
+        long q = take(shares + (t + *v) % threads, *v == 0, end);
+        if (q >= 0) return q;
     }
     return -1;
 }
@@ -337,8 +339,9 @@ static void few_rows(const float *x, long m, long ldx, const void *w, int bf16, 
     #pragma omp parallel
     {
         long t = omp_get_thread_num(), v = 0, end;
-        for (long q; (q = next_group(shares, threads, t, &v, &end)) >= 0;)
-            groups[m][end - q < ROW_GROUP ? end - q : ROW_GROUP](x, ldx, w, bf16, k, n, bias, add, y, ldy, q);
+        for (long q0; (q0 = next_group(shares, threads, t, &v, &end)) >= 0;)
+            for (long q = q0; q < end; q += ROW_GROUP)
+                groups[m][end - q < ROW_GROUP ? end - q : ROW_GROUP](x, ldx, w, bf16, k, n, bias, add, y, ldy, q);
     }
 }
 
@@ -742,15 +745,17 @@ static void gemm_pairs(const float *x, long m, long ldx, const unsigned short *w
         long t = omp_get_thread_num(), v = 0, end;
         if (path == BF16_AMX) amx_configure(rows_a, rows_b);
         /* a thread the memory served slower this time does not hold the rest at the barrier: next_group */
-        for (long q; (q = next_group(shares, threads, t, &v, &end)) >= 0;) {
-            long g = end - q < most ? end - q : most;
-            if (path == BF16_AMX) amx_group(buf, m, ldb, w, kp, n, bias, add, y, ldy, q, (int)g);
-            else for (long i = 0; i < m; i += block) {
-                long rows = m - i < block ? m - i : block;
-                const void *xi = (const char *)buf + i * ldb * elem;
-                (dot ? dots : wides)[rows][g](xi, ldb, w, kp, n, bias, add ? add + i * ldy : 0, y + i * ldy, ldy, q);
+        for (long q0; (q0 = next_group(shares, threads, t, &v, &end)) >= 0;)
+            for (long q = q0; q < end; q += most) {
+                long g = end - q < most ? end - q : most;
+                if (path == BF16_AMX) amx_group(buf, m, ldb, w, kp, n, bias, add, y, ldy, q, (int)g);
+                else for (long i = 0; i < m; i += block) {
+                    long rows = m - i < block ? m - i : block;
+                    const void *xi = (const char *)buf + i * ldb * elem;
+                    (dot ? dots : wides)[rows][g](xi, ldb, w, kp, n, bias, add ? add + i * ldy : 0, y + i * ldy,
+                                                  ldy, q);
+                }
             }
-        }
         if (path == BF16_AMX) amx_release();
     }
     free(buf);
