@@ -506,8 +506,8 @@ static inline __attribute__((always_inline)) void wide_tile(int mr, int g, const
 
 /* AMX: tiles of up to 16 rows x 64 bytes, 16 pairs of k at a time; 16 pair-panel rows are a weight tile. Two
  * layouts of the eight tiles, chosen once per product by its rows:
- * - up to 16 rows: x is tile 4; the weights tiles 5, 6, 7 (the fourth panel reuses 5); tdpbf16ps adds into tiles 0-3
- *   the float32 sums of 4 panels' 64 columns;
+ * - up to 16 rows: x is tile 4, the weights tiles 5, 6, 7; tdpbf16ps adds into tiles 0-2 the float32 sums of 3
+ *   panels' 48 columns (a fourth panel reusing tile 5 waited on the first's product to free it: 3-6% slower steps);
  * - more: two blocks of rows at once, x tiles 4 and 5 (16 rows and the rest, or 16 and 16 with x padded with zero
  *   rows to a multiple of 32), over 2 panels (weights 6, 7) into tiles 0, 1 and 2, 3: each weight tile, loaded
  *   once, serves both blocks, where one block at a time loaded it once per 16 rows.
@@ -589,16 +589,14 @@ AMX_TARGET static void amx_configure(int rows_a, int rows_b) {
     TILE_CONFIG(&config);
 }
 
-/* One block: the configured rows of x (bfloat16, ldx apart, 2 kp long) over panels q .. q + g - 1, g <= 4. */
+/* One block: the configured rows of x (bfloat16, ldx apart, 2 kp long) over panels q .. q + g - 1, g <= 3. */
 AMX_TARGET static void amx_block(int mr, int g, const unsigned short *x, long ldx, const unsigned short *w, long kp,
                                  long n, const float *bias, const float *add, float *y, long ldy, long q) {
     long panel_elems = kp * PAIR_ROW, row_bytes = PAIR_ROW * 2;
-    const unsigned short *w0 = w + q * panel_elems, *w1 = w0 + panel_elems, *w2 = w1 + panel_elems,
-                         *w3 = w2 + panel_elems;
+    const unsigned short *w0 = w + q * panel_elems, *w1 = w0 + panel_elems, *w2 = w1 + panel_elems;
     TILE_ZERO(0);
     TILE_ZERO(1);
     TILE_ZERO(2);
-    TILE_ZERO(3);
     for (long p = 0; p < kp; p += TILE_PAIRS) {
         long at = p * PAIR_ROW;
         TILE_LOAD(4, x + 2 * p, ldx * 2);
@@ -612,17 +610,12 @@ AMX_TARGET static void amx_block(int mr, int g, const unsigned short *x, long ld
             TILE_LOAD(7, w2 + at, row_bytes);
             TILE_DP(2, 4, 7);
         }
-        if (g > 3) {
-            TILE_LOAD(5, w3 + at, row_bytes);
-            TILE_DP(3, 4, 5);
-        }
     }
-    float out[AMX_ROWS * 4 * NR];
-    long ldo = 4 * NR;
+    float out[AMX_ROWS * 3 * NR];
+    long ldo = 3 * NR;
     TILE_STORE(0, out, ldo * 4);
     if (g > 1) TILE_STORE(1, out + NR, ldo * 4);
     if (g > 2) TILE_STORE(2, out + 2 * NR, ldo * 4);
-    if (g > 3) TILE_STORE(3, out + 3 * NR, ldo * 4);
     store_pairs(out, ldo, mr, g, n, q, bias, add, y, ldy);
 }
 
@@ -680,7 +673,7 @@ static void amx_rows(long m, int *rows_a, int *rows_b, long *buf_rows, long *gro
     *rows_a = m < AMX_ROWS ? (int)m : AMX_ROWS;
     *rows_b = m <= AMX_ROWS ? 0 : m <= 2 * AMX_ROWS ? (int)(m - AMX_ROWS) : AMX_ROWS;
     *buf_rows = m <= 2 * AMX_ROWS ? m : (m + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS) * (2 * AMX_ROWS);
-    *group = m <= AMX_ROWS ? 4 : 2;
+    *group = m <= AMX_ROWS ? 3 : 2;
 }
 
 AMX_TARGET static void amx_release(void) { TILE_RELEASE(); }
