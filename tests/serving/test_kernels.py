@@ -184,24 +184,32 @@ def test_a_failed_build_warns_and_falls_back(monkeypatch, tmp_path, caplog):
         kernels.library.cache_clear()
 
 
-@pytest.mark.parametrize("num_heads,num_kv,head_dim", [(4, 4, 8), (9, 3, 64), (8, 2, 16), (4, 2, 128), (2, 1, 96)])
-def test_paged_attention_kernel_matches_torch(num_heads, num_kv, head_dim):
-    """Decode and verify rows of sequences at different lengths, over shuffled blocks: the C kernel against
-    the torch path on the same pool and metadata."""
-    from serving.attention import KVCache, PagedAttention, PagedMetadata
+def shuffled_pool(num_kv, head_dim, query_lens, context_lens, num_blocks, block_size=4):
+    """A two-layer K/V pool of random keys and values, and the metadata of sequences of those lengths whose blocks
+    are spread over it in a random order."""
+    from serving.attention import KVCache, PagedMetadata
 
-    torch.manual_seed(num_heads * head_dim)
-    block_size, query_lens, context_lens = 4, [1, 5, 16, 3, 1, 4], [1, 37, 16, 200, 9, 600]
-    cache = KVCache(2, 240, block_size, num_kv, head_dim, torch.float32, "cpu")
+    cache = KVCache(2, num_blocks, block_size, num_kv, head_dim, torch.float32, "cpu")
     cache.k.normal_()
     cache.v.normal_()
-    order = torch.randperm(240).tolist()
+    order = torch.randperm(num_blocks).tolist()
     tables, used = [], 0
     for context in context_lens:
         count = -(-context // block_size)
         tables.append(order[used:used + count])
         used += count
-    meta = PagedMetadata.build(query_lens, context_lens, tables, block_size, "cpu")
+    return cache, PagedMetadata.build(query_lens, context_lens, tables, block_size, "cpu")
+
+
+@pytest.mark.parametrize("num_heads,num_kv,head_dim", [(4, 4, 8), (9, 3, 64), (8, 2, 16), (4, 2, 128), (2, 1, 96)])
+def test_paged_attention_kernel_matches_torch(num_heads, num_kv, head_dim):
+    """Decode and verify rows of sequences at different lengths, over shuffled blocks: the C kernel against
+    the torch path on the same pool and metadata."""
+    from serving.attention import PagedAttention
+
+    torch.manual_seed(num_heads * head_dim)
+    query_lens = [1, 5, 16, 3, 1, 4]
+    cache, meta = shuffled_pool(num_kv, head_dim, query_lens, [1, 37, 16, 200, 9, 600], num_blocks=240)
     tokens = sum(query_lens)
     q = torch.randn(tokens, num_heads + num_kv, head_dim)[:, :num_heads]  # strided, as the layer passes it
     k, v = torch.randn(tokens, num_kv, head_dim), torch.randn(tokens, num_kv, head_dim)
@@ -219,19 +227,11 @@ def test_attention_with_avx512_gives_the_avx2_build_s_bits(num_heads, num_kv, he
     """The AVX-512 build's attention (two 8-lane sums to a register, every head of a key-value head at once) adds
     the same numbers in the same order as the AVX2 build (Zen 3): decode rows, verify rows and a sequence long
     enough to split into chunks, bit for bit."""
-    from serving.attention import KVCache, PagedAttention, PagedMetadata
+    from serving.attention import PagedAttention
 
     torch.manual_seed(head_dim)
-    block_size, query_lens, context_lens = 4, [1, 17, 5, 1], [9, 300, 40, 600]
-    cache = KVCache(2, 300, block_size, num_kv, head_dim, torch.float32, "cpu")
-    cache.k.normal_()
-    cache.v.normal_()
-    order = torch.randperm(300).tolist()
-    tables, used = [], 0
-    for context in context_lens:
-        tables.append(order[used:used - (-context // block_size)])
-        used += -(-context // block_size)
-    meta = PagedMetadata.build(query_lens, context_lens, tables, block_size, "cpu")
+    query_lens = [1, 17, 5, 1]
+    cache, meta = shuffled_pool(num_kv, head_dim, query_lens, [9, 300, 40, 600], num_blocks=300)
     q = torch.randn(sum(query_lens), num_heads, head_dim)
     k, v = torch.randn(sum(query_lens), num_kv, head_dim), torch.randn(sum(query_lens), num_kv, head_dim)
     avx512 = PagedAttention(cache, meta)
