@@ -15,6 +15,7 @@ import argparse
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 from serving.bench.offline import bandwidth_floor
 from serving.bench.prompts import first_turn, load_prompts
@@ -55,6 +56,9 @@ def main() -> None:
             engine.generate([engine.encode(prompts[0])[:32]], SamplingParams(max_tokens=4))  # warm-up
             turns.append((w, config, speculator))
     seconds, outputs = [0.0] * len(turns), [[] for _ in turns]
+    # the table comes at the end (tens of minutes on the full sets): a bar on stderr meanwhile, each prompt counted
+    # once every turn has answered it
+    bar = tqdm(total=len(prompts), unit="prompt", desc=f"{len(turns)} turns")
     for first in range(0, len(prompts), args.concurrency):
         group = prompts[first:first + args.concurrency]
         shift = first // args.concurrency % len(turns)
@@ -64,6 +68,8 @@ def main() -> None:
             start = time.perf_counter()
             outputs[t] += engines[w].generate(group, params)
             seconds[t] += time.perf_counter() - start
+        bar.update(len(group))
+    bar.close()
     print(f"{args.target}, {args.prompts} x {len(prompts)}, {args.max_new_tokens} new tokens, concurrency "
           f"{args.concurrency}, {torch.get_num_threads()} threads, greedy")
     floors, plain, speedups = {}, {}, {}
