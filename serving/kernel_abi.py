@@ -16,7 +16,7 @@ class LayerWeights(ctypes.Structure):
     matrices as panels in the format bf16 names: serving/kernels.py's F32_PANELS, BF16_PANELS or a PAIR_PATHS value)."""
     _fields_ = [*((name, _ptr) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "o", "gate_up", "down",
                                              "qkv_bias")),
-                *((name, _long) for name in ("bf16", "hidden", "heads", "kv_heads", "dim", "intermediate")),
+                *((name, _long) for name in ("bf16", "hidden", "heads", "kv_heads", "dim", "intermediate", "input_size")),
                 ("eps", _float)]
 
 
@@ -44,7 +44,7 @@ class AttentionArgs(ctypes.Structure):
 class LayerStep(ctypes.Structure):
     """layer_step: layer_pre's and layer_post's arguments, one layer on `rows` rows."""
     _fields_ = [("weights", ctypes.POINTER(LayerWeights)), ("rows", _long),
-                *((name, _ptr) for name in ("h", "normed", "qkv", "cos", "sin", "attn", "out", "gate_up", "act"))]
+                *((name, _ptr) for name in ("h", "normed", "qkv", "cos", "sin", "attn", "out", "gate_up", "act", "x"))]
 
 
 class PagedKV(ctypes.Structure):

@@ -25,6 +25,7 @@ typedef struct {
     const float *qkv_bias;  /* NULL where the model has none */
     long bf16;  /* the panels' format and product path: F32_PANELS, BF16_PANELS, BF16_DOT or BF16_WIDENED */
     long hidden, heads, kv_heads, dim, intermediate;
+    long input_size;  /* the attention's input width: hidden, or a draft head's wider input (EAGLE-3's 2 hidden) */
     float eps;
 } layer_weights;
 
@@ -75,6 +76,8 @@ typedef struct {
     const float *attn;     /* [rows, heads dim] the attention's output, layer_post's input */
     float *out;            /* [rows, hidden] the layer's output; may be h */
     float *gate_up, *act;  /* layer_post's scratch: [rows, 2 intermediate], [rows, intermediate] */
+    const float *x;        /* [rows, input_size] the attention's input where the caller builds it (EAGLE-3's two
+                            * normed streams side by side); NULL: input_norm(h), or h where input_norm is NULL */
 } layer_step;
 
 /* Every layer's K/V of a step whose sequences all attend through paged_attention. */
@@ -1271,14 +1274,15 @@ static void silu_mul(const float *gu, long rows, long n, float *out) {
 /* A decoder layer of heads/layer.py around its attention, in two calls (the attention runs between them, from
  * serving/attention.py), so that a step makes three calls per layer instead of some twenty torch operators. Every
  * part computes a row from that row alone, as the separate kernels do.
- * Before attention: normed = input_norm(h); qkv = normed @ W_qkv (+ bias); the query and key heads normed (Qwen3)
+ * Before attention: normed = input_norm(h); qkv = normed @ W_qkv (+ bias) (or x @ W_qkv, or h @ W_qkv: layer_step.x); the query and key heads normed (Qwen3)
  * and rotated in place. */
 void layer_pre(const layer_step *s) {
     const layer_weights *L = s->weights;
     long rows = s->rows, n = (L->heads + 2 * L->kv_heads) * L->dim;
     float *qkv = s->qkv;
-    rms_norm(s->h, rows, L->hidden, L->input_norm, L->eps, s->normed, L->hidden, L->hidden);
-    gemm(s->normed, rows, L->hidden, L->qkv, L->bf16, L->hidden, n, L->qkv_bias, 0, qkv, n);
+    const float *x = s->x ? s->x : L->input_norm ? s->normed : s->h;
+    if (!s->x && L->input_norm) rms_norm(s->h, rows, L->hidden, L->input_norm, L->eps, s->normed, L->hidden, L->hidden);
+    gemm(x, rows, L->input_size, L->qkv, L->bf16, L->input_size, n, L->qkv_bias, 0, qkv, n);
     if (L->q_norm)
         for (long r = 0; r < rows; r++) {
             float *q = qkv + r * n, *k = q + L->heads * L->dim;
@@ -1374,7 +1378,7 @@ static const field_layout layouts[] = {
     FIELD(layer_weights, gate_up), FIELD(layer_weights, down), FIELD(layer_weights, qkv_bias),
     FIELD(layer_weights, bf16), FIELD(layer_weights, hidden), FIELD(layer_weights, heads),
     FIELD(layer_weights, kv_heads), FIELD(layer_weights, dim), FIELD(layer_weights, intermediate),
-    FIELD(layer_weights, eps),
+    FIELD(layer_weights, input_size), FIELD(layer_weights, eps),
     SIZE(sequence), FIELD(sequence, first_row), FIELD(sequence, query_rows), FIELD(sequence, context),
     FIELD(sequence, tree_rows), FIELD(sequence, first_path),
     SIZE(attention_batch), FIELD(attention_batch, new_slots), FIELD(attention_batch, num_new),
@@ -1388,7 +1392,7 @@ static const field_layout layouts[] = {
     FIELD(attention_args, batch),
     SIZE(layer_step), FIELD(layer_step, weights), FIELD(layer_step, rows), FIELD(layer_step, h),
     FIELD(layer_step, normed), FIELD(layer_step, qkv), FIELD(layer_step, cos), FIELD(layer_step, sin),
-    FIELD(layer_step, attn), FIELD(layer_step, out), FIELD(layer_step, gate_up), FIELD(layer_step, act),
+    FIELD(layer_step, attn), FIELD(layer_step, out), FIELD(layer_step, gate_up), FIELD(layer_step, act), FIELD(layer_step, x),
     SIZE(paged_kv), FIELD(paged_kv, k_pool), FIELD(paged_kv, v_pool), FIELD(paged_kv, layer_floats),
     FIELD(paged_kv, batch),
     SIZE(forward_scratch), FIELD(forward_scratch, h), FIELD(forward_scratch, normed), FIELD(forward_scratch, qkv),

@@ -361,11 +361,12 @@ class Scratch:
 
 
 class KernelLayer(_KernelModule):
-    """A decoder layer of the target (a DecoderLayer after `for_inference`, kept as `reference`) run as kernels.c's
-    layer_pre, the attention, and layer_post: three calls per layer where the module makes some twenty torch
-    operators, each costing more to dispatch than its arithmetic at decode's few rows. Every part still computes
-    a row from that row alone (the norms and products are the same kernels; rope rounds as torch does; SiLU
-    through kernels.c's exp, within 2e-7 of torch's)."""
+    """A decoder layer (a DecoderLayer after `for_inference`, kept as `reference`) run as kernels.c's layer_pre, the
+    attention, and layer_post: three calls per layer where the module makes some twenty torch operators, each costing
+    more to dispatch than its arithmetic at decode's few rows. The target's layers and the draft heads' (`kernel_head`)
+    alike, a head's without an input norm or with the attention's input built by the head (EAGLE-3's 2 hidden wide).
+    Every part still computes a row from that row alone (the norms and products are the same kernels; rope rounds as
+    torch does; SiLU through kernels.c's exp, within 2e-7 of torch's)."""
 
     def __init__(self, layer: DecoderLayer, scratch: Scratch):
         super().__init__()
@@ -382,33 +383,49 @@ class KernelLayer(_KernelModule):
     def read_pointers(self):
         layer, c = self.reference, self.reference.config
         qk_norm = c.qk_norm
+        # a layer without its input norm (EAGLE's: the head norms its inputs) multiplies its input as it comes
+        input_norm = layer.input_norm.reference.weight if isinstance(layer.input_norm, FusedRMSNorm) else None
         self.scratch.layer_table[self.layer_idx] = LayerWeights(
-            input_norm=layer.input_norm.reference.weight.data_ptr(),
+            input_norm=_pointer(input_norm),
             post_norm=layer.post_norm.reference.weight.data_ptr(),
             q_norm=layer.q_norm.reference.weight.data_ptr() if qk_norm else None,
             k_norm=layer.k_norm.reference.weight.data_ptr() if qk_norm else None,
             qkv=layer.qkv.panels.data_ptr(), o=layer.o.panels.data_ptr(), gate_up=layer.gate_up.panels.data_ptr(),
             down=layer.down.panels.data_ptr(), qkv_bias=_pointer(layer.qkv.bias),
             bf16=layer.qkv.format, hidden=c.hidden_size, heads=c.num_heads,
-            kv_heads=c.num_kv_heads, dim=c.head_dim, intermediate=c.intermediate_size, eps=c.rms_norm_eps)
+            kv_heads=c.num_kv_heads, dim=c.head_dim, intermediate=c.intermediate_size,
+            input_size=c.attention_input_size, eps=c.rms_norm_eps)
         self.weights_ref = ctypes.pointer(self.scratch.layer_table[self.layer_idx])
         self.pre, self.post = self.lib.layer_pre, self.lib.layer_post
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention) -> torch.Tensor:
-        """hidden: [rows, hidden] float32, contiguous; cos, sin: [rows, 1, head_dim] from Rope.tables."""
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention,
+                attention_input: torch.Tensor | None = None) -> torch.Tensor:
+        """As DecoderLayer.forward. hidden: [..., hidden] float32; cos, sin: [..., 1, head_dim] from Rope.tables;
+        attention_input: [..., attention_input_size] or None."""
+        c = self.reference.config
+        shape = hidden.shape
+        hidden, cos, sin = (t.reshape(-1, t.shape[-1]).contiguous() for t in (hidden, cos, sin))
         rows = hidden.shape[0]
-        if hidden.dim() != 2 or not hidden.is_contiguous() or not cos.is_contiguous() or not sin.is_contiguous():
-            raise ValueError("KernelLayer takes contiguous [rows, hidden] states and rope tables")
+        if cos.shape[0] != rows or sin.shape[0] != rows:
+            raise ValueError(f"KernelLayer got {rows} rows of states and {cos.shape[0]} rows of rope tables")
+        if attention_input is not None:
+            attention_input = attention_input.reshape(rows, c.attention_input_size).contiguous()
         normed, qkv, q, k, v, gate_up, act = self.scratch.take(rows)
         step = LayerStep(weights=self.weights_ref, rows=rows, h=hidden.data_ptr(), normed=normed.data_ptr(),
                          qkv=qkv.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), gate_up=gate_up.data_ptr(),
-                         act=act.data_ptr())
+                         act=act.data_ptr(), x=_pointer(attention_input))
         self.pre(step)
-        attended = attention(self.layer_idx, q, k, v).contiguous()
+        lead = shape[:-1]
+        attended = attention(self.layer_idx, q.view(*lead, *q.shape[1:]), k.view(*lead, *k.shape[1:]),
+                             v.view(*lead, *v.shape[1:])).reshape(rows, -1).contiguous()
         out = torch.empty_like(hidden)
         step.attn, step.out = attended.data_ptr(), out.data_ptr()
         self.post(step)
-        return out
+        return out.view(shape)
+
+    def project(self, x, cos, sin):
+        """As DecoderLayer.project (DFlash's context K/V), on the same packed products."""
+        return self.reference.project(x, cos, sin)
 
 
 def kernel_layers(layers: nn.ModuleList, config) -> nn.ModuleList:
@@ -418,6 +435,23 @@ def kernel_layers(layers: nn.ModuleList, config) -> nn.ModuleList:
         return layers  # other layers run torch's operators between their products, still in PackedLinears
     scratch = Scratch(config, len(layers))
     return nn.ModuleList(KernelLayer(layer, scratch) for layer in layers)
+
+
+def kernel_head(head: nn.Module) -> nn.Module:
+    """A draft head after `for_inference` with its decoder layers (EAGLE's, MTP's, DFlash's) made KernelLayers sharing
+    one Scratch, in place, where the kernels run and the layers are Llama's; returns `head`. A head forward at decode's
+    few rows was as much torch's dispatch as arithmetic, and drafting runs some five of them a step."""
+    found = [(parent, name, child) for parent in head.modules() for name, child in parent.named_children()
+             if isinstance(child, DecoderLayer)]
+    if not found or found[0][2].qkv.lib is None or not all(child.config.is_llama for *_, child in found):
+        return head
+    config = found[0][2].config
+    if any(child.config != config for *_, child in found):
+        raise ValueError("a head's decoder layers differ in shape: kernel_head shares one scratch among them")
+    scratch = Scratch(config, 1 + max(child.layer_idx for *_, child in found))
+    for parent, name, child in found:
+        setattr(parent, name, KernelLayer(child, scratch))
+    return head
 
 
 class KernelForward:

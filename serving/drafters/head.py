@@ -13,7 +13,7 @@ import torch
 
 import heads
 from heads.token_map import lm_head_rows, load_token_map
-from serving.kernels import PackedLinear, for_inference
+from serving.kernels import PackedLinear, for_inference, kernel_head
 
 
 def load_head(ctx, config):
@@ -45,7 +45,7 @@ def load_head(ctx, config):
         lm_head = model.drafter_lm_head(weight_dtype, compute)
     parts.embed, parts.norm, parts.lm_head = model.embed, model.norm, lm_head
     head = head.bind_target(parts).to(runner.device, runner.dtype).eval().requires_grad_(False)
-    head = for_inference(head, weight_dtype, compute)
+    head = kernel_head(for_inference(head, weight_dtype, compute))
     kind = head.config.kind
     if kind != config.method:
         raise ValueError(f"{config.model} holds a head of kind {kind!r}, but the speculative config says method {config.method!r}: "

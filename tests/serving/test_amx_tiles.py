@@ -77,6 +77,6 @@ def test_the_engine_on_tiles_decodes_as_on_the_widened_path(tiny_llama, tmp_path
     assert [o.logprobs for o in outputs] == [o.logprobs for o in expected]
     tree = dict(spec_config("eagle3", random_head_dir("eagle3", tiny_llama, tmp_path)), topk=3, num_draft_tokens=8)
     speculative = bf16_engine(tiny_llama, tree)
-    assert speculative.speculator.drafter.head.layer.qkv.format == kernels.PAIR_PATHS["amx"]
+    assert speculative.speculator.drafter.head.layer.reference.qkv.format == kernels.PAIR_PATHS["amx"]
     assert [o.token_ids for o in speculative.generate(PROMPTS, greedy(12))] == [o.token_ids for o in expected]
     assert sum(speculative.speculator.stats.proposed) > 0

@@ -240,11 +240,13 @@ def test_the_engine_runs_the_mode_around_a_float32_residual_stream(tiny_llama, o
 
 @pytest.mark.parametrize("on_path", PATHS, indirect=True)
 def test_heads_with_bfloat16_weights_multiply_in_the_engines_mode(on_path, tiny_llama, tmp_path):
-    """In the mode a head's bfloat16 products run as the target's (pair panels); over the whole vocabulary it drafts
-    with the target's own packed LM head. float32 draft weights stay float32 products."""
+    """In the mode a head's bfloat16 products run as the target's (pair panels), its layer in kernels.c's layer calls;
+    over the whole vocabulary it drafts with the target's own packed LM head. float32 draft weights stay float32
+    products."""
     engine = bf16_engine(tiny_llama, spec_config("eagle", random_head_dir("eagle", tiny_llama, tmp_path)))
     head = engine.speculator.drafter.head
-    assert head.fc.format == kernels.PAIR_PATHS[on_path] and head.layer.qkv.format == kernels.PAIR_PATHS[on_path]
+    assert isinstance(head.layer, kernels.KernelLayer)
+    assert head.fc.format == kernels.PAIR_PATHS[on_path] and head.layer.reference.qkv.format == kernels.PAIR_PATHS[on_path]
     assert head.target.lm_head is engine.model.packed_lm_head
     float32 = bf16_engine(tiny_llama, {**spec_config("eagle", random_head_dir("eagle", tiny_llama, tmp_path)),
                                        "draft_weights": "float32"}).speculator.drafter.head

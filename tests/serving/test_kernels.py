@@ -438,6 +438,52 @@ def test_kernel_layer_computes_the_decoder_layer(family, weight_dtype, compute):
         assert torch.equal(fast(hidden[i:i + 1], cos[i:i + 1], sin[i:i + 1], own_row), together[i:i + 1])
 
 
+@pytest.mark.skipif(not HAS_AVX2, reason="needs AVX2")
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head", ["eagle", "eagle3"])
+def test_kernel_layer_computes_a_head_s_layer(head, compute):
+    """A draft head's layer: EAGLE-1's without an input norm (it multiplies its input as it comes), EAGLE-3's over an
+    attention input twice the hidden width that the head builds; batched leading dimensions as the heads pass them.
+    Against the module it wraps, and a row's bits alone and in its batch."""
+    config = LayerConfig(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=100, head_dim=24,
+                         attention_input_size=128 if head == "eagle3" else 0)
+    torch.manual_seed(2)
+    layer = DecoderLayer(config, input_norm=False).requires_grad_(False)
+    layer.post_norm.weight.copy_(torch.rand(64) + 0.5)
+    reference = kernels.for_inference(layer, torch.bfloat16 if compute == torch.bfloat16 else torch.float32, compute)
+    fast = kernels.KernelLayer(reference, kernels.Scratch(config, 1))
+    rope = Rope(config.head_dim, 512)
+    own_row = lambda _, q, k, v: v.repeat_interleave(2, -2) + q  # noqa: E731
+    hidden = torch.randn(3, 5, 64)
+    attention_input = torch.randn(3, 5, 128) if head == "eagle3" else None
+    cos, sin = rope.tables(torch.randint(0, 512, (3, 5)))
+    together = fast(hidden, cos, sin, own_row, attention_input=attention_input)
+    assert together.shape == hidden.shape
+    torch.testing.assert_close(together, reference(hidden, cos, sin, own_row, attention_input=attention_input),
+                               atol=1e-5, rtol=1e-5)
+    alone = fast(hidden[1, 2:3], cos[1, 2:3], sin[1, 2:3], own_row,
+                 attention_input=None if attention_input is None else attention_input[1, 2:3])
+    assert torch.equal(alone, together[1, 2:3])
+
+
+def test_kernel_head_makes_every_llama_layer_of_a_head_a_kernel_layer():
+    """kernel_head finds a head's layers wherever the head keeps them (one, a list, inside MTP's blocks) and leaves a
+    head whose layers the kernels do not compute as it is."""
+    config = LayerConfig(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96)
+    head = nn.Module()
+    head.layer = kernels.for_inference(DecoderLayer(config, layer_idx=0, input_norm=False))
+    head.layers = nn.ModuleList(kernels.for_inference(DecoderLayer(config, layer_idx=i)) for i in (1, 2))
+    kernels.kernel_head(head)
+    if kernels.library() is None:
+        assert isinstance(head.layer, DecoderLayer)
+        return
+    assert all(isinstance(layer, kernels.KernelLayer) for layer in (head.layer, *head.layers))
+    assert len({id(layer.scratch) for layer in (head.layer, *head.layers)}) == 1
+    sinks = nn.Module()
+    sinks.layer = kernels.for_inference(DecoderLayer(LayerConfig(64, 4, 2, 96, sinks=True)))
+    assert isinstance(kernels.kernel_head(sinks).layer, DecoderLayer)
+
+
 def test_kernel_layers_keep_the_modules_where_the_kernels_do_not_run(no_kernels):
     config = LayerConfig(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96)
     layers = nn.ModuleList([kernels.for_inference(DecoderLayer(config))])
