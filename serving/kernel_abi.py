@@ -68,6 +68,15 @@ class ForwardArgs(ctypes.Structure):
                 ("best", _ptr), ("kv", PagedKV), ("scratch", ForwardScratch)]
 
 
+class Eagle3Args(ctypes.Structure):
+    """eagle3_args: eagle3_forward's arguments, an EAGLE-3 head's (set once it is loaded) and then the draft step's."""
+    _fields_ = [("layer", ctypes.POINTER(LayerWeights)), ("embed", _ptr), ("vocab", _long), ("input_norm", _ptr),
+                ("hidden_norm", _ptr), ("norm", _ptr), ("norm_before_residual", _long), ("norm_output", _long),
+                ("cos_table", _ptr), ("sin_table", _ptr), ("max_positions", _long), ("scale", _float),
+                ("window", _long), ("kv", PagedKV), ("ids", _ptr), ("positions", _ptr), ("rows", _long), ("g", _ptr),
+                ("x", _ptr), ("scratch", ForwardScratch), ("out", _ptr)]
+
+
 class FieldLayout(ctypes.Structure):
     """field_layout: kernel_layouts' entries (field NULL: the struct's own size)."""
     _fields_ = [("type", ctypes.c_char_p), ("field", ctypes.c_char_p), ("offset", _long), ("size", _long)]
@@ -76,4 +85,4 @@ class FieldLayout(ctypes.Structure):
 # kernels.c's struct names -> their Structures
 STRUCTS = {"layer_weights": LayerWeights, "sequence": Sequence, "attention_batch": AttentionBatch,
            "attention_args": AttentionArgs, "layer_step": LayerStep, "paged_kv": PagedKV,
-           "forward_scratch": ForwardScratch, "forward_args": ForwardArgs}
+           "forward_scratch": ForwardScratch, "forward_args": ForwardArgs, "eagle3_args": Eagle3Args}

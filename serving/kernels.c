@@ -119,6 +119,26 @@ typedef struct {
     forward_scratch scratch;
 } forward_args;
 
+/* eagle3_forward's arguments: an EAGLE-3 head (heads/eagle3.py) and a draft step's rows. */
+typedef struct {
+    const layer_weights *layer;  /* its one layer, input_size 2 hidden, no input norm */
+    const float *embed;  /* [vocab, hidden] the embedding it reads (its own or the target's) */
+    long vocab;
+    const float *input_norm, *hidden_norm, *norm;  /* the norms of the embedding, of g, and the final one */
+    long norm_before_residual, norm_output;  /* Eagle3Config's flags */
+    const float *cos_table, *sin_table;  /* [max_positions, dim] */
+    long max_positions;
+    float scale;  /* of the attention's scores */
+    long window;  /* the head's draft_window; 0: every key */
+    paged_kv kv;  /* its pool (one layer) and the step's batch */
+    const long *ids, *positions;  /* [rows] */
+    long rows;
+    const float *g;  /* [rows, hidden] the fused target features, or the previous draft's output */
+    float *x;  /* scratch [rows, 2 hidden]: the attention's input */
+    forward_scratch scratch;  /* h, normed, qkv, attn, gate_up, act, cos, sin ([rows, ...]); selected unused */
+    float *out;  /* [rows, hidden] */
+} eagle3_args;
+
 #define NR 16
 /* MR rows x 2 accumulators per tile, each panel streamed once for every MR rows: 6 with AVX2's 16 vector registers;
  * 12 where AVX-512 gives 32 (still 8-lane vectors, so every output's sum runs as it does with 6: the same results),
@@ -1364,6 +1384,44 @@ long model_forward(const forward_args *f) {
     return 0;
 }
 
+/* EAGLE-3's draft forward (heads/eagle3.py, Eagle3.forward, whose layer is a KernelLayer) in one call, for draft
+ * steps whose every sequence attends through paged_attention: x = concat(input_norm(embed[ids]), hidden_norm(g)), the
+ * layer over the residual g (or hidden_norm(g)) with x as the attention's input, then the final norm where
+ * norm_output. The kernels the module calls one by one, in the same order: the same bits. A draft forward at a few
+ * rows was some fifteen torch calls around the layer's two. Returns 0, or -1 (computing nothing) when an id or a
+ * position is out of range. */
+long eagle3_forward(const eagle3_args *a) {
+    const layer_weights *L = a->layer;
+    const forward_scratch *w = &a->scratch;
+    long hidden = L->hidden, dim = L->dim, rows = a->rows, wide = 2 * hidden;
+    long q_size = L->heads * dim, kv_size = L->kv_heads * dim, n = q_size + 2 * kv_size;
+    for (long r = 0; r < rows; r++)
+        if (a->ids[r] < 0 || a->ids[r] >= a->vocab || a->positions[r] < 0 || a->positions[r] >= a->max_positions)
+            return -1;
+    for (long r = 0; r < rows; r++) {
+        memcpy(a->x + r * wide, a->embed + a->ids[r] * hidden, hidden * sizeof(float));
+        memcpy(w->cos + r * dim, a->cos_table + a->positions[r] * dim, dim * sizeof(float));
+        memcpy(w->sin + r * dim, a->sin_table + a->positions[r] * dim, dim * sizeof(float));
+    }
+    rms_norm(a->x, rows, wide, a->input_norm, L->eps, a->x, wide, hidden);
+    rms_norm(a->g, rows, hidden, a->hidden_norm, L->eps, a->x + hidden, wide, hidden);
+    const float *residual = a->g;
+    if (a->norm_before_residual) {  /* layer_post adds to rows of hidden floats */
+        for (long r = 0; r < rows; r++) memcpy(w->h + r * hidden, a->x + r * wide + hidden, hidden * sizeof(float));
+        residual = w->h;
+    }
+    layer_step step = {L, rows, residual, w->normed, w->qkv, w->cos, w->sin, w->attn, a->out, w->gate_up, w->act,
+                       a->x};
+    layer_pre(&step);
+    attention_args attention = {w->qkv, n, w->attn, a->kv.k_pool, a->kv.v_pool, w->qkv + q_size,
+                                w->qkv + q_size + kv_size, n, n, L->heads, L->kv_heads, dim, a->scale, a->window, 0,
+                                a->kv.batch};
+    paged_attention(&attention);
+    layer_post(&step);
+    if (a->norm_output) rms_norm(a->out, rows, hidden, a->norm, L->eps, a->out, hidden, hidden);
+    return 0;
+}
+
 /* Each struct field's offset and size, and each struct's size (field NULL), in declaration order, for the test that
  * checks serving/kernel_abi.py's Structures against them. */
 typedef struct {
@@ -1406,6 +1464,13 @@ static const field_layout layouts[] = {
     FIELD(forward_args, num_aux), FIELD(forward_args, logits_rows), FIELD(forward_args, num_logits),
     FIELD(forward_args, aux), FIELD(forward_args, hidden_out), FIELD(forward_args, logits), FIELD(forward_args, best),
     FIELD(forward_args, kv), FIELD(forward_args, scratch),
+    SIZE(eagle3_args), FIELD(eagle3_args, layer), FIELD(eagle3_args, embed), FIELD(eagle3_args, vocab),
+    FIELD(eagle3_args, input_norm), FIELD(eagle3_args, hidden_norm), FIELD(eagle3_args, norm),
+    FIELD(eagle3_args, norm_before_residual), FIELD(eagle3_args, norm_output), FIELD(eagle3_args, cos_table),
+    FIELD(eagle3_args, sin_table), FIELD(eagle3_args, max_positions), FIELD(eagle3_args, scale),
+    FIELD(eagle3_args, window), FIELD(eagle3_args, kv), FIELD(eagle3_args, ids), FIELD(eagle3_args, positions),
+    FIELD(eagle3_args, rows), FIELD(eagle3_args, g), FIELD(eagle3_args, x), FIELD(eagle3_args, scratch),
+    FIELD(eagle3_args, out),
 };
 
 /* The layouts above and their count. */

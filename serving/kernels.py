@@ -23,10 +23,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from heads.eagle3 import Eagle3
 from heads.layer import DecoderLayer, RMSNorm
 from serving.cache_dir import cache_dir
 from serving.cpu_features import bf16_path
-from serving.kernel_abi import STRUCTS, AttentionArgs, FieldLayout, ForwardArgs, ForwardScratch, LayerStep, LayerWeights
+from serving.kernel_abi import (STRUCTS, AttentionArgs, Eagle3Args, FieldLayout, ForwardArgs, ForwardScratch, LayerStep,
+                                LayerWeights)
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +48,10 @@ SIGNATURES = {
     "layer_pre": [ctypes.POINTER(LayerStep)],
     "layer_post": [ctypes.POINTER(LayerStep)],
     "model_forward": [ctypes.POINTER(ForwardArgs)],
+    "eagle3_forward": [ctypes.POINTER(Eagle3Args)],
     "kernel_layouts": [ctypes.POINTER(ctypes.POINTER(FieldLayout))],
 }
-RESULT_TYPES = {"model_forward": _long, "kernel_layouts": _long}
+RESULT_TYPES = {"model_forward": _long, "eagle3_forward": _long, "kernel_layouts": _long}
 # kernels.c's weight formats (layer_weights.bf16, forward_args.lm_bf16): float32 panels, bfloat16 panels under
 # float32 activations, and bfloat16 pair panels under bfloat16 activations on each product path (serving.cpu_features)
 F32_PANELS, BF16_PANELS = 0, 1
@@ -330,7 +333,8 @@ class Scratch:
         self.layer_table = (LayerWeights * num_layers)()  # every layer's weights, for model_forward
         self.sizes = {"normed": c.hidden_size, "qkv": (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
                       "gate_up": 2 * c.intermediate_size, "act": c.intermediate_size, "attn": c.num_heads * c.head_dim,
-                      "h": c.hidden_size, "selected": c.hidden_size, "cos": c.head_dim, "sin": c.head_dim}
+                      "h": c.hidden_size, "selected": c.hidden_size, "cos": c.head_dim, "sin": c.head_dim,
+                      "x": c.attention_input_size}  # x: the attention's input where a head builds it (Eagle3Forward)
         self.buffers = {name: torch.empty(0, size, device="cpu") for name, size in self.sizes.items()}
         self.views: dict[int, tuple] = {}
         self.addresses: dict[int, ForwardScratch] = {}
@@ -505,3 +509,60 @@ class KernelForward:
             raise ValueError(f"a forward got token ids outside [0, {a.vocab}), positions outside "
                              f"[0, {a.max_positions}) or logits rows outside [0, {rows})")
         return logits, best.tolist(), hidden, {layer: aux[i] for i, layer in enumerate(taps)}
+
+
+class Eagle3Forward:
+    """An EAGLE-3 head's draft forward (heads/eagle3.py's Eagle3.forward; P-EAGLE's is the same) in one call of
+    kernels.c's eagle3_forward, for draft steps whose every sequence attends in the C kernel (AttentionPath.KERNEL):
+    the embedding, both input norms, the rope rows, the layer and the final norm where norm_output. The module made
+    some fifteen torch calls around its layer's two, and a chain drafts four times a step. The same kernels in the same
+    order: the same bits as the module (tests/serving/test_head_drafters.py)."""
+
+    def __init__(self, head):
+        if not self.applies(head):
+            raise ValueError("Eagle3Forward computes an EAGLE-3 head whose layer is a KernelLayer over a float32 "
+                             "embedding: keep the module elsewhere")
+        self.head, self.layer = head, head.layer
+        self.run = self.layer.lib.eagle3_forward
+        self.args = Eagle3Args()
+
+    @staticmethod
+    def applies(head) -> bool:
+        """Whether eagle3_forward computes `head`: an EAGLE-3 (or P-EAGLE) head after `for_inference` and
+        `kernel_head`, whose embedding is float32 and whose norms have its layer's epsilon."""
+        if not isinstance(head, Eagle3) or not isinstance(head.layer, KernelLayer):
+            return False
+        norms = (head.input_norm, head.hidden_norm, head.norm)
+        return (head.input_embedding().weight.dtype == torch.float32 and all(isinstance(n, FusedRMSNorm) for n in norms)
+                and all(n.eps == head.layer.reference.config.rms_norm_eps for n in norms))
+
+    def head_fields(self) -> None:
+        """The head's fields of the arguments, read at each call (a move of the head changes its addresses)."""
+        a, head, c = self.args, self.head, self.head.config
+        embed, rope = head.input_embedding().weight, head.rope
+        a.layer, a.embed, a.vocab = self.layer.weights_ref, embed.data_ptr(), embed.shape[0]
+        a.input_norm, a.hidden_norm, a.norm = (n.weight_ptr for n in (head.input_norm, head.hidden_norm, head.norm))
+        a.norm_before_residual, a.norm_output = c.norm_before_residual, c.norm_output
+        a.cos_table, a.sin_table, a.max_positions = rope.cos.data_ptr(), rope.sin.data_ptr(), rope.cos.shape[0]
+
+    def __call__(self, input_ids: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """As Eagle3.forward: input_ids, positions [rows] int64; g [rows, hidden] float32; attention a PagedAttention
+        on AttentionPath.KERNEL over the head's one-layer pool. Returns out [rows, hidden]."""
+        kv = attention.paged_kv()
+        if kv is None:
+            raise ValueError("Eagle3Forward attends in the C kernel only: run the module on other attention paths")
+        if input_ids.dtype != torch.long or positions.dtype != torch.long or g.dtype != torch.float32:
+            raise ValueError("Eagle3Forward takes int64 ids and positions and float32 features")
+        input_ids, positions, g = input_ids.contiguous(), positions.contiguous(), g.contiguous()
+        rows = input_ids.shape[0]
+        self.head_fields()
+        scratch = self.layer.scratch
+        a = self.args
+        a.scratch = scratch.pointers(rows)
+        out = torch.empty(rows, g.shape[-1], device="cpu")
+        a.scale, a.window, a.kv = attention.cache.scale, attention.cache.windows[0], kv
+        a.ids, a.positions, a.rows, a.g = input_ids.data_ptr(), positions.data_ptr(), rows, g.data_ptr()
+        a.x, a.out = scratch.buffers["x"].data_ptr(), out.data_ptr()
+        if self.run(a):
+            raise ValueError(f"a draft got token ids outside [0, {a.vocab}) or positions outside [0, {a.max_positions})")
+        return out

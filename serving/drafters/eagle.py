@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from heads.eagle3 import Eagle3
-from serving.attention import KVCache, PagedAttention
+from serving.attention import AttentionPath, KVCache, PagedAttention
 from serving.drafters.deferred import DeferredDrafter, DeferredState
 from serving.drafters.confidence import Confidence, top_log_probs
 from serving.drafters.tree_search import grow
+from serving.kernels import Eagle3Forward
 from serving.spec_decode.tree import path_to
 
 
@@ -44,6 +45,8 @@ class EagleDrafter(DeferredDrafter):
         self.head, self.token_map = head, token_map
         self.confidence, self.topk = Confidence(head, config.confidence_threshold), config.topk
         self.fuses_aux = isinstance(head, Eagle3)  # EAGLE-3's body (P-EAGLE's too): reads the aux layers through fc
+        # EAGLE-3's forward in one C call where the kernels compute its layer (the module elsewhere, and as reference)
+        self.one_call = Eagle3Forward(head) if Eagle3Forward.applies(head) else None
         self.aux_layers = tuple(head.config.aux_layers) if self.fuses_aux else ()
         layer = head.config.layer_config()
         runner = ctx.runner
@@ -68,7 +71,10 @@ class EagleDrafter(DeferredDrafter):
         return step.out.hidden[rows]
 
     def _forward(self, ids, features, positions, meta):
-        return self.head(ids, features, positions, PagedAttention(self.cache, meta))
+        attention = PagedAttention(self.cache, meta)
+        if self.one_call is not None and attention.path is AttentionPath.KERNEL:
+            return self.one_call(ids, features, positions, attention)
+        return self.head(ids, features, positions, attention)
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.head.logits(out)

@@ -40,6 +40,7 @@ from transformers import AutoModelForCausalLM
 import heads
 from heads.token_map import lm_head_rows
 from heads.attention import DenseCausalAttention, sdpa_gqa
+from serving.attention import PagedAttention
 from serving import targets
 from serving.drafters.base import DraftBudget
 from serving.engine import Engine
@@ -428,6 +429,30 @@ def test_paged_drafts_equal_dense_drafts(kind, fixture, concurrency, heads_root,
     num_checked, mismatches = check_against_dense(folder, head, run.proposals, finals)
     assert num_checked >= 8 * 4
     assert not mismatches, f"{len(mismatches)} of {num_checked} proposals differ:\n" + "\n".join(mismatches[:10])
+
+
+@pytest.mark.parametrize("fields", [{}, {"norm_before_residual": True, "norm_output": True, "own_embedding": True},
+                                    {"draft_window": 6}], ids=["eagle3", "eagle3.1-norms-own-embedding", "window"])
+def test_eagle3_s_forward_in_one_call_equals_the_module(fields, tiny_llama, tmp_path):
+    """serving.kernels.Eagle3Forward (kernels.c's eagle3_forward) against the module it replaces, on the drafter's
+    pool: the same output bit for bit, and the same K/V written over the module's, over a catch-up's rows and a
+    draft's, with EAGLE 3.1's norms and an own embedding, and with a draft window."""
+    head = perturb(new_head("eagle3", target_parts(tiny_llama), seed=11, **fields), seed=12)
+    engine = make_engine(tiny_llama, spec_config("eagle3", heads.save(head, tmp_path / "eagle3")))
+    drafter, runner = engine.speculator.drafter, engine.runner
+    if drafter.one_call is None:
+        pytest.skip("the kernels do not compute the head's layer here")
+    g = torch.Generator().manual_seed(3)
+    for rows, context in ((9, 9), (1, 10), (4, 14)):
+        ids = torch.randint(0, VOCAB, (rows,), generator=g)
+        features = torch.randn(rows, head.config.hidden_size, generator=g)
+        positions = torch.arange(context - rows, context)
+        meta = runner.metadata([rows], [context], [[3, 5, 7, 8]])
+        module = drafter.head(ids, features, positions, PagedAttention(drafter.cache, meta))
+        k, v = drafter.cache.k.clone(), drafter.cache.v.clone()
+        one_call = drafter.one_call(ids, features, positions, PagedAttention(drafter.cache, meta))
+        assert torch.equal(one_call, module)
+        assert torch.equal(drafter.cache.k, k) and torch.equal(drafter.cache.v, v)  # the same K/V written over it
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle3"])
