@@ -1324,6 +1324,34 @@ void layer_post(const layer_step *s) {
     gemm(s->act, rows, n, L->down, L->bf16, n, L->hidden, 0, s->out, s->out, L->hidden);
 }
 
+/* One layer's paged_attention over a forward_scratch: the queries, keys and values layer_pre left in qkv, the output
+ * into attn (and the step's keys and values into the pools at the batch's new_slots). */
+static void scratch_attention(const layer_weights *L, const forward_scratch *w, float *k_pool, float *v_pool,
+                              float scale, long window, const attention_batch *batch) {
+    long q_size = L->heads * L->dim, kv_size = L->kv_heads * L->dim, n = q_size + 2 * kv_size;
+    attention_args attention = {w->qkv, n, w->attn, k_pool, v_pool, w->qkv + q_size, w->qkv + q_size + kv_size, n, n,
+                                L->heads, L->kv_heads, L->dim, scale, window, 0, batch};
+    paged_attention(&attention);
+}
+
+/* A forward's first rows: 0 when every id is in [0, vocab) and every position in [0, max_positions), else -1. */
+static long rows_in_range(const long *ids, const long *positions, long rows, long vocab, long max_positions) {
+    for (long r = 0; r < rows; r++)
+        if (ids[r] < 0 || ids[r] >= vocab || positions[r] < 0 || positions[r] >= max_positions) return -1;
+    return 0;
+}
+
+/* Each row's embedding (into h, ldh floats from row to row) and its position's rope rows (into the scratch's cos and
+ * sin). */
+static void gather_rows(const long *ids, const long *positions, long rows, const float *embed, long hidden, float *h,
+                        long ldh, const float *cos_table, const float *sin_table, long dim, const forward_scratch *w) {
+    for (long r = 0; r < rows; r++) {
+        memcpy(h + r * ldh, embed + ids[r] * hidden, hidden * sizeof(float));
+        memcpy(w->cos + r * dim, cos_table + positions[r] * dim, dim * sizeof(float));
+        memcpy(w->sin + r * dim, sin_table + positions[r] * dim, dim * sizeof(float));
+    }
+}
+
 /* Layers [first, stop) of the model, one after another, on a step whose every sequence attends through
  * paged_attention (a decode or verify step): per layer layer_pre, the attention over that layer's pools, which also
  * writes the step's keys and values into the batch's new_slots, and layer_post: the kernels a layer loop in Python
@@ -1331,16 +1359,13 @@ void layer_post(const layer_step *s) {
  * output. */
 static void decoder_layers(const forward_args *f, long first, long stop) {
     const forward_scratch *w = &f->scratch;
-    layer_step step = {0, f->rows, w->h, w->normed, w->qkv, w->cos, w->sin, w->attn, w->h, w->gate_up, w->act};
+    layer_step step = {0, f->rows, w->h, w->normed, w->qkv, w->cos, w->sin, w->attn, w->h, w->gate_up, w->act,
+                       0};  /* x: input_norm(h) */
     for (long l = first; l < stop; l++) {
-        const layer_weights *L = f->layers + l;
-        long q_size = L->heads * L->dim, kv_size = L->kv_heads * L->dim, n = q_size + 2 * kv_size;
-        step.weights = L;
+        step.weights = f->layers + l;
         layer_pre(&step);
-        attention_args attention = {w->qkv, n, w->attn, f->kv.k_pool + l * f->kv.layer_floats,
-                                    f->kv.v_pool + l * f->kv.layer_floats, w->qkv + q_size, w->qkv + q_size + kv_size,
-                                    n, n, L->heads, L->kv_heads, L->dim, f->scale, 0, 0, f->kv.batch};
-        paged_attention(&attention);
+        scratch_attention(step.weights, w, f->kv.k_pool + l * f->kv.layer_floats, f->kv.v_pool + l * f->kv.layer_floats,
+                          f->scale, 0, f->kv.batch);
         layer_post(&step);  /* in place: h is read only by layer_post's first sum */
     }
 }
@@ -1355,16 +1380,10 @@ static void decoder_layers(const forward_args *f, long first, long stop) {
 long model_forward(const forward_args *f) {
     const forward_scratch *w = &f->scratch;
     long hidden = f->layers->hidden, dim = f->layers->dim, rows = f->rows;
-    for (long r = 0; r < rows; r++)
-        if (f->ids[r] < 0 || f->ids[r] >= f->vocab || f->positions[r] < 0 || f->positions[r] >= f->max_positions)
-            return -1;
+    if (rows_in_range(f->ids, f->positions, rows, f->vocab, f->max_positions)) return -1;
     for (long i = 0; f->logits_rows && i < f->num_logits; i++)
         if (f->logits_rows[i] < 0 || f->logits_rows[i] >= rows) return -1;
-    for (long r = 0; r < rows; r++) {
-        memcpy(w->h + r * hidden, f->embed + f->ids[r] * hidden, hidden * sizeof(float));
-        memcpy(w->cos + r * dim, f->cos_table + f->positions[r] * dim, dim * sizeof(float));
-        memcpy(w->sin + r * dim, f->sin_table + f->positions[r] * dim, dim * sizeof(float));
-    }
+    gather_rows(f->ids, f->positions, rows, f->embed, hidden, w->h, hidden, f->cos_table, f->sin_table, dim, w);
     long start = 0;
     for (long a = 0; a <= f->num_aux; a++) {
         long stop = a < f->num_aux ? f->aux_layers[a] : f->num_layers;
@@ -1393,16 +1412,9 @@ long model_forward(const forward_args *f) {
 long eagle3_forward(const eagle3_args *a) {
     const layer_weights *L = a->layer;
     const forward_scratch *w = &a->scratch;
-    long hidden = L->hidden, dim = L->dim, rows = a->rows, wide = 2 * hidden;
-    long q_size = L->heads * dim, kv_size = L->kv_heads * dim, n = q_size + 2 * kv_size;
-    for (long r = 0; r < rows; r++)
-        if (a->ids[r] < 0 || a->ids[r] >= a->vocab || a->positions[r] < 0 || a->positions[r] >= a->max_positions)
-            return -1;
-    for (long r = 0; r < rows; r++) {
-        memcpy(a->x + r * wide, a->embed + a->ids[r] * hidden, hidden * sizeof(float));
-        memcpy(w->cos + r * dim, a->cos_table + a->positions[r] * dim, dim * sizeof(float));
-        memcpy(w->sin + r * dim, a->sin_table + a->positions[r] * dim, dim * sizeof(float));
-    }
+    long hidden = L->hidden, rows = a->rows, wide = 2 * hidden;
+    if (rows_in_range(a->ids, a->positions, rows, a->vocab, a->max_positions)) return -1;
+    gather_rows(a->ids, a->positions, rows, a->embed, hidden, a->x, wide, a->cos_table, a->sin_table, L->dim, w);
     rms_norm(a->x, rows, wide, a->input_norm, L->eps, a->x, wide, hidden);
     rms_norm(a->g, rows, hidden, a->hidden_norm, L->eps, a->x + hidden, wide, hidden);
     const float *residual = a->g;
@@ -1413,10 +1425,7 @@ long eagle3_forward(const eagle3_args *a) {
     layer_step step = {L, rows, residual, w->normed, w->qkv, w->cos, w->sin, w->attn, a->out, w->gate_up, w->act,
                        a->x};
     layer_pre(&step);
-    attention_args attention = {w->qkv, n, w->attn, a->kv.k_pool, a->kv.v_pool, w->qkv + q_size,
-                                w->qkv + q_size + kv_size, n, n, L->heads, L->kv_heads, dim, a->scale, a->window, 0,
-                                a->kv.batch};
-    paged_attention(&attention);
+    scratch_attention(L, w, a->kv.k_pool, a->kv.v_pool, a->scale, a->window, a->kv.batch);
     layer_post(&step);
     if (a->norm_output) rms_norm(a->out, rows, hidden, a->norm, L->eps, a->out, hidden, hidden);
     return 0;
