@@ -149,12 +149,18 @@ typedef struct {
 #define MR 6
 #endif
 #define NV (NR / 8)
-/* Steps of up to FEW_ROWS rows stream four panels at a time (row_group), as a decode step does: 3 rows hold 24 sums,
- * which AVX-512's 32 vector registers keep and AVX2's 16 do not. */
+/* Steps of a few rows (a decode step, a chain's verify step, what prompt lookup drafts) stream a group of panels at a
+ * time over each thread's share (row_group), as a decode step does; more rows run as tiles, which stream one panel
+ * at a time over a static split. few_group[format][rows]: the panels in a row group, 0 where tiles are faster. Memory's
+ * rate bounds the row groups up to the rows where their arithmetic takes over: on AVX2 2-5 rows of float32 panels
+ * took 1.2-1.4x a one-row product as tiles and 1.0-1.15x as row groups, even where 16 registers spill some of the
+ * sums (3 rows x 4 panels x 2, 5 x 2 x 2); bfloat16 panels, widened before each multiply-add, ran faster as tiles
+ * from 4 rows. AVX-512's 32 registers hold 3 rows x 4 panels; its table is the one measured on a Zen 4. */
+#define FEW_ROWS 5
 #ifdef __AVX512VL__
-#define FEW_ROWS 3
+static const int few_group[2][FEW_ROWS + 1] = {{0, 4, 4, 4, 0, 0}, {0, 4, 4, 4, 0, 0}};
 #else
-#define FEW_ROWS 1
+static const int few_group[2][FEW_ROWS + 1] = {{0, 4, 4, 4, 2, 2}, {0, 4, 4, 2, 0, 0}};
 #endif
 /* Tiles of more than one row ask for the weights this far ahead. Out-of-order execution alone keeps fewer loads in
  * flight at 5 rows (10 FMAs per 64 bytes) than at 1, and memory then streams ~30% slower; at 1 row it keeps
@@ -254,7 +260,7 @@ static inline __attribute__((always_inline)) void row_group(int mr, const float 
     long panel_bytes = k * NR * (bf16 ? 2 : 4);
     const char *wq = (const char *)w + q * panel_bytes;
     __m256 acc[FEW_ROWS][ROW_GROUP * NV];
-    _Pragma("GCC unroll 3") for (int r = 0; r < mr; r++)
+    _Pragma("GCC unroll 5") for (int r = 0; r < mr; r++)
         _Pragma("GCC unroll 8") for (int j = 0; j < g * NV; j++) acc[r][j] = _mm256_setzero_ps();
     long row_bytes = NR * (bf16 ? 2 : 4), rows_per_line = 64 / row_bytes;
     for (long p = 0; p < k; p++) {
@@ -262,16 +268,16 @@ static inline __attribute__((always_inline)) void row_group(int mr, const float 
             _Pragma("GCC unroll 4") for (int i = 0; i < g; i++)
                 __builtin_prefetch(wq + i * panel_bytes + p * row_bytes + GROUP_PREFETCH_BYTES, 0, PREFETCH_LOCALITY);
         __m256 xr[FEW_ROWS];
-        _Pragma("GCC unroll 3") for (int r = 0; r < mr; r++) xr[r] = _mm256_broadcast_ss(x + r * ldx + p);
+        _Pragma("GCC unroll 5") for (int r = 0; r < mr; r++) xr[r] = _mm256_broadcast_ss(x + r * ldx + p);
         _Pragma("GCC unroll 4") for (int i = 0; i < g; i++)
             _Pragma("GCC unroll 2") for (int j = 0; j < NV; j++) {
                 __m256 wv = load_w(wq + i * panel_bytes, bf16, p, j);
-                _Pragma("GCC unroll 3") for (int r = 0; r < mr; r++)
+                _Pragma("GCC unroll 5") for (int r = 0; r < mr; r++)
                     acc[r][i * NV + j] = _mm256_fmadd_ps(xr[r], wv, acc[r][i * NV + j]);
             }
     }
     int cols = n - q * NR < g * NR ? (int)(n - q * NR) : g * NR;
-    _Pragma("GCC unroll 3") for (int r = 0; r < mr; r++) {
+    _Pragma("GCC unroll 5") for (int r = 0; r < mr; r++) {
         float out[ROW_GROUP * NR];
         _Pragma("GCC unroll 8") for (int j = 0; j < g * NV; j++) _mm256_storeu_ps(out + 8 * j, acc[r][j]);
         for (int j = 0; j < cols; j++) {
@@ -293,16 +299,17 @@ static inline __attribute__((always_inline)) void row_group(int mr, const float 
 typedef void (*group_fn)(const float *, long, const void *, int, long, long, const float *, const float *, float *, long,
                          long);
 ROWS_GROUP(1, 1) ROWS_GROUP(1, 2) ROWS_GROUP(1, 3) ROWS_GROUP(1, 4)
-#if FEW_ROWS > 1
 ROWS_GROUP(2, 1) ROWS_GROUP(2, 2) ROWS_GROUP(2, 3) ROWS_GROUP(2, 4)
 ROWS_GROUP(3, 1) ROWS_GROUP(3, 2) ROWS_GROUP(3, 3) ROWS_GROUP(3, 4)
-#endif
+ROWS_GROUP(4, 1) ROWS_GROUP(4, 2) ROWS_GROUP(5, 1) ROWS_GROUP(5, 2)
+/* groups[rows][panels], for every few_group entry and the smaller group at the end of a share */
 static const group_fn groups[FEW_ROWS + 1][ROW_GROUP + 1] = {
-    {0}, {0, rows_group_1_1, rows_group_1_2, rows_group_1_3, rows_group_1_4},
-#if FEW_ROWS > 1
+    {0},
+    {0, rows_group_1_1, rows_group_1_2, rows_group_1_3, rows_group_1_4},
     {0, rows_group_2_1, rows_group_2_2, rows_group_2_3, rows_group_2_4},
     {0, rows_group_3_1, rows_group_3_2, rows_group_3_3, rows_group_3_4},
-#endif
+    {0, rows_group_4_1, rows_group_4_2},
+    {0, rows_group_5_1, rows_group_5_2},
 };
 
 /* One thread's share of a product's panels [start, end), in groups of `most`: `groups` holds the next group from
@@ -352,19 +359,19 @@ static void split(share *shares, long threads, long panels, long most) {
     }
 }
 
-/* Up to FEW_ROWS rows (a decode step, or a verify step of a few rows): each thread its share of the panels
- * (split), ROW_GROUP at a time, then what is left of the others' (next_group). */
-static void few_rows(const float *x, long m, long ldx, const void *w, int bf16, long k, long n, const float *bias,
-                     const float *add, float *y, long ldy) {
+/* m rows in row groups of `most` panels: each thread its share of the panels (split), a group at a time, then what
+ * is left of the others' (next_group). */
+static void few_rows(const float *x, long m, long ldx, const void *w, int bf16, long most, long k, long n,
+                     const float *bias, const float *add, float *y, long ldy) {
     long threads = omp_get_max_threads();
     share shares[threads];
-    split(shares, threads, (n + NR - 1) / NR, ROW_GROUP);
+    split(shares, threads, (n + NR - 1) / NR, most);
     #pragma omp parallel
     {
         long t = omp_get_thread_num(), v = 0, end;
         for (long q0; (q0 = next_group(shares, threads, t, &v, &end)) >= 0;)
-            for (long q = q0; q < end; q += ROW_GROUP)
-                groups[m][end - q < ROW_GROUP ? end - q : ROW_GROUP](x, ldx, w, bf16, k, n, bias, add, y, ldy, q);
+            for (long q = q0; q < end; q += most)
+                groups[m][end - q < most ? end - q : most](x, ldx, w, bf16, k, n, bias, add, y, ldy, q);
     }
 }
 
@@ -785,8 +792,8 @@ static void gemm(const float *x, long m, long ldx, const void *w, int bf16, long
         gemm_pairs(x, m, ldx, (const unsigned short *)w, bf16, k, n, bias, add, y, ldy);
         return;
     }
-    if (m <= FEW_ROWS) {
-        few_rows(x, m, ldx, w, bf16, k, n, bias, add, y, ldy);
+    if (m <= FEW_ROWS && few_group[bf16][m]) {
+        few_rows(x, m, ldx, w, bf16, few_group[bf16][m], k, n, bias, add, y, ldy);
         return;
     }
     long panels = (n + NR - 1) / NR;
