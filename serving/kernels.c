@@ -151,11 +151,12 @@ typedef struct {
 #define NV (NR / 8)
 /* Steps of a few rows (a decode step, a chain's verify step, what prompt lookup drafts) stream a group of panels at a
  * time over each thread's share (row_group), as a decode step does; more rows run as tiles, which stream one panel
- * at a time over a static split. few_group[format][rows]: the panels in a row group, 0 where tiles are faster. Memory's
- * rate bounds the row groups up to the rows where their arithmetic takes over: on AVX2 2-5 rows of float32 panels
- * took 1.2-1.4x a one-row product as tiles and 1.0-1.15x as row groups, even where 16 registers spill some of the
- * sums (3 rows x 4 panels x 2, 5 x 2 x 2); bfloat16 panels, widened before each multiply-add, ran faster as tiles
- * from 4 rows. AVX-512's 32 registers hold 3 rows x 4 panels; its table is the one measured on a Zen 4. */
+ * at a time over a static split. few_group[format][rows]: the panels in a row group, 0 where tiles are faster. A few
+ * rows' products are bound by memory's rate, not by their multiply-adds, so several streams with work stealing beat
+ * a tile's one stream even where AVX2's 16 registers spill some of the sums (3 rows x 4 panels x 2, 5 x 2 x 2); past
+ * that the arithmetic takes over, sooner for bfloat16 panels (widened before each multiply-add), and the tiles'
+ * sums held in registers win (docs/benchmarks/engine.md, verify steps by rows). AVX-512's 32 registers hold 3 rows x
+ * 4 panels; its table is the one measured on a Zen 4. */
 #define FEW_ROWS 5
 #ifdef __AVX512VL__
 static const int few_group[2][FEW_ROWS + 1] = {{0, 4, 4, 4, 0, 0}, {0, 4, 4, 4, 0, 0}};
