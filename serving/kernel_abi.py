@@ -13,10 +13,12 @@ _long, _ptr, _float = ctypes.c_long, ctypes.c_void_p, ctypes.c_float
 
 class LayerWeights(ctypes.Structure):
     """layer_weights: a decoder layer's weights (q_norm, k_norm, qkv_bias NULL where the model has none; the four
-    matrices as panels in the format bf16 names: serving/kernels.py's F32_PANELS, BF16_PANELS or a PAIR_PATHS value)."""
+    matrices as panels in the format bf16 names: serving/kernels.py's F32_PANELS, BF16_PANELS or a PAIR_PATHS value;
+    streams 1 for weights read from memory at every step, the target's, 0 for a head's kept in cache)."""
     _fields_ = [*((name, _ptr) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "o", "gate_up", "down",
                                              "qkv_bias")),
-                *((name, _long) for name in ("bf16", "hidden", "heads", "kv_heads", "dim", "intermediate", "input_size")),
+                *((name, _long) for name in ("bf16", "streams", "hidden", "heads", "kv_heads", "dim", "intermediate",
+                                             "input_size")),
                 ("eps", _float)]
 
 

@@ -24,6 +24,7 @@ typedef struct {
     const void *qkv, *o, *gate_up, *down;  /* panels, float32 or bfloat16 */
     const float *qkv_bias;  /* NULL where the model has none */
     long bf16;  /* the panels' format and product path: F32_PANELS, BF16_PANELS, BF16_DOT or BF16_WIDENED */
+    long streams;  /* 1: read from memory at every step (the target's layers), 0: kept in cache (a head's) */
     long hidden, heads, kv_heads, dim, intermediate;
     long input_size;  /* the attention's input width: hidden, or a draft head's wider input (EAGLE-3's 2 hidden) */
     float eps;
@@ -151,17 +152,20 @@ typedef struct {
 #define NV (NR / 8)
 /* Steps of a few rows (a decode step, a chain's verify step, what prompt lookup drafts) stream a group of panels at a
  * time over each thread's share (row_group), as a decode step does; more rows run as tiles, which stream one panel
- * at a time over a static split. few_group[format][rows]: the panels in a row group, 0 where tiles are faster. A few
- * rows' products are bound by memory's rate, not by their multiply-adds, so several streams with work stealing beat
- * a tile's one stream even where AVX2's 16 registers spill some of the sums (3 rows x 4 panels x 2, 5 x 2 x 2); past
- * that the arithmetic takes over, sooner for bfloat16 panels (widened before each multiply-add), and the tiles'
- * sums held in registers win (docs/benchmarks/engine.md, verify steps by rows). AVX-512's 32 registers hold 3 rows x
- * 4 panels; its table is the one measured on a Zen 4. */
+ * at a time over a static split. few_group[streams][format][rows]: the panels in a row group, 0 where tiles are
+ * faster. Weights read from memory at every step (the target's) bound a few rows' products by memory's rate, not by
+ * their multiply-adds, so several streams with work stealing beat a tile's one stream even where AVX2's 16 registers
+ * spill some of the sums (3 rows x 4 panels x 2, 5 x 2 x 2). Weights that stay in cache between uses (a draft head's
+ * layers) make the same products arithmetic-bound, where spilled sums cost and the tiles' register-held sums win;
+ * bfloat16 panels, widened before each multiply-add, get there from 3-4 rows either way (docs/benchmarks/engine.md,
+ * verify steps by rows). AVX-512's 32 registers hold 3 rows x 4 panels; its table is the one measured on a Zen 4. */
 #define FEW_ROWS 5
 #ifdef __AVX512VL__
-static const int few_group[2][FEW_ROWS + 1] = {{0, 4, 4, 4, 0, 0}, {0, 4, 4, 4, 0, 0}};
+static const int few_group[2][2][FEW_ROWS + 1] = {{{0, 4, 4, 4, 0, 0}, {0, 4, 4, 4, 0, 0}},
+                                                  {{0, 4, 4, 4, 0, 0}, {0, 4, 4, 4, 0, 0}}};
 #else
-static const int few_group[2][FEW_ROWS + 1] = {{0, 4, 4, 4, 2, 2}, {0, 4, 4, 2, 0, 0}};
+static const int few_group[2][2][FEW_ROWS + 1] = {{{0, 4, 4, 2, 0, 0}, {0, 4, 4, 2, 0, 0}},   /* in cache */
+                                                  {{0, 4, 4, 4, 2, 2}, {0, 4, 4, 2, 0, 0}}};  /* streamed */
 #endif
 /* Tiles of more than one row ask for the weights this far ahead. Out-of-order execution alone keeps fewer loads in
  * flight at 5 rows (10 FMAs per 64 bytes) than at 1, and memory then streams ~30% slower; at 1 row it keeps
@@ -785,16 +789,17 @@ static void gemm_pairs(const float *x, long m, long ldx, const unsigned short *w
     free(buf);
 }
 
-/* y = add + x @ W (+ bias); add may be y itself (in place) or NULL, and has y's row stride. */
-static void gemm(const float *x, long m, long ldx, const void *w, int bf16, long k, long n, const float *bias,
-                 const float *add, float *y, long ldy) {
+/* y = add + x @ W (+ bias); add may be y itself (in place) or NULL, and has y's row stride. streams: whether W comes
+ * from memory rather than cache (few_group). */
+static void gemm(const float *x, long m, long ldx, const void *w, int bf16, int streams, long k, long n,
+                 const float *bias, const float *add, float *y, long ldy) {
     if (m == 0) return;
     if (bf16 == BF16_DOT || bf16 == BF16_WIDENED || bf16 == BF16_AMX) {
         gemm_pairs(x, m, ldx, (const unsigned short *)w, bf16, k, n, bias, add, y, ldy);
         return;
     }
-    if (m <= FEW_ROWS && few_group[bf16][m]) {
-        few_rows(x, m, ldx, w, bf16, few_group[bf16][m], k, n, bias, add, y, ldy);
+    if (m <= FEW_ROWS && few_group[streams][bf16][m]) {
+        few_rows(x, m, ldx, w, bf16, few_group[streams][bf16][m], k, n, bias, add, y, ldy);
         return;
     }
     long panels = (n + NR - 1) / NR;
@@ -802,21 +807,24 @@ static void gemm(const float *x, long m, long ldx, const void *w, int bf16, long
     for (long q = 0; q < panels; q++) panel(x, m, ldx, w, bf16, k, n, bias, add, y, ldy, q);
 }
 
+/* serving/kernels.py's PackedLinear: the products the target runs outside its layer calls (its LM head, the layers of
+ * families whose layers are torch modules) stream their weights from memory; a head's are mostly bfloat16 panels,
+ * whose choice does not depend on it */
 void gemm_panels(const float *x, long m, long ldx, const float *w, long k, long n, const float *bias,
                  float *y, long ldy) {
-    gemm(x, m, ldx, w, 0, k, n, bias, 0, y, ldy);
+    gemm(x, m, ldx, w, 0, 1, k, n, bias, 0, y, ldy);
 }
 
 void gemm_panels_bf16(const float *x, long m, long ldx, const unsigned short *w, long k, long n, const float *bias,
                       float *y, long ldy) {
-    gemm(x, m, ldx, w, 1, k, n, bias, 0, y, ldy);
+    gemm(x, m, ldx, w, 1, 1, k, n, bias, 0, y, ldy);
 }
 
 /* bfloat16 compute over pair panels; path: BF16_AMX (only where the CPU has AMX and Linux granted its tiles), BF16_DOT
  * (only where it has AVX512-BF16) or BF16_WIDENED. */
 void gemm_pairs_bf16(const float *x, long m, long ldx, const unsigned short *w, long k, long n, const float *bias,
                      float *y, long ldy, long path) {
-    gemm(x, m, ldx, w, (int)path, k, n, bias, 0, y, ldy);
+    gemm(x, m, ldx, w, (int)path, 1, k, n, bias, 0, y, ldy);
 }
 
 /* y = x / sqrt(mean(x^2) + eps) * w over rows of n, as float32 reference implementations do. */
@@ -1310,7 +1318,7 @@ void layer_pre(const layer_step *s) {
     float *qkv = s->qkv;
     const float *x = s->x ? s->x : L->input_norm ? s->normed : s->h;
     if (!s->x && L->input_norm) rms_norm(s->h, rows, L->hidden, L->input_norm, L->eps, s->normed, L->hidden, L->hidden);
-    gemm(x, rows, L->input_size, L->qkv, L->bf16, L->input_size, n, L->qkv_bias, 0, qkv, n);
+    gemm(x, rows, L->input_size, L->qkv, L->bf16, L->streams, L->input_size, n, L->qkv_bias, 0, qkv, n);
     if (L->q_norm)
         for (long r = 0; r < rows; r++) {
             float *q = qkv + r * n, *k = q + L->heads * L->dim;
@@ -1325,11 +1333,11 @@ void layer_pre(const layer_step *s) {
 void layer_post(const layer_step *s) {
     const layer_weights *L = s->weights;
     long rows = s->rows, q_size = L->heads * L->dim, n = L->intermediate;
-    gemm(s->attn, rows, q_size, L->o, L->bf16, q_size, L->hidden, 0, s->h, s->out, L->hidden);
+    gemm(s->attn, rows, q_size, L->o, L->bf16, L->streams, q_size, L->hidden, 0, s->h, s->out, L->hidden);
     rms_norm(s->out, rows, L->hidden, L->post_norm, L->eps, s->normed, L->hidden, L->hidden);
-    gemm(s->normed, rows, L->hidden, L->gate_up, L->bf16, L->hidden, 2 * n, 0, 0, s->gate_up, 2 * n);
+    gemm(s->normed, rows, L->hidden, L->gate_up, L->bf16, L->streams, L->hidden, 2 * n, 0, 0, s->gate_up, 2 * n);
     silu_mul(s->gate_up, rows, n, s->act);
-    gemm(s->act, rows, n, L->down, L->bf16, n, L->hidden, 0, s->out, s->out, L->hidden);
+    gemm(s->act, rows, n, L->down, L->bf16, L->streams, n, L->hidden, 0, s->out, s->out, L->hidden);
 }
 
 /* One layer's paged_attention over a forward_scratch: the queries, keys and values layer_pre left in qkv, the output
@@ -1404,7 +1412,7 @@ long model_forward(const forward_args *f) {
         rms_norm(w->h + (f->logits_rows ? f->logits_rows[i] : i) * hidden, 1, hidden, f->norm, f->eps,
                  w->selected + i * hidden, hidden, hidden);
     if (f->num_logits) {
-        gemm(w->selected, f->num_logits, hidden, f->lm_head, (int)f->lm_bf16, hidden, f->vocab, 0, 0, f->logits,
+        gemm(w->selected, f->num_logits, hidden, f->lm_head, (int)f->lm_bf16, 1, hidden, f->vocab, 0, 0, f->logits,
              f->vocab);
         argmax_rows(f->logits, f->num_logits, f->vocab, f->vocab, f->best);
     }
@@ -1451,7 +1459,7 @@ static const field_layout layouts[] = {
     SIZE(layer_weights), FIELD(layer_weights, input_norm), FIELD(layer_weights, post_norm),
     FIELD(layer_weights, q_norm), FIELD(layer_weights, k_norm), FIELD(layer_weights, qkv), FIELD(layer_weights, o),
     FIELD(layer_weights, gate_up), FIELD(layer_weights, down), FIELD(layer_weights, qkv_bias),
-    FIELD(layer_weights, bf16), FIELD(layer_weights, hidden), FIELD(layer_weights, heads),
+    FIELD(layer_weights, bf16), FIELD(layer_weights, streams), FIELD(layer_weights, hidden), FIELD(layer_weights, heads),
     FIELD(layer_weights, kv_heads), FIELD(layer_weights, dim), FIELD(layer_weights, intermediate),
     FIELD(layer_weights, input_size), FIELD(layer_weights, eps),
     SIZE(sequence), FIELD(sequence, first_row), FIELD(sequence, query_rows), FIELD(sequence, context),

@@ -370,11 +370,12 @@ class KernelLayer(_KernelModule):
     more to dispatch than its arithmetic at decode's few rows. The target's layers and the draft heads' (`kernel_head`)
     alike, a head's without an input norm or with the attention's input built by the head (EAGLE-3's 2 hidden wide).
     Every part still computes a row from that row alone (the norms and products are the same kernels; rope rounds as
-    torch does; SiLU through kernels.c's exp, within 2e-7 of torch's)."""
+    torch does; SiLU through kernels.c's exp, within 2e-7 of torch's). streams: whether its weights come from memory
+    at every step (the target's) rather than from cache (a head's), which picks how its few-row products run."""
 
-    def __init__(self, layer: DecoderLayer, scratch: Scratch):
+    def __init__(self, layer: DecoderLayer, scratch: Scratch, streams: bool):
         super().__init__()
-        self.reference, self.scratch, self.layer_idx = layer, scratch, layer.layer_idx
+        self.reference, self.scratch, self.layer_idx, self.streams = layer, scratch, layer.layer_idx, streams
         self.lib = layer.qkv.lib
         self.weight_dtype = layer.qkv.weight_dtype
         if self.lib is None:
@@ -396,7 +397,7 @@ class KernelLayer(_KernelModule):
             k_norm=layer.k_norm.reference.weight.data_ptr() if qk_norm else None,
             qkv=layer.qkv.panels.data_ptr(), o=layer.o.panels.data_ptr(), gate_up=layer.gate_up.panels.data_ptr(),
             down=layer.down.panels.data_ptr(), qkv_bias=_pointer(layer.qkv.bias),
-            bf16=layer.qkv.format, hidden=c.hidden_size, heads=c.num_heads,
+            bf16=layer.qkv.format, streams=self.streams, hidden=c.hidden_size, heads=c.num_heads,
             kv_heads=c.num_kv_heads, dim=c.head_dim, intermediate=c.intermediate_size,
             input_size=c.attention_input_size, eps=c.rms_norm_eps)
         self.weights_ref = ctypes.pointer(self.scratch.layer_table[self.layer_idx])
@@ -438,7 +439,7 @@ def kernel_layers(layers: nn.ModuleList, config) -> nn.ModuleList:
     if not len(layers) or layers[0].qkv.lib is None or not config.is_llama:
         return layers  # other layers run torch's operators between their products, still in PackedLinears
     scratch = Scratch(config, len(layers))
-    return nn.ModuleList(KernelLayer(layer, scratch) for layer in layers)
+    return nn.ModuleList(KernelLayer(layer, scratch, streams=True) for layer in layers)
 
 
 def kernel_head(head: nn.Module) -> nn.Module:
@@ -454,7 +455,7 @@ def kernel_head(head: nn.Module) -> nn.Module:
         raise ValueError("a head's decoder layers differ in shape: kernel_head shares one scratch among them")
     scratch = Scratch(config, 1 + max(child.layer_idx for *_, child in found))
     for parent, name, child in found:
-        setattr(parent, name, KernelLayer(child, scratch))
+        setattr(parent, name, KernelLayer(child, scratch, streams=False))
     return head
 
 

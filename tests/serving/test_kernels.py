@@ -407,10 +407,12 @@ LAYER_CONFIGS = {
 @pytest.mark.parametrize("weight_dtype,compute", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                                   (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("family", list(LAYER_CONFIGS))
-def test_kernel_layer_computes_the_decoder_layer(family, weight_dtype, compute):
+@pytest.mark.parametrize("streams", [True, False])
+def test_kernel_layer_computes_the_decoder_layer(family, weight_dtype, compute, streams):
     """layer_pre, attention, layer_post against the module it wraps, at the rows of decode, verify and prefill, one
     scratch for them all (it grows, then serves fewer rows); and each row's output, with an attention that reads
-    only that row, equal bit for bit alone and in any batch."""
+    only that row, equal bit for bit alone and in any batch: 2-5 rows (row groups or tiles, by format and by whether
+    the weights stream) and 13 (tiles)."""
     config = LayerConfig(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=100, head_dim=24,
                          **LAYER_CONFIGS[family])
     torch.manual_seed(1)
@@ -420,7 +422,7 @@ def test_kernel_layer_computes_the_decoder_layer(family, weight_dtype, compute):
     if config.qkv_bias:
         layer.qkv.bias.copy_(torch.randn_like(layer.qkv.bias))
     reference = kernels.for_inference(layer, weight_dtype, compute)
-    fast = kernels.KernelLayer(reference, kernels.Scratch(config, 1))
+    fast = kernels.KernelLayer(reference, kernels.Scratch(config, 1), streams)
     rope = Rope(config.head_dim, 512)
     dense = lambda _, q, k, v: F.scaled_dot_product_attention(  # noqa: E731
         q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
@@ -433,9 +435,11 @@ def test_kernel_layer_computes_the_decoder_layer(family, weight_dtype, compute):
     own_row = lambda _, q, k, v: v.repeat_interleave(2, 1) + q  # noqa: E731
     hidden = torch.randn(13, 64)
     cos, sin = rope.tables(torch.arange(100, 113))
-    together = fast(hidden, cos, sin, own_row)
-    for i in range(13):
-        assert torch.equal(fast(hidden[i:i + 1], cos[i:i + 1], sin[i:i + 1], own_row), together[i:i + 1])
+    alone = [fast(hidden[i:i + 1], cos[i:i + 1], sin[i:i + 1], own_row) for i in range(13)]
+    for num_rows in (2, 3, 4, 5, 13):
+        together = fast(hidden[:num_rows], cos[:num_rows], sin[:num_rows], own_row)
+        for i in range(num_rows):
+            assert torch.equal(alone[i], together[i:i + 1])
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="needs AVX2")
@@ -451,7 +455,7 @@ def test_kernel_layer_computes_a_head_s_layer(head, compute):
     layer = DecoderLayer(config, input_norm=False).requires_grad_(False)
     layer.post_norm.weight.copy_(torch.rand(64) + 0.5)
     reference = kernels.for_inference(layer, torch.bfloat16 if compute == torch.bfloat16 else torch.float32, compute)
-    fast = kernels.KernelLayer(reference, kernels.Scratch(config, 1))
+    fast = kernels.KernelLayer(reference, kernels.Scratch(config, 1), streams=False)
     rope = Rope(config.head_dim, 512)
     own_row = lambda _, q, k, v: v.repeat_interleave(2, -2) + q  # noqa: E731
     hidden = torch.randn(3, 5, 64)
@@ -467,8 +471,9 @@ def test_kernel_layer_computes_a_head_s_layer(head, compute):
 
 
 def test_kernel_head_makes_every_llama_layer_of_a_head_a_kernel_layer():
-    """kernel_head finds a head's layers wherever the head keeps them (one, a list, inside MTP's blocks) and leaves a
-    head whose layers the kernels do not compute as it is."""
+    """kernel_head finds a head's layers wherever the head keeps them (one, a list, inside MTP's blocks), as weights
+    kept in cache (the target's layers stream theirs), and leaves a head whose layers the kernels do not compute as
+    it is."""
     config = LayerConfig(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96)
     head = nn.Module()
     head.layer = kernels.for_inference(DecoderLayer(config, layer_idx=0, input_norm=False))
@@ -479,6 +484,10 @@ def test_kernel_head_makes_every_llama_layer_of_a_head_a_kernel_layer():
         return
     assert all(isinstance(layer, kernels.KernelLayer) for layer in (head.layer, *head.layers))
     assert len({id(layer.scratch) for layer in (head.layer, *head.layers)}) == 1
+    assert [entry.streams for entry in head.layer.scratch.layer_table] == [0, 0, 0]
+    target = kernels.kernel_layers(nn.ModuleList(kernels.for_inference(DecoderLayer(config, layer_idx=i))
+                                                 for i in (0, 1)), config)
+    assert [entry.streams for entry in target[0].scratch.layer_table] == [1, 1]
     sinks = nn.Module()
     sinks.layer = kernels.for_inference(DecoderLayer(LayerConfig(64, 4, 2, 96, sinks=True)))
     assert isinstance(kernels.kernel_head(sinks).layer, DecoderLayer)
