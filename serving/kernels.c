@@ -1271,6 +1271,53 @@ void argmax_rows(const float *x, long rows, long ldx, long n, long *out) {
     free(found);
 }
 
+/* Index c into best, the indices of the (up to k, *found held) largest of xr in order, where it belongs: after those
+ * at least as large, so that of equal values the lower index, seen first, stays first. */
+static inline void keep_largest(const float *xr, long c, long *best, long *found, long k) {
+    if (*found == k && !(xr[c] > xr[best[k - 1]])) return;
+    long at = *found < k ? (*found)++ : k - 1;
+    for (; at > 0 && xr[c] > xr[best[at - 1]]; at--) best[at] = best[at - 1];
+    best[at] = c;
+}
+
+/* A drafter's scores of its most likely drafts: the k largest values of each row of x (rows of n floats, ldx apart),
+ * largest first (the lower index first on ties), as log-probabilities under softmax(x / t[r]), into logp [rows][k],
+ * and their indices into idx [rows][k]. One pass over a row for its maximum, one for the sum of exponentials and the
+ * k largest: serving/drafters/confidence.py's top_log_probs, which torch ran as a log-softmax and a top-k, ~60 us a
+ * draft on a few rows once a target's forward has evicted the caches. */
+void top_log_probs(const float *x, long rows, long ldx, long n, const float *t, long k, float *logp, long *idx) {
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        float *lp = logp + r * k;
+        long *best = idx + r * k, found = 0;
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        long i = 0;
+        for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(xr + i));
+        float lanes[8], mx = -INFINITY;
+        _mm256_storeu_ps(lanes, mv);
+        for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+        for (; i < n; i++) mx = xr[i] > mx ? xr[i] : mx;
+        float top = mx / t[r];  /* the largest of x / t: t > 0 */
+        __m256 tv = _mm256_set1_ps(t[r]), topv = _mm256_set1_ps(top), sv = _mm256_setzero_ps();
+        for (i = 0; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            sv = _mm256_add_ps(sv, exp8(_mm256_sub_ps(_mm256_div_ps(v, tv), topv)));
+            /* most blocks hold nothing above the k-th largest so far */
+            if (found < k || _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(xr[best[k - 1]]), _CMP_GT_OQ)))
+                for (long c = i; c < i + 8; c++) keep_largest(xr, c, best, &found, k);
+        }
+        float sum = 0.0f;
+        _mm256_storeu_ps(lanes, sv);
+        for (int j = 0; j < 8; j++) sum += lanes[j];
+        for (; i < n; i++) {
+            sum += expf(xr[i] / t[r] - top);
+            keep_largest(xr, i, best, &found, k);
+        }
+        float log_sum = logf(sum);
+        for (long j = 0; j < k; j++) lp[j] = xr[best[j]] / t[r] - top - log_sum;
+    }
+}
+
 /* x * cos + roll(x, dim / 2) * sin per head, in place: heads.rope.apply_rope, each product and the sum rounded
  * as torch rounds them (no fused multiply-add). */
 __attribute__((optimize("fp-contract=off")))

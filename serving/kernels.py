@@ -44,6 +44,7 @@ SIGNATURES = {
     "gemm_pairs_bf16": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long, _long],
     "rms_norm": [_ptr, _long, _long, _ptr, _float, _ptr, _long, _long],
     "argmax_rows": [_ptr, _long, _long, _long, _ptr],
+    "top_log_probs": [_ptr, _long, _long, _long, _ptr, _long, _ptr, _ptr],
     "paged_attention": [ctypes.POINTER(AttentionArgs)],
     "layer_pre": [ctypes.POINTER(LayerStep)],
     "layer_post": [ctypes.POINTER(LayerStep)],
@@ -146,6 +147,26 @@ def argmax(x: torch.Tensor) -> list[int]:
     out = torch.empty(x.shape[0], dtype=torch.long, device="cpu")
     library().argmax_rows(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], out.data_ptr())
     return out.tolist()
+
+
+def top_log_probs(logits: torch.Tensor, num: int,
+                  temperature: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As (logits / temperature).log_softmax(-1).topk(num, dim=-1) over [..., n] float32 logits: the log-probabilities
+    of each row's `num` largest, largest first, and their indices; temperature one for every row or a tensor that
+    broadcasts as [..., 1]. In one call of kernels.c's top_log_probs where the kernels run (the lower index first on
+    ties; the log-probabilities within a few ulps of torch's), torch's operators elsewhere."""
+    if not _uses_kernels(logits) or not 0 < num <= logits.shape[-1] or not logits.numel():
+        return (logits.float() / temperature).log_softmax(-1).topk(num, dim=-1)
+    rows, lead = _rows(logits), logits.shape[:-1]
+    if isinstance(temperature, torch.Tensor):
+        temperatures = temperature.to(torch.float32).expand(*lead, 1).reshape(-1).contiguous()
+    else:
+        temperatures = torch.full((rows.shape[0],), float(temperature), device="cpu")
+    log_probs = torch.empty(rows.shape[0], num, device="cpu")
+    indices = torch.empty(rows.shape[0], num, dtype=torch.long, device="cpu")
+    library().top_log_probs(rows.data_ptr(), rows.shape[0], rows.stride(0), rows.shape[1], temperatures.data_ptr(), num,
+                            log_probs.data_ptr(), indices.data_ptr())
+    return log_probs.view(*lead, num), indices.view(*lead, num)
 
 
 def _uses_kernels(tensor: torch.Tensor) -> bool:

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from serving import kernels
+
 
 def log_confidence(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """log p(argmax) under softmax(logits / temperature), without materialising the softmax: [..., vocab] -> [...].
@@ -18,9 +20,10 @@ def log_confidence(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def top_log_probs(logits: torch.Tensor, num: int, temperature: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The `num` most likely entries of each row of logits: (their log-probabilities under softmax(logits /
     temperature), [..., num]; their indices, [..., num]). temperature: one for every row, or a tensor of each row's
-    that broadcasts as [..., 1]. One fused log-softmax reads the rows once (logsumexp takes five passes: 2-3x the
-    time on a drafter's few rows after a forward has evicted the caches)."""
-    return (logits.float() / temperature).log_softmax(-1).topk(num, dim=-1)
+    that broadcasts as [..., 1]. One pass of the kernels over the rows where they run (serving.kernels.top_log_probs),
+    else a fused log-softmax and a top-k (logsumexp takes five passes: 2-3x the time on a drafter's few rows after a
+    forward has evicted the caches)."""
+    return kernels.top_log_probs(logits, num, temperature)
 
 
 class Confidence:

@@ -42,9 +42,15 @@ class EagleDrafter(DeferredDrafter):
     num_lookahead = 1  # its K/V at position p depends on token p + 1
 
     def __init__(self, ctx, head, token_map, config):
-        self.head, self.token_map = head, token_map
+        self.head = head
         self.confidence, self.topk = Confidence(head, config.confidence_threshold), config.topk
         self.fuses_aux = isinstance(head, Eagle3)  # EAGLE-3's body (P-EAGLE's too): reads the aux layers through fc
+        # each draft id's target id (EAGLE-3's d2t, EAGLE-1's token map; None: the same), read as a list per draft:
+        # a torch index into the map cost more than the top-k itself on a draft's few ids
+        if self.fuses_aux:
+            self.target_ids = head.to_target_ids(torch.arange(len(head.d2t), device=head.d2t.device)).tolist()
+        else:
+            self.target_ids = None if token_map is None else token_map.tolist()
         # EAGLE-3's forward in one C call where the kernels compute its layer (the module elsewhere, and as reference)
         self.one_call = Eagle3Forward(head) if Eagle3Forward.applies(head) else None
         self.aux_layers = tuple(head.config.aux_layers) if self.fuses_aux else ()
@@ -84,11 +90,10 @@ class EagleDrafter(DeferredDrafter):
         per row."""
         logits = self._logits(out)
         log_probs, best = top_log_probs(logits, self.topk, self.confidence.temperature(depth))
-        if self.fuses_aux:
-            best = self.head.to_target_ids(best)
-        elif self.token_map is not None:
-            best = self.token_map[best]
-        return log_probs.tolist(), best.tolist()
+        best = best.tolist()
+        if self.target_ids is not None:
+            best = [[self.target_ids[i] for i in row] for row in best]
+        return log_probs.tolist(), best
 
     def input_features(self, features: list[torch.Tensor]) -> torch.Tensor:
         """The noted feature rows as the head's input g: EAGLE-3's aux rows fused by fc (one call over all of them)."""

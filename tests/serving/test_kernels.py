@@ -274,6 +274,40 @@ def test_argmax_falls_back_to_torch(no_kernels):
     assert kernels.argmax(x.to(torch.bfloat16)) == x.to(torch.bfloat16).argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("shape,num", [((1, 4096), 1), ((8, 4096), 8), ((3, 5, 1001), 10), ((2, 13), 13), ((4, 7), 3)])
+def test_top_log_probs_match_torch(shape, num):
+    """kernels.top_log_probs against log_softmax(x / t).topk: the same indices in the same order, the log-probabilities
+    within a few ulps, at one temperature and at one per row (broadcast as [..., 1]), row lengths past and short of
+    whole vectors; rows strided past their length."""
+    torch.manual_seed(num)
+    x = torch.randn(*shape) * 4
+    per_row = torch.rand(*shape[:-1], 1) * 2 + 0.25
+    for temperature in (0.7, per_row):
+        expected = (x / temperature).log_softmax(-1).topk(num, dim=-1)
+        log_probs, indices = kernels.top_log_probs(x, num, temperature)
+        assert torch.equal(indices, expected.indices)
+        torch.testing.assert_close(log_probs, expected.values, atol=2e-6, rtol=0)
+    wide = torch.randn(3, shape[-1] + 5)[:, :shape[-1]]
+    assert torch.equal(kernels.top_log_probs(wide, num, 1.0)[1], wide.log_softmax(-1).topk(num, dim=-1).indices)
+
+
+def test_top_log_probs_keep_the_lower_index_first_on_ties():
+    x = torch.full((2, 40), -1.0)
+    x[0, [3, 17, 30]] = 2.0  # three equal largest
+    x[1, [9, 35]] = 1.0
+    x[1, 20] = 3.0
+    log_probs, indices = kernels.top_log_probs(x, 3, 1.0)
+    assert indices.tolist() == [[3, 17, 30], [20, 9, 35]]
+    assert log_probs[0, 0] == log_probs[0, 2] and log_probs[1, 1] == log_probs[1, 2]
+
+
+def test_top_log_probs_fall_back_to_torch(no_kernels):
+    x = torch.randn(3, 50)
+    expected = (x / 0.5).log_softmax(-1).topk(4, dim=-1)
+    log_probs, indices = kernels.top_log_probs(x, 4, 0.5)
+    assert torch.equal(indices, expected.indices) and torch.equal(log_probs, expected.values)
+
+
 def random_tree(num_nodes: int, depth: int, generator: torch.Generator):
     """A random draft tree of `num_nodes` nodes exactly `depth` deep with a node of two children or more (redrawn
     until it is)."""
