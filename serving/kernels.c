@@ -1281,13 +1281,16 @@ static inline void keep_largest(const float *xr, long c, long *best, long *found
 }
 
 /* A drafter's scores of its most likely drafts: the k largest values of each row of x (rows of n floats, ldx apart),
- * largest first (the lower index first on ties), as log-probabilities under softmax(x / t[r]), into logp [rows][k],
+ * largest first (the lower index first on ties), as log-probabilities under softmax(x / t[r * t_stride]) (t_stride 0:
+ * one temperature for every row), into logp [rows][k],
  * and their indices into idx [rows][k]. One pass over a row for its maximum, one for the sum of exponentials and the
  * k largest: serving/drafters/confidence.py's top_log_probs, which torch ran as a log-softmax and a top-k, ~60 us a
  * draft on a few rows once a target's forward has evicted the caches. */
-void top_log_probs(const float *x, long rows, long ldx, long n, const float *t, long k, float *logp, long *idx) {
+void top_log_probs(const float *x, long rows, long ldx, long n, const float *t, long t_stride, long k, float *logp,
+                   long *idx) {
     for (long r = 0; r < rows; r++) {
         const float *xr = x + r * ldx;
+        float tr = t[r * t_stride];
         float *lp = logp + r * k;
         long *best = idx + r * k, found = 0;
         __m256 mv = _mm256_set1_ps(-INFINITY);
@@ -1297,8 +1300,8 @@ void top_log_probs(const float *x, long rows, long ldx, long n, const float *t, 
         _mm256_storeu_ps(lanes, mv);
         for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
         for (; i < n; i++) mx = xr[i] > mx ? xr[i] : mx;
-        float top = mx / t[r];  /* the largest of x / t: t > 0 */
-        __m256 tv = _mm256_set1_ps(t[r]), topv = _mm256_set1_ps(top), sv = _mm256_setzero_ps();
+        float top = mx / tr;  /* the largest of x / t: t > 0 */
+        __m256 tv = _mm256_set1_ps(tr), topv = _mm256_set1_ps(top), sv = _mm256_setzero_ps();
         for (i = 0; i + 8 <= n; i += 8) {
             __m256 v = _mm256_loadu_ps(xr + i);
             sv = _mm256_add_ps(sv, exp8(_mm256_sub_ps(_mm256_div_ps(v, tv), topv)));
@@ -1310,11 +1313,11 @@ void top_log_probs(const float *x, long rows, long ldx, long n, const float *t, 
         _mm256_storeu_ps(lanes, sv);
         for (int j = 0; j < 8; j++) sum += lanes[j];
         for (; i < n; i++) {
-            sum += expf(xr[i] / t[r] - top);
+            sum += expf(xr[i] / tr - top);
             keep_largest(xr, i, best, &found, k);
         }
         float log_sum = logf(sum);
-        for (long j = 0; j < k; j++) lp[j] = xr[best[j]] / t[r] - top - log_sum;
+        for (long j = 0; j < k; j++) lp[j] = xr[best[j]] / tr - top - log_sum;
     }
 }
 

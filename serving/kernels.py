@@ -44,7 +44,7 @@ SIGNATURES = {
     "gemm_pairs_bf16": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long, _long],
     "rms_norm": [_ptr, _long, _long, _ptr, _float, _ptr, _long, _long],
     "argmax_rows": [_ptr, _long, _long, _long, _ptr],
-    "top_log_probs": [_ptr, _long, _long, _long, _ptr, _long, _ptr, _ptr],
+    "top_log_probs": [_ptr, _long, _long, _long, _ptr, _long, _long, _ptr, _ptr],
     "paged_attention": [ctypes.POINTER(AttentionArgs)],
     "layer_pre": [ctypes.POINTER(LayerStep)],
     "layer_post": [ctypes.POINTER(LayerStep)],
@@ -160,11 +160,13 @@ def top_log_probs(logits: torch.Tensor, num: int,
     rows, lead = _rows(logits), logits.shape[:-1]
     if isinstance(temperature, torch.Tensor):
         temperatures = temperature.to(torch.float32).expand(*lead, 1).reshape(-1).contiguous()
-    else:
-        temperatures = torch.full((rows.shape[0],), float(temperature), device="cpu")
+        t, t_stride = temperatures.data_ptr(), 1
+    else:  # one for every row, read through a stride of 0 (`scalar` holds it until the call returns)
+        scalar = ctypes.c_float(temperature)
+        t, t_stride = ctypes.addressof(scalar), 0
     log_probs = torch.empty(rows.shape[0], num, device="cpu")
     indices = torch.empty(rows.shape[0], num, dtype=torch.long, device="cpu")
-    library().top_log_probs(rows.data_ptr(), rows.shape[0], rows.stride(0), rows.shape[1], temperatures.data_ptr(), num,
+    library().top_log_probs(rows.data_ptr(), rows.shape[0], rows.stride(0), rows.shape[1], t, t_stride, num,
                             log_probs.data_ptr(), indices.data_ptr())
     return log_probs.view(*lead, num), indices.view(*lead, num)
 
