@@ -1282,10 +1282,10 @@ static inline void keep_largest(const float *xr, long c, long *best, long *found
 
 /* A drafter's scores of its most likely drafts: the k largest values of each row of x (rows of n floats, ldx apart),
  * largest first (the lower index first on ties), as log-probabilities under softmax(x / t[r * t_stride]) (t_stride 0:
- * one temperature for every row), into logp [rows][k],
- * and their indices into idx [rows][k]. One pass over a row for its maximum, one for the sum of exponentials and the
- * k largest: serving/drafters/confidence.py's top_log_probs, which torch ran as a log-softmax and a top-k, ~60 us a
- * draft on a few rows once a target's forward has evicted the caches. */
+ * one temperature for every row), into logp [rows][k], and their indices into idx [rows][k]. One pass over a row for
+ * its maximum, one for the sum of exponentials and the k largest: serving/drafters/confidence.py's top_log_probs,
+ * where torch's log-softmax and top-k were two operators and a tensor of every log-probability, each draft of every
+ * head drafter. */
 void top_log_probs(const float *x, long rows, long ldx, long n, const float *t, long t_stride, long k, float *logp,
                    long *idx) {
     for (long r = 0; r < rows; r++) {
