@@ -46,7 +46,7 @@ class EagleDrafter(DeferredDrafter):
         self.confidence, self.topk = Confidence(head, config.confidence_threshold), config.topk
         self.fuses_aux = isinstance(head, Eagle3)  # EAGLE-3's body (P-EAGLE's too): reads the aux layers through fc
         # each draft id's target id (EAGLE-3's d2t, EAGLE-1's token map; None: the same), read as a list per draft:
-        # a torch index into the map cost more than the top-k itself on a draft's few ids
+        # a draft's few ids need no torch call, each of which pays for cold caches after the target's forward
         if self.fuses_aux:
             self.target_ids = head.to_target_ids(torch.arange(len(head.d2t), device=head.d2t.device)).tolist()
         else:
