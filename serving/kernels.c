@@ -1293,23 +1293,17 @@ void top_log_probs(const float *x, long rows, long ldx, long n, const float *t, 
         float tr = t[r * t_stride];
         float *lp = logp + r * k;
         long *best = idx + r * k, found = 0;
-        __m256 mv = _mm256_set1_ps(-INFINITY);
-        long i = 0;
-        for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(xr + i));
-        float lanes[8], mx = -INFINITY;
-        _mm256_storeu_ps(lanes, mv);
-        for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
-        for (; i < n; i++) mx = xr[i] > mx ? xr[i] : mx;
-        float top = mx / tr;  /* the largest of x / t: t > 0 */
+        float top = xr[argmax_range(xr, 0, n)] / tr;  /* the largest of x / t: t > 0 */
         __m256 tv = _mm256_set1_ps(tr), topv = _mm256_set1_ps(top), sv = _mm256_setzero_ps();
-        for (i = 0; i + 8 <= n; i += 8) {
+        long i = 0;
+        for (; i + 8 <= n; i += 8) {
             __m256 v = _mm256_loadu_ps(xr + i);
             sv = _mm256_add_ps(sv, exp8(_mm256_sub_ps(_mm256_div_ps(v, tv), topv)));
             /* most blocks hold nothing above the k-th largest so far */
             if (found < k || _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(xr[best[k - 1]]), _CMP_GT_OQ)))
                 for (long c = i; c < i + 8; c++) keep_largest(xr, c, best, &found, k);
         }
-        float sum = 0.0f;
+        float lanes[8], sum = 0.0f;
         _mm256_storeu_ps(lanes, sv);
         for (int j = 0; j < 8; j++) sum += lanes[j];
         for (; i < n; i++) {
