@@ -13,11 +13,12 @@ _long, _ptr, _float = ctypes.c_long, ctypes.c_void_p, ctypes.c_float
 
 class LayerWeights(ctypes.Structure):
     """layer_weights: a decoder layer's weights (q_norm, k_norm, qkv_bias NULL where the model has none; the four
-    matrices as panels in the format bf16 names: serving/kernels.py's F32_PANELS, BF16_PANELS or a PAIR_PATHS value;
+    matrices as panels in the format `format` names: serving/kernels.py's F32_PANELS, BF16_PANELS, I8_PANELS or a
+    PAIR_PATHS value;
     streams 1 for weights read from memory at every step, the target's, 0 for a head's kept in cache)."""
     _fields_ = [*((name, _ptr) for name in ("input_norm", "post_norm", "q_norm", "k_norm", "qkv", "o", "gate_up", "down",
                                              "qkv_bias")),
-                *((name, _long) for name in ("bf16", "streams", "hidden", "heads", "kv_heads", "dim", "intermediate",
+                *((name, _long) for name in ("format", "streams", "hidden", "heads", "kv_heads", "dim", "intermediate",
                                              "input_size")),
                 ("eps", _float)]
 
@@ -64,7 +65,7 @@ class ForwardArgs(ctypes.Structure):
     """forward_args: model_forward's arguments, the model's (set once it is loaded) and then the step's."""
     _fields_ = [("layers", ctypes.POINTER(LayerWeights)), ("num_layers", _long), ("embed", _ptr), ("vocab", _long),
                 ("cos_table", _ptr), ("sin_table", _ptr), ("max_positions", _long), ("norm", _ptr), ("eps", _float),
-                ("lm_head", _ptr), ("lm_bf16", _long), ("scale", _float),
+                ("lm_head", _ptr), ("lm_format", _long), ("scale", _float),
                 ("ids", _ptr), ("positions", _ptr), ("rows", _long), ("aux_layers", _ptr), ("num_aux", _long),
                 ("logits_rows", _ptr), ("num_logits", _long), ("aux", _ptr), ("hidden_out", _ptr), ("logits", _ptr),
                 ("best", _ptr), ("kv", PagedKV), ("scratch", ForwardScratch)]

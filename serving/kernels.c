@@ -4,7 +4,8 @@
  * reuses one from its L2 cache for every further group of MR rows. Each output is a single running sum over k in
  * order, whatever m is: a row's result does not depend on the other rows of the batch, so a verify step
  * computes bit for bit what decode steps would. gemm_panels_bf16 reads W as bfloat16 (half the bytes a drafter,
- * or the target with EngineConfig.weights = bfloat16, streams) and computes in float32 all the same; gemm_pairs_bf16
+ * or the target with EngineConfig.weights = bfloat16, streams) and computes in float32 all the same; gemm_panels_i8
+ * reads a drafter's W as int8 with a float32 scale per column (a quarter of the bytes); gemm_pairs_bf16
  * rounds x to bfloat16 too and multiplies on AVX512-BF16's dot products (EngineConfig.dtype = bfloat16). layer_pre and
  * layer_post run a whole decoder layer around its attention on these kernels. */
 #include <immintrin.h>
@@ -23,7 +24,7 @@ typedef struct {
     const float *input_norm, *post_norm, *q_norm, *k_norm;  /* q_norm, k_norm: NULL where the model has none */
     const void *qkv, *o, *gate_up, *down;  /* panels, float32 or bfloat16 */
     const float *qkv_bias;  /* NULL where the model has none */
-    long bf16;  /* the panels' format and product path: F32_PANELS, BF16_PANELS, BF16_DOT or BF16_WIDENED */
+    long format;  /* the panels' format and product path: F32_PANELS, BF16_PANELS, I8_PANELS or a pair path */
     long streams;  /* 1: read from memory at every step (the target's layers), 0: kept in cache (a head's) */
     long hidden, heads, kv_heads, dim, intermediate;
     long input_size;  /* the attention's input width: hidden, or a draft head's wider input (EAGLE-3's 2 hidden) */
@@ -104,7 +105,7 @@ typedef struct {
     const float *norm;  /* the final norm's weight */
     float eps;
     const void *lm_head;  /* panels, float32 or bfloat16 */
-    long lm_bf16;  /* their format, as layer_weights.bf16 */
+    long lm_format;  /* their format, as layer_weights.format */
     float scale;  /* of the attention's scores */
     const long *ids, *positions;  /* [rows] */
     long rows;
@@ -140,6 +141,11 @@ typedef struct {
     float *out;  /* [rows, hidden] */
 } eagle3_args;
 
+/* The weights' formats (layer_weights.format): panels of float32, bfloat16 or int8 under float32 activations, and
+ * bfloat16 pair panels under bfloat16 activations on each product path (gemm_pairs). An int8 panel's columns each
+ * have a float32 scale, stored after the last panel: an output is its column's scale times the in-order sum of
+ * the int8 weights times x. */
+enum { F32_PANELS = 0, BF16_PANELS = 1, BF16_DOT = 2, BF16_WIDENED = 3, BF16_AMX = 4, I8_PANELS = 5 };
 #define NR 16
 /* MR rows x 2 accumulators per tile, each panel streamed once for every MR rows: 6 with AVX2's 16 vector registers;
  * 12 where AVX-512 gives 32 (still 8-lane vectors, so every output's sum runs as it does with 6: the same results),
@@ -152,7 +158,7 @@ typedef struct {
 #define NV (NR / 8)
 /* Steps of a few rows (a decode step, a chain's verify step, what prompt lookup drafts) stream a group of panels at a
  * time over each thread's share (row_group), as a decode step does; more rows run as tiles, which stream one panel
- * at a time over a static split. few_group[streams][format][rows]: the panels in a row group, 0 where tiles are
+ * at a time over a static split. few_group[streams][panel_kind][rows]: the panels in a row group, 0 where tiles are
  * faster. Weights read from memory at every step (the target's) bound a few rows' products by memory's rate, not by
  * their multiply-adds, so several streams with work stealing beat a tile's one stream even where AVX2's 16 registers
  * spill some of the sums (3 rows x 4 panels x 2, 5 x 2 x 2). Weights that stay in cache between uses (a draft head's
@@ -161,12 +167,18 @@ typedef struct {
  * verify steps by rows). AVX-512's 32 registers hold 3 rows x 4 panels; its table is the one measured on a Zen 4. */
 #define FEW_ROWS 5
 #ifdef __AVX512VL__
-static const int few_group[2][2][FEW_ROWS + 1] = {{{0, 4, 4, 4, 0, 0}, {0, 4, 4, 4, 0, 0}},
-                                                  {{0, 4, 4, 4, 0, 0}, {0, 4, 4, 4, 0, 0}}};
+static const int few_group[2][3][FEW_ROWS + 1] = {
+    {{0, 4, 4, 4, 0, 0}, {0, 4, 4, 4, 0, 0}, {0, 4, 4, 4, 0, 0}},
+    {{0, 4, 4, 4, 0, 0}, {0, 4, 4, 4, 0, 0}, {0, 4, 4, 4, 0, 0}}};
 #else
-static const int few_group[2][2][FEW_ROWS + 1] = {{{0, 4, 4, 2, 0, 0}, {0, 4, 4, 2, 0, 0}},   /* in cache */
-                                                  {{0, 4, 4, 4, 2, 2}, {0, 4, 4, 2, 0, 0}}};  /* streamed */
+static const int few_group[2][3][FEW_ROWS + 1] = {
+    {{0, 4, 4, 2, 0, 0}, {0, 4, 4, 2, 0, 0}, {0, 4, 4, 2, 0, 0}},   /* in cache */
+    {{0, 4, 4, 4, 2, 2}, {0, 4, 4, 2, 0, 0}, {0, 4, 4, 2, 0, 0}}};  /* streamed */
 #endif
+/* few_group's middle index of a panel format: float32, bfloat16, int8 */
+static inline int panel_kind(int format) { return format == I8_PANELS ? 2 : format; }
+/* bytes of one weight in a panel of this format */
+static inline long weight_bytes(int format) { return format == F32_PANELS ? 4 : format == BF16_PANELS ? 2 : 1; }
 /* Tiles of more than one row ask for the weights this far ahead. Out-of-order execution alone keeps fewer loads in
  * flight at 5 rows (10 FMAs per 64 bytes) than at 1, and memory then streams ~30% slower; at 1 row it keeps
  * enough. 64 rows of a float32 panel ahead; past a panel's end the next panel, which the same thread reads next.
@@ -175,14 +187,17 @@ static const int few_group[2][2][FEW_ROWS + 1] = {{{0, 4, 4, 2, 0, 0}, {0, 4, 4,
 #define PREFETCH_BYTES 4096
 #define PREFETCH_LOCALITY 2
 
-/* 8 weights from column 8 * j of row p of a panel: float32, or bfloat16 widened to float32 (the same bits, shifted).
+/* 8 weights from column 8 * j of row p of a panel: float32, bfloat16 widened to float32 (the same bits, shifted),
+ * or int8 converted to float32 (exact).
  * A bfloat16 panel row holds its 16 columns as 8 pairs (c, c + 8), a 32-bit word each (to_panels): one load gives
  * columns 0-7 shifted up and 8-15 masked, where widening each half took a load and a shuffle of its own. */
 #if NV != 2
 #error "bfloat16 panels hold column pairs (c, c + 8): NR must be 16"
 #endif
-static inline __attribute__((always_inline)) __m256 load_w(const void *w, int bf16, long p, int j) {
-    if (bf16) {
+static inline __attribute__((always_inline)) __m256 load_w(const void *w, int format, long p, int j) {
+    if (format == I8_PANELS)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const signed char *)w + p * NR + 8 * j))));
+    if (format == BF16_PANELS) {
         __m256i pairs = _mm256_loadu_si256((const __m256i *)((const unsigned short *)w + p * NR));
         return _mm256_castsi256_ps(j == 0 ? _mm256_slli_epi32(pairs, 16)
                                           : _mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)));
@@ -190,17 +205,18 @@ static inline __attribute__((always_inline)) __m256 load_w(const void *w, int bf
     return _mm256_loadu_ps((const float *)w + p * NR + 8 * j);
 }
 
-static inline __attribute__((always_inline)) void tile(int mr, const float *x, long ldx, const void *w, int bf16, long k,
-                                                       const float *bias, const float *add, float *y, long ldy, int cols) {
+static inline __attribute__((always_inline)) void tile(int mr, const float *x, long ldx, const void *w, int format,
+                                                       long k, const float *scale, const float *bias, const float *add,
+                                                       float *y, long ldy, int cols) {
     __m256 acc[MR][NV];
     _Pragma("GCC unroll 12") for (int i = 0; i < mr; i++)
         _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) acc[i][j] = _mm256_setzero_ps();
     const char *ahead = (const char *)w + PREFETCH_BYTES;
-    long row_bytes = NR * (bf16 ? 2 : 4);
+    long row_bytes = NR * weight_bytes(format);
     for (long p = 0; p < k; p++) {
         __m256 wv[NV];
         if (mr > 1) __builtin_prefetch(ahead + p * row_bytes, 0, PREFETCH_LOCALITY);
-        _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) wv[j] = load_w(w, bf16, p, j);
+        _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) wv[j] = load_w(w, format, p, j);
         _Pragma("GCC unroll 12") for (int i = 0; i < mr; i++) {
             __m256 xi = _mm256_broadcast_ss(x + i * ldx + p);
             _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) acc[i][j] = _mm256_fmadd_ps(xi, wv[j], acc[i][j]);
@@ -210,7 +226,8 @@ static inline __attribute__((always_inline)) void tile(int mr, const float *x, l
         float out[NR];
         _Pragma("GCC unroll 3") for (int j = 0; j < NV; j++) _mm256_storeu_ps(out + 8 * j, acc[i][j]);
         for (int j = 0; j < cols; j++) {
-            float v = bias ? out[j] + bias[j] : out[j];
+            float v = format == I8_PANELS ? out[j] * scale[j] : out[j];
+            v = bias ? v + bias[j] : v;
             y[i * ldy + j] = add ? add[i * ldy + j] + v : v;
         }
     }
@@ -220,17 +237,19 @@ static inline __attribute__((always_inline)) void tile(int mr, const float *x, l
  * got no registers and every multiply-add went through the stack (a 12-row tile ran at 40% of the FMA peak, 85%
  * on its own). */
 #define TILE(R)                                                                                                      \
-    static __attribute__((noinline)) void tile_##R(const float *x, long ldx, const void *w, int bf16, long k,      \
-                                                   const float *bias, const float *add, float *y, long ldy,        \
-                                                   int cols) {                                                     \
-        if (bf16) tile(R, x, ldx, w, 1, k, bias, add, y, ldy, cols);                                              \
-        else tile(R, x, ldx, w, 0, k, bias, add, y, ldy, cols);                                                   \
+    static __attribute__((noinline)) void tile_##R(const float *x, long ldx, const void *w, int format, long k,    \
+                                                   const float *scale, const float *bias, const float *add,        \
+                                                   float *y, long ldy, int cols) {                                 \
+        if (format == BF16_PANELS) tile(R, x, ldx, w, BF16_PANELS, k, scale, bias, add, y, ldy, cols);             \
+        else if (format == I8_PANELS) tile(R, x, ldx, w, I8_PANELS, k, scale, bias, add, y, ldy, cols);            \
+        else tile(R, x, ldx, w, F32_PANELS, k, scale, bias, add, y, ldy, cols);                                    \
     }
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 #if MR > 6
 TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12)
 #endif
-typedef void (*tile_fn)(const float *, long, const void *, int, long, const float *, const float *, float *, long, int);
+typedef void (*tile_fn)(const float *, long, const void *, int, long, const float *, const float *, const float *,
+                        float *, long, int);
 static const tile_fn tiles[MR + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6,
 #if MR > 6
                                       tile_7, tile_8, tile_9, tile_10, tile_11, tile_12
@@ -238,16 +257,16 @@ static const tile_fn tiles[MR + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5,
 };
 
 /* One panel's columns of y for every row, MR rows at a time. */
-static void panel(const float *x, long m, long ldx, const void *w, int bf16, long k, long n, const float *bias,
-                  const float *add, float *y, long ldy, long q) {
-    const void *wq = (const char *)w + q * k * NR * (bf16 ? 2 : 4);
-    const float *bq = bias ? bias + q * NR : 0;
+static void panel(const float *x, long m, long ldx, const void *w, int format, long k, long n, const float *scale,
+                  const float *bias, const float *add, float *y, long ldy, long q) {
+    const void *wq = (const char *)w + q * k * NR * weight_bytes(format);
+    const float *bq = bias ? bias + q * NR : 0, *sq = scale ? scale + q * NR : 0;
     int cols = n - q * NR < NR ? (int)(n - q * NR) : NR;
     const float *aq = add ? add + q * NR : 0;
     float *yq = y + q * NR;
     for (long i = 0; i < m; i += MR) {
         long rows = m - i < MR ? m - i : MR;
-        tiles[rows](x + i * ldx, ldx, wq, bf16, k, bq, aq ? aq + i * ldy : 0, yq + i * ldy, ldy, cols);
+        tiles[rows](x + i * ldx, ldx, wq, format, k, sq, bq, aq ? aq + i * ldy : 0, yq + i * ldy, ldy, cols);
     }
 }
 
@@ -259,15 +278,16 @@ static void panel(const float *x, long m, long ldx, const void *w, int bf16, lon
  * keeps ~2 KB of bfloat16 loads in flight (a 64-byte line is 2 loop iterations of ~20 instructions per panel), and
  * one-row bfloat16 products over the target's matrices streamed 5-7% slower without it (float32: 0-2%). */
 #define GROUP_PREFETCH_BYTES 1024
-static inline __attribute__((always_inline)) void row_group(int mr, const float *x, long ldx, const void *w, int bf16,
-                                                            int g, long k, long n, const float *bias, const float *add,
-                                                            float *y, long ldy, long q) {
-    long panel_bytes = k * NR * (bf16 ? 2 : 4);
+static inline __attribute__((always_inline)) void row_group(int mr, const float *x, long ldx, const void *w,
+                                                            int format, int g, long k, long n, const float *scale,
+                                                            const float *bias, const float *add, float *y, long ldy,
+                                                            long q) {
+    long panel_bytes = k * NR * weight_bytes(format);
     const char *wq = (const char *)w + q * panel_bytes;
     __m256 acc[FEW_ROWS][ROW_GROUP * NV];
     _Pragma("GCC unroll 5") for (int r = 0; r < mr; r++)
         _Pragma("GCC unroll 8") for (int j = 0; j < g * NV; j++) acc[r][j] = _mm256_setzero_ps();
-    long row_bytes = NR * (bf16 ? 2 : 4), rows_per_line = 64 / row_bytes;
+    long row_bytes = NR * weight_bytes(format), rows_per_line = 64 / row_bytes;
     for (long p = 0; p < k; p++) {
         if (p % rows_per_line == 0)
             _Pragma("GCC unroll 4") for (int i = 0; i < g; i++)
@@ -276,7 +296,7 @@ static inline __attribute__((always_inline)) void row_group(int mr, const float 
         _Pragma("GCC unroll 5") for (int r = 0; r < mr; r++) xr[r] = _mm256_broadcast_ss(x + r * ldx + p);
         _Pragma("GCC unroll 4") for (int i = 0; i < g; i++)
             _Pragma("GCC unroll 2") for (int j = 0; j < NV; j++) {
-                __m256 wv = load_w(wq + i * panel_bytes, bf16, p, j);
+                __m256 wv = load_w(wq + i * panel_bytes, format, p, j);
                 _Pragma("GCC unroll 5") for (int r = 0; r < mr; r++)
                     acc[r][i * NV + j] = _mm256_fmadd_ps(xr[r], wv, acc[r][i * NV + j]);
             }
@@ -287,7 +307,8 @@ static inline __attribute__((always_inline)) void row_group(int mr, const float 
         _Pragma("GCC unroll 8") for (int j = 0; j < g * NV; j++) _mm256_storeu_ps(out + 8 * j, acc[r][j]);
         for (int j = 0; j < cols; j++) {
             long c = q * NR + j;
-            float v = bias ? out[j] + bias[c] : out[j];
+            float v = format == I8_PANELS ? out[j] * scale[c] : out[j];
+            v = bias ? v + bias[c] : v;
             y[r * ldy + c] = add ? add[r * ldy + c] + v : v;
         }
     }
@@ -295,14 +316,15 @@ static inline __attribute__((always_inline)) void row_group(int mr, const float 
 
 /* Each (rows, group size) its own compiled loop, as the tiles are. */
 #define ROWS_GROUP(R, G)                                                                                             \
-    static __attribute__((noinline)) void rows_group_##R##_##G(const float *x, long ldx, const void *w, int bf16,  \
-                                                             long k, long n, const float *bias, const float *add,  \
-                                                             float *y, long ldy, long q) {                         \
-        if (bf16) row_group(R, x, ldx, w, 1, G, k, n, bias, add, y, ldy, q);                                      \
-        else row_group(R, x, ldx, w, 0, G, k, n, bias, add, y, ldy, q);                                           \
+    static __attribute__((noinline)) void rows_group_##R##_##G(const float *x, long ldx, const void *w, int format, \
+                                                             long k, long n, const float *scale, const float *bias, \
+                                                             const float *add, float *y, long ldy, long q) {       \
+        if (format == BF16_PANELS) row_group(R, x, ldx, w, BF16_PANELS, G, k, n, scale, bias, add, y, ldy, q);    \
+        else if (format == I8_PANELS) row_group(R, x, ldx, w, I8_PANELS, G, k, n, scale, bias, add, y, ldy, q);   \
+        else row_group(R, x, ldx, w, F32_PANELS, G, k, n, scale, bias, add, y, ldy, q);                           \
     }
-typedef void (*group_fn)(const float *, long, const void *, int, long, long, const float *, const float *, float *, long,
-                         long);
+typedef void (*group_fn)(const float *, long, const void *, int, long, long, const float *, const float *,
+                         const float *, float *, long, long);
 ROWS_GROUP(1, 1) ROWS_GROUP(1, 2) ROWS_GROUP(1, 3) ROWS_GROUP(1, 4)
 ROWS_GROUP(2, 1) ROWS_GROUP(2, 2) ROWS_GROUP(2, 3) ROWS_GROUP(2, 4)
 ROWS_GROUP(3, 1) ROWS_GROUP(3, 2) ROWS_GROUP(3, 3) ROWS_GROUP(3, 4)
@@ -366,8 +388,8 @@ static void split(share *shares, long threads, long panels, long most) {
 
 /* m rows in row groups of `most` panels: each thread its share of the panels (split), a group at a time, then what
  * is left of the others' (next_group). */
-static void few_rows(const float *x, long m, long ldx, const void *w, int bf16, long most, long k, long n,
-                     const float *bias, const float *add, float *y, long ldy) {
+static void few_rows(const float *x, long m, long ldx, const void *w, int format, long most, long k, long n,
+                     const float *scale, const float *bias, const float *add, float *y, long ldy) {
     long threads = omp_get_max_threads();
     share shares[threads];
     split(shares, threads, (n + NR - 1) / NR, most);
@@ -376,7 +398,7 @@ static void few_rows(const float *x, long m, long ldx, const void *w, int bf16, 
         long t = omp_get_thread_num(), v = 0, end;
         for (long q0; (q0 = next_group(shares, threads, t, &v, &end)) >= 0;)
             for (long q = q0; q < end; q += most)
-                groups[m][end - q < most ? end - q : most](x, ldx, w, bf16, k, n, bias, add, y, ldy, q);
+                groups[m][end - q < most ? end - q : most](x, ldx, w, format, k, n, scale, bias, add, y, ldy, q);
     }
 }
 
@@ -389,7 +411,6 @@ static void few_rows(const float *x, long m, long ldx, const void *w, int bf16, 
  * row's bits do not depend on its batch within a path (the paths differ from each other in the last bits).
  * On a CPU with AMX the panels are also the tiles' layout: 16 rows of a panel (16 pairs of k) are one weight tile,
  * so each panel holds its pairs padded with zeros to a multiple of 16 (on every path: one format). */
-enum { F32_PANELS = 0, BF16_PANELS = 1, BF16_DOT = 2, BF16_WIDENED = 3, BF16_AMX = 4 };
 #define PAIR_ROW 32  /* bfloat16 values in a pair panel's row: NR columns x 2 */
 #define TILE_PAIRS 16  /* pairs of k in one AMX weight tile: its 16 rows of 64 bytes */
 /* a pair panel's rows for k inputs: ceil(k / 2) pairs, padded to whole tiles */
@@ -791,20 +812,22 @@ static void gemm_pairs(const float *x, long m, long ldx, const unsigned short *w
 
 /* y = add + x @ W (+ bias); add may be y itself (in place) or NULL, and has y's row stride. streams: whether W comes
  * from memory rather than cache (few_group). */
-static void gemm(const float *x, long m, long ldx, const void *w, int bf16, int streams, long k, long n,
+static void gemm(const float *x, long m, long ldx, const void *w, int format, int streams, long k, long n,
                  const float *bias, const float *add, float *y, long ldy) {
     if (m == 0) return;
-    if (bf16 == BF16_DOT || bf16 == BF16_WIDENED || bf16 == BF16_AMX) {
-        gemm_pairs(x, m, ldx, (const unsigned short *)w, bf16, k, n, bias, add, y, ldy);
-        return;
-    }
-    if (m <= FEW_ROWS && few_group[streams][bf16][m]) {
-        few_rows(x, m, ldx, w, bf16, few_group[streams][bf16][m], k, n, bias, add, y, ldy);
+    if (format == BF16_DOT || format == BF16_WIDENED || format == BF16_AMX) {
+        gemm_pairs(x, m, ldx, (const unsigned short *)w, format, k, n, bias, add, y, ldy);
         return;
     }
     long panels = (n + NR - 1) / NR;
+    const float *scale = format == I8_PANELS ? (const float *)((const char *)w + panels * k * NR) : 0;
+    int most = m <= FEW_ROWS ? few_group[streams][panel_kind(format)][m] : 0;
+    if (most) {
+        few_rows(x, m, ldx, w, format, most, k, n, scale, bias, add, y, ldy);
+        return;
+    }
     #pragma omp parallel for schedule(static)
-    for (long q = 0; q < panels; q++) panel(x, m, ldx, w, bf16, k, n, bias, add, y, ldy, q);
+    for (long q = 0; q < panels; q++) panel(x, m, ldx, w, format, k, n, scale, bias, add, y, ldy, q);
 }
 
 /* serving/kernels.py's PackedLinear: the products the target runs outside its layer calls (its LM head, the layers of
@@ -812,12 +835,18 @@ static void gemm(const float *x, long m, long ldx, const void *w, int bf16, int 
  * whose choice does not depend on it */
 void gemm_panels(const float *x, long m, long ldx, const float *w, long k, long n, const float *bias,
                  float *y, long ldy) {
-    gemm(x, m, ldx, w, 0, 1, k, n, bias, 0, y, ldy);
+    gemm(x, m, ldx, w, F32_PANELS, 1, k, n, bias, 0, y, ldy);
 }
 
 void gemm_panels_bf16(const float *x, long m, long ldx, const unsigned short *w, long k, long n, const float *bias,
                       float *y, long ldy) {
-    gemm(x, m, ldx, w, 1, 1, k, n, bias, 0, y, ldy);
+    gemm(x, m, ldx, w, BF16_PANELS, 1, k, n, bias, 0, y, ldy);
+}
+
+/* w: int8 panels, then each column's scale (I8_PANELS) */
+void gemm_panels_i8(const float *x, long m, long ldx, const void *w, long k, long n, const float *bias, float *y,
+                    long ldy) {
+    gemm(x, m, ldx, w, I8_PANELS, 1, k, n, bias, 0, y, ldy);
 }
 
 /* bfloat16 compute over pair panels; path: BF16_AMX (only where the CPU has AMX and Linux granted its tiles), BF16_DOT
@@ -1362,7 +1391,7 @@ void layer_pre(const layer_step *s) {
     float *qkv = s->qkv;
     const float *x = s->x ? s->x : L->input_norm ? s->normed : s->h;
     if (!s->x && L->input_norm) rms_norm(s->h, rows, L->hidden, L->input_norm, L->eps, s->normed, L->hidden, L->hidden);
-    gemm(x, rows, L->input_size, L->qkv, L->bf16, L->streams, L->input_size, n, L->qkv_bias, 0, qkv, n);
+    gemm(x, rows, L->input_size, L->qkv, L->format, L->streams, L->input_size, n, L->qkv_bias, 0, qkv, n);
     if (L->q_norm)
         for (long r = 0; r < rows; r++) {
             float *q = qkv + r * n, *k = q + L->heads * L->dim;
@@ -1377,11 +1406,11 @@ void layer_pre(const layer_step *s) {
 void layer_post(const layer_step *s) {
     const layer_weights *L = s->weights;
     long rows = s->rows, q_size = L->heads * L->dim, n = L->intermediate;
-    gemm(s->attn, rows, q_size, L->o, L->bf16, L->streams, q_size, L->hidden, 0, s->h, s->out, L->hidden);
+    gemm(s->attn, rows, q_size, L->o, L->format, L->streams, q_size, L->hidden, 0, s->h, s->out, L->hidden);
     rms_norm(s->out, rows, L->hidden, L->post_norm, L->eps, s->normed, L->hidden, L->hidden);
-    gemm(s->normed, rows, L->hidden, L->gate_up, L->bf16, L->streams, L->hidden, 2 * n, 0, 0, s->gate_up, 2 * n);
+    gemm(s->normed, rows, L->hidden, L->gate_up, L->format, L->streams, L->hidden, 2 * n, 0, 0, s->gate_up, 2 * n);
     silu_mul(s->gate_up, rows, n, s->act);
-    gemm(s->act, rows, n, L->down, L->bf16, L->streams, n, L->hidden, 0, s->out, s->out, L->hidden);
+    gemm(s->act, rows, n, L->down, L->format, L->streams, n, L->hidden, 0, s->out, s->out, L->hidden);
 }
 
 /* One layer's paged_attention over a forward_scratch: the queries, keys and values layer_pre left in qkv, the output
@@ -1456,7 +1485,7 @@ long model_forward(const forward_args *f) {
         rms_norm(w->h + (f->logits_rows ? f->logits_rows[i] : i) * hidden, 1, hidden, f->norm, f->eps,
                  w->selected + i * hidden, hidden, hidden);
     if (f->num_logits) {
-        gemm(w->selected, f->num_logits, hidden, f->lm_head, (int)f->lm_bf16, 1, hidden, f->vocab, 0, 0, f->logits,
+        gemm(w->selected, f->num_logits, hidden, f->lm_head, (int)f->lm_format, 1, hidden, f->vocab, 0, 0, f->logits,
              f->vocab);
         argmax_rows(f->logits, f->num_logits, f->vocab, f->vocab, f->best);
     }
@@ -1503,7 +1532,7 @@ static const field_layout layouts[] = {
     SIZE(layer_weights), FIELD(layer_weights, input_norm), FIELD(layer_weights, post_norm),
     FIELD(layer_weights, q_norm), FIELD(layer_weights, k_norm), FIELD(layer_weights, qkv), FIELD(layer_weights, o),
     FIELD(layer_weights, gate_up), FIELD(layer_weights, down), FIELD(layer_weights, qkv_bias),
-    FIELD(layer_weights, bf16), FIELD(layer_weights, streams), FIELD(layer_weights, hidden), FIELD(layer_weights, heads),
+    FIELD(layer_weights, format), FIELD(layer_weights, streams), FIELD(layer_weights, hidden), FIELD(layer_weights, heads),
     FIELD(layer_weights, kv_heads), FIELD(layer_weights, dim), FIELD(layer_weights, intermediate),
     FIELD(layer_weights, input_size), FIELD(layer_weights, eps),
     SIZE(sequence), FIELD(sequence, first_row), FIELD(sequence, query_rows), FIELD(sequence, context),
@@ -1528,7 +1557,7 @@ static const field_layout layouts[] = {
     SIZE(forward_args), FIELD(forward_args, layers), FIELD(forward_args, num_layers), FIELD(forward_args, embed),
     FIELD(forward_args, vocab), FIELD(forward_args, cos_table), FIELD(forward_args, sin_table),
     FIELD(forward_args, max_positions), FIELD(forward_args, norm), FIELD(forward_args, eps),
-    FIELD(forward_args, lm_head), FIELD(forward_args, lm_bf16), FIELD(forward_args, scale), FIELD(forward_args, ids),
+    FIELD(forward_args, lm_head), FIELD(forward_args, lm_format), FIELD(forward_args, scale), FIELD(forward_args, ids),
     FIELD(forward_args, positions), FIELD(forward_args, rows), FIELD(forward_args, aux_layers),
     FIELD(forward_args, num_aux), FIELD(forward_args, logits_rows), FIELD(forward_args, num_logits),
     FIELD(forward_args, aux), FIELD(forward_args, hidden_out), FIELD(forward_args, logits), FIELD(forward_args, best),

@@ -41,6 +41,7 @@ _long, _ptr, _float = ctypes.c_long, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {
     "gemm_panels": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long],
     "gemm_panels_bf16": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long],
+    "gemm_panels_i8": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long],
     "gemm_pairs_bf16": [_ptr, _long, _long, _ptr, _long, _long, _ptr, _ptr, _long, _long],
     "rms_norm": [_ptr, _long, _long, _ptr, _float, _ptr, _long, _long],
     "argmax_rows": [_ptr, _long, _long, _long, _ptr],
@@ -53,9 +54,9 @@ SIGNATURES = {
     "kernel_layouts": [ctypes.POINTER(ctypes.POINTER(FieldLayout))],
 }
 RESULT_TYPES = {"model_forward": _long, "eagle3_forward": _long, "kernel_layouts": _long}
-# kernels.c's weight formats (layer_weights.bf16, forward_args.lm_bf16): float32 panels, bfloat16 panels under
+# kernels.c's weight formats (layer_weights.format, forward_args.lm_format): float32, bfloat16 and int8 panels under
 # float32 activations, and bfloat16 pair panels under bfloat16 activations on each product path (serving.cpu_features)
-F32_PANELS, BF16_PANELS = 0, 1
+F32_PANELS, BF16_PANELS, I8_PANELS = 0, 1, 5
 PAIR_PATHS = {"amx": 4, "avx512_bf16": 2, "widened": 3}
 
 
@@ -226,13 +227,34 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     return panels.contiguous().view(num_panels, in_features, PANEL)
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] -> (int8 [out, in], float32 scale [out]): each row's weights over a scale of its own, its largest
+    magnitude at 127, rounded to nearest (a row of zeros: scale 1). weight ~ int8 * scale[:, None]."""
+    weight = weight.float()
+    largest = weight.abs().amax(dim=1)
+    scale = torch.where(largest > 0, largest / 127, torch.ones_like(largest))
+    return torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def to_int8_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> the bytes kernels.c's I8_PANELS reads: `quantize_int8`'s int8 weights as panels ([ceil(out / PANEL),
+    in, PANEL], as `to_panels`), then each column's float32 scale (ones past `out`), as one int8 tensor."""
+    quantized, scale = quantize_int8(weight)
+    panels = to_panels(quantized)
+    scales = torch.ones(panels.shape[0] * PANEL, device=weight.device)
+    scales[:len(scale)] = scale
+    return torch.cat([panels.view(-1), scales.view(torch.int8)])
+
+
 class PackedLinear(_KernelModule):
     """A frozen nn.Linear for inference: weights as panels for `gemm_panels`, or where the kernels do not run,
     stored transposed, [in, out] (at a few rows torch's x @ W^T runs faster from that layout).
 
     weight_dtype=torch.bfloat16 stores the weights rounded to bfloat16 (half the bytes to stream per step) and
     still computes in float32, each output still one in-order sum: for drafters, whose precision moves acceptance but
-    never the output, and for the target with EngineConfig.weights = bfloat16.
+    never the output, and for the target with EngineConfig.weights = bfloat16. weight_dtype=torch.int8 (drafters'
+    `draft_weights` "int8") stores them as int8 with a float32 scale per output (`quantize_int8`), a quarter of
+    float32's bytes: each output is its scale times the in-order float32 sum of its int8 weights times x.
 
     compute=torch.bfloat16 (the target with EngineConfig.dtype = bfloat16) also rounds each input to bfloat16 and
     stores the weights as pair panels (`to_pair_panels`) for products on AMX tiles or vdpbf16ps, or widened to float32
@@ -241,8 +263,8 @@ class PackedLinear(_KernelModule):
     def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype = torch.float32,
                  compute: torch.dtype = torch.float32):
         super().__init__()
-        if weight_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"PackedLinear stores weights as float32 or bfloat16, not {weight_dtype}")
+        if weight_dtype not in (torch.float32, torch.bfloat16, torch.int8):
+            raise ValueError(f"PackedLinear stores weights as float32, bfloat16 or int8, not {weight_dtype}")
         if compute not in (torch.float32, torch.bfloat16) or (compute == torch.bfloat16 and weight_dtype != compute):
             raise ValueError(f"PackedLinear computes in float32, or in bfloat16 over bfloat16 weights, not in {compute} "
                              f"over {weight_dtype} weights")
@@ -252,11 +274,16 @@ class PackedLinear(_KernelModule):
         self.weight_dtype, self.compute = weight_dtype, compute
         # kernels.c's format of these panels (the path chosen once, at load)
         self.format = (PAIR_PATHS[bf16_path()] if compute == torch.bfloat16
-                       else BF16_PANELS if weight_dtype == torch.bfloat16 else F32_PANELS)
-        weight = weight.to(weight_dtype)  # without the kernels, torch computes in the module's dtype over these values
-        pack = to_pair_panels if compute == torch.bfloat16 else to_panels
-        self.register_buffer("panels", pack(weight) if self.lib else None)
-        self.register_buffer("weight_t", None if self.lib else weight.to(linear.weight.dtype).t().contiguous())
+                       else {torch.bfloat16: BF16_PANELS, torch.int8: I8_PANELS}.get(weight_dtype, F32_PANELS))
+        if self.lib is not None:
+            pack = to_pair_panels if compute == torch.bfloat16 else to_int8_panels if self.format == I8_PANELS else to_panels
+            self.register_buffer("panels", pack(weight if self.format == I8_PANELS else weight.to(weight_dtype)))
+            self.register_buffer("weight_t", None)
+        else:  # torch computes in the module's dtype over the values the kernels would read
+            quantized, scale = quantize_int8(weight) if weight_dtype == torch.int8 else (None, None)
+            values = quantized * scale[:, None] if quantized is not None else weight.to(weight_dtype)
+            self.register_buffer("panels", None)
+            self.register_buffer("weight_t", values.to(linear.weight.dtype).t().contiguous())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         if self.lib is not None:
             self.read_pointers()
@@ -265,10 +292,18 @@ class PackedLinear(_KernelModule):
         return self.panels
 
     def matrix(self) -> torch.Tensor:
-        """The stored weights as [out, in] rows in `weight_dtype` (the panels unpacked): for callers that read a few
-        rows of a wide layer instead of the whole product (serving/drafters/markov.py)."""
+        """The stored weights as [out, in] rows in `weight_dtype` (the panels unpacked; int8 weights as the float32
+        values they stand for, each times its scale): for callers that read a few rows of a wide layer instead of the
+        whole product (serving/drafters/markov.py)."""
         if self.lib is None:
-            return self.weight_t.t().to(self.weight_dtype).contiguous()
+            return self.weight_t.t().to(torch.float32 if self.format == I8_PANELS else self.weight_dtype).contiguous()
+        if self.format == I8_PANELS:
+            num_panels = -(-self.out_features // PANEL)
+            size = num_panels * self.in_features * PANEL
+            panels = self.panels[:size].view(num_panels, self.in_features, PANEL)
+            scale = self.panels[size:].view(torch.float32)[:self.out_features]
+            rows = panels.transpose(1, 2).reshape(num_panels * PANEL, -1)[:self.out_features]
+            return rows.float() * scale[:, None]
         num_panels = self.panels.shape[0]
         if self.format in PAIR_PATHS.values():  # [panels, pairs, (column, pair member)] back to [out, in]
             rows = self.panels.view(num_panels, -1, PANEL, 2).transpose(1, 2).reshape(num_panels * PANEL, -1)
@@ -284,7 +319,8 @@ class PackedLinear(_KernelModule):
             pairs, path = self.lib.gemm_pairs_bf16, self.format
             self.gemm = lambda *args: pairs(*args, path)
         else:
-            self.gemm = self.lib.gemm_panels_bf16 if self.format == BF16_PANELS else self.lib.gemm_panels
+            self.gemm = {BF16_PANELS: self.lib.gemm_panels_bf16, I8_PANELS: self.lib.gemm_panels_i8}.get(
+                self.format, self.lib.gemm_panels)
         self.panels_ptr, self.bias_ptr = self.panels.data_ptr(), _pointer(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -420,7 +456,7 @@ class KernelLayer(_KernelModule):
             k_norm=layer.k_norm.reference.weight.data_ptr() if qk_norm else None,
             qkv=layer.qkv.panels.data_ptr(), o=layer.o.panels.data_ptr(), gate_up=layer.gate_up.panels.data_ptr(),
             down=layer.down.panels.data_ptr(), qkv_bias=_pointer(layer.qkv.bias),
-            bf16=layer.qkv.format, streams=self.streams, hidden=c.hidden_size, heads=c.num_heads,
+            format=layer.qkv.format, streams=self.streams, hidden=c.hidden_size, heads=c.num_heads,
             kv_heads=c.num_kv_heads, dim=c.head_dim, intermediate=c.intermediate_size,
             input_size=c.attention_input_size, eps=c.rms_norm_eps)
         self.weights_ref = ctypes.pointer(self.scratch.layer_table[self.layer_idx])
@@ -504,7 +540,7 @@ class KernelForward:
         a.layers, a.embed, a.vocab = self.scratch.layer_table, embed.data_ptr(), embed.shape[0]
         a.cos_table, a.sin_table, a.max_positions = self.rope.cos.data_ptr(), self.rope.sin.data_ptr(), self.rope.cos.shape[0]
         a.norm, a.eps, a.lm_head = self.norm.weight_ptr, self.norm.eps, head.panels_ptr
-        a.lm_bf16, a.scale = head.format, self.scale
+        a.lm_format, a.scale = head.format, self.scale
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv, logits_rows: torch.Tensor | None,
                  return_hidden: bool, aux_layers, num_layers: int):

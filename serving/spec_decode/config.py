@@ -12,7 +12,7 @@ METHODS = ("ngram", "suffix", "draft_model", "early_exit", "medusa", "eagle", "e
 NEEDS_MODEL = ("draft_model", "medusa", "eagle", "eagle3", "mtp", "peagle", "dflash", "dspark")
 HEADS = ("medusa", "eagle", "eagle3", "mtp", "peagle", "dflash", "dspark")  # trained draft heads: they read the target's hidden states
 TAKES_TOKEN_MAP = ("medusa", "eagle", "mtp", "dflash", "dspark")
-DRAFT_WEIGHTS = ("bfloat16", "float32")
+DRAFT_WEIGHTS = ("bfloat16", "float32", "int8")
 REJECTION_SAMPLE_METHODS = ("standard", "block")  # vLLM's also has "synthetic", which changes the output law
 
 
@@ -43,7 +43,8 @@ class SpeculativeConfig:
     confidence_threshold: float = 0.0
     # medusa/eagle/eagle3/mtp/peagle: how the head's weights (and its token map's LM-head rows) are stored for the CPU
     # kernels: "bfloat16" (default when unset) streams half the bytes per draft and still computes in float32;
-    # drafts may differ from float32 ones, outputs never do (the target verifies every draft).
+    # "int8" a quarter, each output row of a matrix over a float32 scale of its own; drafts may differ from float32
+    # ones, outputs never do (the target verifies every draft).
     draft_weights: str | None = None
     # medusa/eagle/eagle3/mtp/peagle: draft by prompt lookup (as ngram, prompt_lookup_min..max) where the sequence's
     # last tokens occurred before, and by the head where they did not. A 1-token suffix nearly always occurred before
@@ -346,7 +347,7 @@ class SpeculativeConfig:
         label += " adaptive" if self.adaptive else ""
         label += " -grammar drafts" if not self.grammar_drafts else ""
         label += " block" if self.rejection_sample_method == "block" else ""
-        return label + (f" ({self.draft_weights} weights)" if self.draft_weights == "float32" else "")
+        return label + (f" ({self.draft_weights} weights)" if self.draft_weights in ("float32", "int8") else "")
 
 
 def is_int(value) -> bool:

@@ -44,6 +44,7 @@ from serving.attention import PagedAttention
 from serving import targets
 from serving.drafters.base import DraftBudget
 from serving.engine import Engine
+from serving.kernels import quantize_int8
 from serving.request import SamplingParams
 from serving.spec_decode.config import SpeculativeConfig
 from serving.spec_decode.speculator import Speculator
@@ -378,18 +379,23 @@ def test_head_drafters_name_the_engines_device(kind, fixture, serve_mode, heads_
 def load_as_drafted(head_dir, folder, draft_weights="bfloat16"):
     """The head in head_dir, bound to the target in `folder`, with the weights the engine's drafter computes with:
     its own linear layers and the target's LM head (the rows of its token map, if it has one) rounded to
-    draft_weights (the embedding stays as it is)."""
-    dtype = getattr(torch, draft_weights)
+    draft_weights, int8 as each row's int8 values times its scale (the embedding stays as it is)."""
+    def stored(weight):
+        if draft_weights == "int8":
+            quantized, scale = quantize_int8(weight)
+            return quantized * scale[:, None]
+        return weight.to(getattr(torch, draft_weights))
+
     parts = target_parts(folder)
     lm_head = torch.nn.Linear(parts.hidden_size, parts.vocab_size, bias=False).requires_grad_(False)
-    lm_head.weight.copy_(parts.lm_head.weight.to(dtype))
+    lm_head.weight.copy_(stored(parts.lm_head.weight))
     token_map = heads.load(head_dir).token_map
     parts.lm_head = lm_head if token_map is None else lm_head_rows(lm_head, token_map)  # untied from the embedding
     head = heads.load(head_dir, target=parts).eval()
     with torch.no_grad():
         for module in head.modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(module.weight.to(dtype))
+                module.weight.copy_(stored(module.weight))
     return head
 
 
@@ -456,23 +462,24 @@ def test_eagle3_s_forward_in_one_call_equals_the_module(fields, tiny_llama, tmp_
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle3"])
-def test_float32_draft_weights_draft_what_the_unrounded_head_drafts(kind, tiny_llama, heads_root):
-    """draft_weights "float32" keeps the head's weights as trained: proposals equal the dense head's exactly,
-    and some of them differ from the default bfloat16 drafter's (the rounding is real), while both runs'
-    outputs are plain greedy decoding's."""
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+def test_draft_weights_draft_what_the_dense_head_over_them_drafts(kind, weights, tiny_llama, heads_root):
+    """draft_weights "float32" keeps the head's weights as trained, "int8" stores each row as int8 over a scale of
+    its own: proposals equal the dense head's over those weights exactly, and some of them differ from the default
+    bfloat16 drafter's (the rounding is real), while both runs' outputs are plain greedy decoding's."""
     head_dir = random_head_dir(kind, tiny_llama, heads_root)
     runs = {}
-    for weights in ("float32", "bfloat16"):
-        engine = make_engine(tiny_llama, dict(spec_config(kind, head_dir), draft_weights=weights))
+    for stored in (weights, "bfloat16"):
+        engine = make_engine(tiny_llama, dict(spec_config(kind, head_dir), draft_weights=stored))
         proposals = record_proposals(engine)
         outputs = engine.generate(PROMPTS, greedy(MAX_TOKENS))
         assert [o.token_ids for o in outputs] == plain_outputs(tiny_llama, PROMPTS, MAX_TOKENS)
-        runs[weights] = proposals
+        runs[stored] = proposals
     finals = {o.request_id: o.prompt_token_ids + o.token_ids for o in outputs}
-    num_checked, mismatches = check_against_dense(tiny_llama, load_as_drafted(head_dir, tiny_llama, "float32"),
-                                                  runs["float32"], finals)
+    num_checked, mismatches = check_against_dense(tiny_llama, load_as_drafted(head_dir, tiny_llama, weights),
+                                                  runs[weights], finals)
     assert num_checked >= 8 * 4 and not mismatches, mismatches[:5]
-    assert [p.drafts for p in runs["float32"]] != [p.drafts for p in runs["bfloat16"]]
+    assert [p.drafts for p in runs[weights]] != [p.drafts for p in runs["bfloat16"]]
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])

@@ -74,6 +74,38 @@ def test_bfloat16_weights_compute_in_float32_over_the_rounded_weights(rows, in_f
         kernels.library.cache_clear()
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 13, 25])
+@pytest.mark.parametrize("in_features,out_features", [(1, 1), (7, 23), (64, 25), (37, 100), (576, 100), (96, 150)])
+@pytest.mark.parametrize("kernels_run", [True, False])
+def test_int8_weights_compute_over_each_row_s_scale(rows, in_features, out_features, kernels_run, monkeypatch):
+    """draft_weights "int8": each output's int8 weights over a float32 scale of its own, the largest magnitude of its
+    row at 127; the layer computes with those values, in float32, still one in-order sum per output."""
+    if not kernels_run:
+        monkeypatch.setenv("DRAFTHEADS_KERNELS", "torch")
+    kernels.library.cache_clear()
+    try:
+        layer = linear(in_features, out_features, True)
+        layer.weight[0] = 0.0  # a row of zeros keeps scale 1 and its zeros
+        quantized, scale = kernels.quantize_int8(layer.weight)
+        assert quantized.dtype == torch.int8 and quantized.abs().amax(1).tolist() == [0] + [127] * (out_features - 1)
+        values = quantized * scale[:, None]
+        assert (values - layer.weight).abs().max() <= scale.max() / 2 * 1.0001  # rounded to nearest
+        packed = kernels.PackedLinear(layer, torch.int8)
+        x = torch.randn(rows, in_features)
+        out = packed(x)
+        torch.testing.assert_close(out, F.linear(x, values, layer.bias), atol=1e-5, rtol=1e-5)
+        assert torch.equal(packed.matrix(), values)
+        if packed.lib is not None:
+            assert packed.panels.dtype == torch.int8
+            scales = -(-out_features // kernels.PANEL) * kernels.PANEL * 4
+            assert packed.panels.nbytes == kernels.PackedLinear(layer).panels.nbytes // 4 + scales  # a quarter, and scales
+            for i in range(rows):
+                assert torch.equal(out[i:i + 1], packed(x[i:i + 1]))
+    finally:
+        monkeypatch.undo()
+        kernels.library.cache_clear()
+
+
 def test_for_inference_stores_every_linear_in_the_weight_dtype():
     layer = kernels.for_inference(DecoderLayer(LayerConfig(hidden_size=64, num_heads=4, num_kv_heads=2,
                                                            intermediate_size=96)), torch.bfloat16)
@@ -95,7 +127,7 @@ def test_packed_linear_takes_any_leading_shape_and_strides():
     assert packed(torch.randn(0, 48)).shape == (0, 30)
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_packed_linear_rows_do_not_depend_on_the_batch(weight_dtype):
     """A verify step's logits equal, bit for bit, what one-row decode steps compute (kernels.c sums in order),
     with weights stored in either dtype."""
@@ -439,7 +471,7 @@ LAYER_CONFIGS = {
 
 @pytest.mark.skipif(not HAS_AVX2, reason="needs AVX2")
 @pytest.mark.parametrize("weight_dtype,compute", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                                  (torch.bfloat16, torch.bfloat16)])
+                                                  (torch.bfloat16, torch.bfloat16), (torch.int8, torch.float32)])
 @pytest.mark.parametrize("family", list(LAYER_CONFIGS))
 @pytest.mark.parametrize("streams", [True, False])
 def test_kernel_layer_computes_the_decoder_layer(family, weight_dtype, compute, streams):

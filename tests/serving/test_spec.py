@@ -493,7 +493,7 @@ def test_requests_needing_history_decode_plainly_beside_speculating_ones(tiny_ll
     ('{"method": "eagle", "model": "x", "confidence_threshold": -0.1}', "confidence_threshold=-0.1"),
     ('{"method": "eagle", "model": "x", "confidence_threshold": "high"}', "confidence_threshold='high'"),
     ('{"method": "ngram", "confidence_threshold": 0.5}', "confidence_threshold applies to medusa, eagle, eagle3, mtp"),
-    ('{"method": "eagle", "model": "x", "draft_weights": "float16"}', "draft_weights='float16' must be one of bfloat16, float32"),
+    ('{"method": "eagle", "model": "x", "draft_weights": "float16"}', "draft_weights='float16' must be one of bfloat16, float32, int8"),
     ('{"method": "draft_model", "model": "x", "draft_weights": "float32"}', "draft_weights applies to medusa, eagle"),
     ('{"method": "eagle", "model": "x", "topk": 0}', r"topk=0 must be an integer >= 1 \(1: a chain"),
     ('{"method": "eagle", "model": "x", "topk": 2.0}', "topk=2.0 must be an integer"),
