@@ -6,8 +6,8 @@ them) and depth `budget.depth`; a longer or deeper one is cut. What a drafter re
 declared here, never probed:
 - `needs_hidden`: the target's final hidden states of every computed row (Medusa, EAGLE, MTP);
 - `aux_layers`: target layers whose inputs it reads too (EAGLE-3);
-- `is_calibrated`: its drafts carry a calibrated confidence and it honours `DraftBudget.min_log_survival` (the
-  heads): the adaptive policy then trusts the drafter's acceptance over all requests for each step's depth and
+- `is_calibrated`: its drafts carry a calibrated confidence and it honours `DraftBudget.min_log_survival` and
+  `row_prices` (the heads): the adaptive policy then trusts the drafter's acceptance over all requests for each step's depth and
   leaves each draft's fate to that cut, rather than one request's few recent verify steps;
 - `num_lookahead`: tokens after a block that its own K/V there depends on, so that the prefix cache shares a block
   only where those tokens agree too (EAGLE and MTP: their entry at position p reads token p + 1).
@@ -37,13 +37,40 @@ class DraftBudget(NamedTuple):
     num_nodes: int
     depth: int  # its depth at most: num_speculative_tokens, and the tokens max_tokens leaves
     # a head keeps no node whose path log-probability (its calibrated confidence) is below this: the adaptive
-    # policy's price of a row (serving/spec_decode/adaptive.py); drafters without a confidence ignore it
+    # policy's price of its cheapest row (serving/spec_decode/adaptive.py); drafters without a confidence ignore it
     min_log_survival: float = -math.inf
+    # the survival (path probability) the i-th best node must bring to repay the row it adds to the step, as the
+    # adaptive policy prices each further row; a step's cost is uneven in its rows (a few rows stream the weights
+    # as one does, more run as tiles), so one price for every row would drop cheap rows or keep dear ones. Empty:
+    # every node above min_log_survival repays its row.
+    row_prices: tuple[float, ...] = ()
+    # a drafter whose every further depth is a forward of its own (EAGLE's, MTP's) drafts the children of a node at
+    # depth d only where the node's path log-probability is at least entry d - 1: where the children it may expect
+    # (its survival times the drafter's acceptance at depth d + 1) repay that forward and their row. Empty: always.
+    min_log_expand: tuple[float, ...] = ()
 
     @property
     def chain_length(self) -> int:
         """The drafts of a chain within this budget."""
         return min(self.num_nodes, self.depth)
+
+    def expands(self, depth: int, log_survival: float) -> bool:
+        """Whether a node at `depth` with this path log-probability is worth a forward for its children."""
+        return depth > len(self.min_log_expand) or log_survival >= self.min_log_expand[depth - 1]
+
+    def num_kept(self, survivals) -> int:
+        """How many of a draft's best nodes to keep, given their survivals best first (non-increasing): at most
+        num_nodes, and among those the prefix whose survivals exceed their rows' prices by the most in sum (a dear
+        row is kept where the cheaper rows after it repay it; no node where no prefix gains)."""
+        num = min(len(survivals), self.num_nodes)
+        if not self.row_prices:
+            return num
+        kept, total, most = 0, 0.0, 0.0
+        for i in range(num):
+            total += survivals[i] - self.row_prices[min(i, len(self.row_prices) - 1)]
+            if total > most:
+                kept, most = i + 1, total
+        return kept
 
 
 class Drafter(abc.ABC):

@@ -117,4 +117,4 @@ class DFlashDrafter(DeferredDrafter):
         found = grow_from_marginals([lp[:d] for lp, d in zip(log_probs.tolist(), depths)],
                                     [t[:d] for t, d in zip(tokens.tolist(), depths)], self.topk,
                                     [self.confidence.log_threshold_for(budgets[r.request_id]) for r in requests])
-        return {r.request_id: candidates.best(budgets[r.request_id].num_nodes) for r, candidates in zip(requests, found)}
+        return {r.request_id: candidates.within(budgets[r.request_id]) for r, candidates in zip(requests, found)}

@@ -212,4 +212,4 @@ class DSparkDrafter(DFlashDrafter):
                      [self.confidence.log_threshold_for(budgets[r.request_id]) for r in requests])
         if table is not None and table.held < TABLE_HELD * table.asked:
             self.table_off = TABLE_RETRY
-        return {r.request_id: candidates.best(budgets[r.request_id].num_nodes) for r, candidates in zip(requests, found)}
+        return {r.request_id: candidates.within(budgets[r.request_id]) for r, candidates in zip(requests, found)}

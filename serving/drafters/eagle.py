@@ -150,6 +150,7 @@ class EagleDrafter(DeferredDrafter):
 
         max_depths = [budgets[r.request_id].depth for r in requests]
         found = grow(self._top(newest, 1), expand, self.topk, max_depths,
-                     [self.confidence.log_threshold_for(budgets[r.request_id]) for r in requests])
-        return {r.request_id: candidates.best(budgets[r.request_id].num_nodes) for r, candidates in zip(requests, found)}
+                     [self.confidence.log_threshold_for(budgets[r.request_id]) for r in requests],
+                     [budgets[r.request_id] for r in requests])
+        return {r.request_id: candidates.within(budgets[r.request_id]) for r, candidates in zip(requests, found)}
 

@@ -63,7 +63,7 @@ class MedusaDrafter(Drafter):
                                                              [ranked[depth][1][r] for r, _ in nodes]),
                          self.topk, [budgets[r.request_id].depth for r in requests],
                          [self.confidence.log_threshold_for(budgets[r.request_id]) for r in requests])
-        return {r.request_id: candidates.best(budgets[r.request_id].num_nodes) for r, candidates in zip(requests, found)}
+        return {r.request_id: candidates.within(budgets[r.request_id]) for r, candidates in zip(requests, found)}
 
     def _static(self, ranked, n: int, budget) -> Candidates:
         """Request n's nodes of medusa_choices, within its budget's depth and the confidence threshold."""

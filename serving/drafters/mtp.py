@@ -5,6 +5,8 @@
   trees included."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from serving.attention import KVCache, PagedAttention
@@ -125,6 +127,7 @@ class MtpChainDrafter(Drafter):
             return {}
         first, log_probs = self._best(0, torch.stack([self.last_outputs(r)[0][1] for r in requests]))
         scores = {r.request_id: p for r, p in zip(requests, log_probs)}  # log chain probability
+        survivals = {r.request_id: [math.exp(p)] for r, p in zip(requests, log_probs)}  # of each draft kept
         cuts = {r.request_id: self.confidence.log_threshold_for(budgets[r.request_id]) for r in requests}
         drafts = {r.request_id: [token] for r, token in zip(requests, first) if scores[r.request_id] >= cuts[r.request_id]}
         requests = [r for r in requests if r.request_id in drafts]
@@ -135,7 +138,7 @@ class MtpChainDrafter(Drafter):
             for r in requests:
                 c, carried = r.num_tokens - 1, self.last_outputs(r).get(s - 1)
                 if (budgets[r.request_id].depth <= s or len(drafts[r.request_id]) < s or carried is None
-                        or carried[0] != c - s):
+                        or carried[0] != c - s or not budgets[r.request_id].expands(s, scores[r.request_id])):
                     continue
                 features = torch.cat([carried[1][None], outputs[r.request_id]])  # module s - 1 at c - s .. c - 1
                 chunks.append((drafts[r.request_id][:s], c - s, features, r.block_ids))
@@ -148,5 +151,6 @@ class MtpChainDrafter(Drafter):
                 scores[r.request_id] += log_p
                 if scores[r.request_id] >= cuts[r.request_id]:
                     drafts[r.request_id].append(token)
+                    survivals[r.request_id].append(math.exp(scores[r.request_id]))
                     outputs[r.request_id] = out
-        return {rid: DraftTree.chain(chain) for rid, chain in drafts.items()}
+        return {rid: DraftTree.chain(chain[:budgets[rid].num_kept(survivals[rid])]) for rid, chain in drafts.items()}

@@ -96,7 +96,7 @@ class PeagleDrafter(EagleDrafter):
             found = self._grow_markov(logits, max_depths, thresholds)
         else:
             found = self._grow_marginals(logits, max_depths, thresholds)
-        return {request.request_id: candidates.best(budgets[request.request_id].num_nodes)
+        return {request.request_id: candidates.within(budgets[request.request_id])
                 for (request, *_), candidates in zip(taken, found)}
 
     def _grow_marginals(self, logits, max_depths, thresholds):

@@ -45,9 +45,10 @@ class Suffix(NamedTuple):
 
     def cut(self, budget: DraftBudget) -> "Suffix":
         """The draft within `budget`: its first nodes whose probability is at least exp(min_log_survival) (a
-        prefix, as probabilities only fall), at most num_nodes of them, none deeper than its depth."""
+        prefix, as probabilities only fall), at most num_nodes of them and those that repay their rows
+        (DraftBudget.num_kept), none deeper than its depth."""
         least = math.exp(budget.min_log_survival)
-        num = min(budget.num_nodes, sum(p >= least for p in self.probs))
+        num = budget.num_kept([p for p in self.probs if p >= least])
         tree = self.tree.prefix(num, budget.depth)
         if tree is self.tree:
             return self

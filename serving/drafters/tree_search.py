@@ -10,6 +10,7 @@ node made are kept: a child never scores above its parent, so a kept node's pare
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from serving.spec_decode.tree import DraftTree
@@ -30,6 +31,11 @@ class Candidates:
         self.scores.append(score)
         return len(self.tokens) - 1
 
+    def within(self, budget) -> DraftTree:
+        """The best nodes a DraftBudget keeps (`num_kept` over their path probabilities), as `best` gives them."""
+        order = sorted(self.scores, reverse=True)[:budget.num_nodes]
+        return self.best(budget.num_kept([math.exp(score) for score in order]))
+
     def best(self, num_nodes: int) -> DraftTree:
         """The `num_nodes` best-scored nodes (shallower first on ties), as a tree in topological order: by depth, then
         best first."""
@@ -41,16 +47,19 @@ class Candidates:
 
 
 def grow(first: tuple[list, list], expand, topk: int, max_depths: list[int],
-         log_thresholds: list[float]) -> list[Candidates]:
+         log_thresholds: list[float], budgets: list | None = None) -> list[Candidates]:
     """first: (log-probabilities, target ids), each a list per request of its topk most likely first drafts' (nested
     Python lists: the search reads them one by one); expand(depth, nodes, candidates) -> the same pair for the children of
     `nodes`, a list of (request index, candidate index) at depth `depth`; max_depths: each request's deepest depth;
-    log_thresholds: each request's confidence cut (-inf: none). Returns each request's candidates."""
+    log_thresholds: each request's confidence cut (-inf: none); budgets: each request's DraftBudget, whose
+    `expands` says which nodes are worth expanding, for drafters whose expand runs a forward (None: every node).
+    Returns each request's candidates."""
     found = [Candidates() for _ in max_depths]
     log_probs, tokens = first
     frontier = _add(found, [(r, -1) for r in range(len(max_depths))], log_probs, tokens, 1, topk, log_thresholds)
     for depth in range(1, max(max_depths, default=0)):
-        nodes = [(r, c) for r, c in frontier if max_depths[r] > depth]
+        nodes = [(r, c) for r, c in frontier if max_depths[r] > depth
+                 and (budgets is None or budgets[r].expands(depth, found[r].scores[c]))]
         if not nodes:
             break
         log_probs, tokens = expand(depth, nodes, found)

@@ -26,17 +26,20 @@ A trained head (`Drafter.is_calibrated`) is judged differently: c_i is the draft
 (the prior), not one request's few recent steps (`per_request` off), because the head then sees its own drafts
 before they are verified, and its calibrated probability of a path is a better estimate, for this step, of that
 path's survival than any history. A node repays its row when that survival is at least the step's rate (tokens per
-second) times what one more row costs, so each budget carries that as `min_log_survival` and the head keeps no node
-below it (drafters/confidence.py, the confidence cut). A request's few recent verify steps are noise beside the head's
-calibrated probability of the draft in hand.
+second) times what its row adds to the step, so each budget carries those prices row by row (`row_prices`: a step's
+cost is uneven in its rows, and one price for all of them, that of the row past the budget, dropped first drafts
+whose rows were nearly free) and the cheapest as `min_log_survival`, below which the head keeps no node
+(drafters/confidence.py, the confidence cut); of the rest it keeps the best nodes that repay their rows most
+(`DraftBudget.num_kept`). A head whose every further depth is a forward of its own (EAGLE's, MTP's) runs it only
+for nodes whose survival, times the drafter's acceptance one depth deeper, repays that forward and a row
+(`min_log_expand`): the policy's depth is a cap, and the head's confidence in the draft in hand says where to stop.
+A request's few recent verify steps are noise beside the head's calibrated probability of the draft in hand.
 """
 from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from serving.drafters.base import DraftBudget
 from serving.spec_decode.cost import DraftCost, StepCost
@@ -136,25 +139,44 @@ class AdaptivePolicy:
         candidates.sort(key=lambda c: (-c[0], c[1]))
         best_rate = max(num_emitting, 1) / decoding  # no drafts
         best, best_rows = 0, 0
-        if candidates:  # every prefix of the candidates at once
-            _, depth, _, survival, num_new = (np.array(column) for column in zip(*candidates))
-            tokens, rows = num_emitting + np.cumsum(survival), np.cumsum(num_new)
-            added = self.step_cost.predict_many(num_rows + rows, num_seqs, num_emitting + rows) - whole
-            rates = tokens / (decoding + added + self.draft_cost.predict_many(np.maximum.accumulate(depth), rows))
-            n = int(np.argmax(rates))
-            if rates[n] > best_rate * (1 + MIN_GAIN):
-                best, best_rate, best_rows = n + 1, float(rates[n]), int(rows[n])
+        # every prefix of the candidates, in plain Python: after the target's forward has streamed the weights
+        # through the caches, each numpy call costs tens of microseconds, and a step at concurrency 1 prices a few
+        tokens, rows, deepest = float(num_emitting), 0, 0
+        for n, (_, depth, _, survival, num_new) in enumerate(candidates):
+            tokens, rows, deepest = tokens + survival, rows + num_new, max(deepest, depth)
+            seconds = (decoding + self.step_cost.predict(num_rows + rows, num_seqs, num_emitting + rows) - whole
+                       + self.draft_cost.predict(deepest, rows))
+            if tokens / seconds > best_rate * (1 + MIN_GAIN):
+                best, best_rate, best_rows = n + 1, tokens / seconds, rows
         depths = {request.request_id: 0 for request in ready}
         for _, depth, rid, _, _ in candidates[:best]:
             depths[rid] = max(depths[rid], depth)
         for depth in depths.values():
             self.chosen[num_seqs][depth] += 1
-        total, logits = num_rows + best_rows, num_emitting + best_rows
-        row_cost = (self.step_cost.predict(total + 1, num_seqs, logits + 1) - self.step_cost.predict(total, num_seqs, logits)
-                    + self.draft_cost.per_node)
-        min_log_survival = math.log(best_rate * row_cost) if row_cost > 0 else -math.inf
-        return {rid: DraftBudget(min(limits[rid].num_nodes, self.num_nodes[depth]), depth, min_log_survival)
-                for rid, depth in depths.items() if depth > 0}
+        nodes = {rid: min(limits[rid].num_nodes, self.num_nodes[depth]) for rid, depth in depths.items() if depth > 0}
+        if not nodes:
+            return {}
+        # A row repays itself when its survival is at least the step's rate times what it adds to the step. Each
+        # request's rows come after the other requests' chosen ones.
+        seconds = [self.step_cost.predict(num_rows + added, num_seqs, num_emitting + added)
+                   for added in range(best_rows + 1)]
+        prices = [best_rate * (later - earlier + self.draft_cost.per_node) for earlier, later in zip(seconds, seconds[1:])]
+        # A calibrated head decides each further depth knowing its own confidence in the nodes above: their children
+        # are worth a forward where a node's survival, times the drafter's acceptance one depth deeper, repays that
+        # forward and the row of its first child. A forward is priced at what a catch-up call costs (one head forward
+        # over a few rows, as a depth is) or the drafting calls' price of a depth where that is more: the drafting
+        # calls are fitted on the budgets' depths, deeper than a head that stops on its confidence drafts.
+        per_depth = best_rate * max(self.draft_cost.call.coef[1], self.draft_cost.catch_up.coef[0])
+        budgets = {}
+        for rid, num in nodes.items():
+            first = best_rows - num
+            own = tuple(prices[first:first + num])
+            least = min(own)
+            expand = () if self.per_request else tuple(
+                _log((per_depth + own[min(self.num_nodes[d], num - 1)]) / prior[d]) if prior[d] > 0 else math.inf
+                for d in range(1, depths[rid]))
+            budgets[rid] = DraftBudget(num, depths[rid], _log(least), own, expand)
+        return budgets
 
     @staticmethod
     def estimate(request) -> Estimate:
@@ -189,6 +211,10 @@ class AdaptivePolicy:
                   for bucket, (steps, predicted, measured) in sorted(self.timings.items())]
         return {"chosen_depths": {n: dict(sorted(c.items())) for n, c in sorted(self.chosen.items())},
                 "step_time": timing, "overhead_ms": self.overhead_s * 1e3, "draft_cost": self.draft_cost.summary()}
+
+
+def _log(price: float) -> float:
+    return math.log(price) if price > 0 else -math.inf
 
 
 def prior(stats) -> list[float]:

@@ -25,7 +25,6 @@ again.
 from __future__ import annotations
 
 import bisect
-import functools
 import hashlib
 import json
 import logging
@@ -72,22 +71,6 @@ class StepCost:
         logits = num_rows if num_logits_rows is None else num_logits_rows
         return (seconds[i - 1] + slope * (num_rows - rows[i - 1]) + self.per_logits_row * max(logits - 1, 0)
                 + self.per_seq * max(num_seqs - 1, 0))
-
-    def predict_many(self, num_rows: np.ndarray, num_seqs: int = 1, num_logits_rows: np.ndarray | None = None) -> np.ndarray:
-        """`predict` for each of several row counts at once (the adaptive policy prices every prefix of its
-        candidates in one call)."""
-        rows, seconds, first, last = self._arrays
-        out = np.interp(num_rows, rows, seconds)
-        out = np.where(num_rows > rows[-1], seconds[-1] + last * (num_rows - rows[-1]), out)
-        out = np.where(num_rows < rows[0], seconds[0] + first * (num_rows - rows[0]), out)
-        logits = num_rows if num_logits_rows is None else num_logits_rows
-        return out + self.per_logits_row * np.maximum(logits - 1, 0) + self.per_seq * max(num_seqs - 1, 0)
-
-    @functools.cached_property
-    def _arrays(self) -> tuple[np.ndarray, np.ndarray, float, float]:
-        """rows and seconds as arrays, and the first and last slopes: what predict_many extrapolates with."""
-        rows, seconds = np.asarray(self.rows, dtype=float), np.asarray(self.seconds, dtype=float)
-        return rows, seconds, *((seconds[j] - seconds[i]) / (rows[j] - rows[i]) for i, j in ((0, 1), (-2, -1)))
 
     def table(self) -> str:
         """The fitted table as Markdown, what `draftheads bench --cost-model` prints."""
@@ -217,14 +200,19 @@ class LinearFit:
     REFIT_AFTER, REFIT_EVERY = 32, 16  # past this many samples, refit once this many more have come (each step adds one)
 
     def __init__(self, num_terms: int):
-        self.gram, self.moment = np.zeros((num_terms, num_terms)), np.zeros(num_terms)
+        # sums kept as Python floats: each step adds a sample, and numpy calls after the target's forward cost tens of
+        # microseconds each (the caches hold the weights it streamed)
+        self.gram = [[0.0] * num_terms for _ in range(num_terms)]
+        self.moment = [0.0] * num_terms
         self.num_samples, self.num_new = 0, 0
         self._coef: tuple[float, ...] = (0.0,) * num_terms
 
     def add(self, terms, seconds: float) -> None:
-        x = np.asarray(terms, dtype=float)
-        self.gram += np.outer(x, x)
-        self.moment += x * seconds
+        for i, x in enumerate(terms):
+            self.moment[i] += x * seconds
+            row = self.gram[i]
+            for j, y in enumerate(terms):
+                row[j] += x * y
         self.num_samples += 1
         self.num_new += 1
 
@@ -232,15 +220,16 @@ class LinearFit:
     def coef(self) -> tuple[float, ...]:
         if self.num_new and (self.num_samples < self.REFIT_AFTER or self.num_new >= self.REFIT_EVERY):
             self.num_new = 0  # as floats: the policy predicts for every candidate of every step
-            n, best, best_loss = len(self.moment), np.zeros(len(self.moment)), 0.0
+            gram, moment = np.array(self.gram), np.array(self.moment)
+            n, best, best_loss = len(moment), np.zeros(len(moment)), 0.0
             for mask in range(1, 1 << n):
                 active = [i for i in range(n) if mask >> i & 1]
-                solution = np.linalg.lstsq(self.gram[np.ix_(active, active)], self.moment[active], rcond=None)[0]
+                solution = np.linalg.lstsq(gram[np.ix_(active, active)], moment[active], rcond=None)[0]
                 if (solution < 0).any():
                     continue
                 coef = np.zeros(n)
                 coef[active] = solution
-                loss = coef @ self.gram @ coef - 2 * coef @ self.moment  # the squared error, less a constant
+                loss = coef @ gram @ coef - 2 * coef @ moment  # the squared error, less a constant
                 if loss < best_loss:
                     best, best_loss = coef, loss
             self._coef = tuple(float(x) for x in best)
@@ -270,10 +259,9 @@ class DraftCost:
         return self.call.coef[2]
 
     def predict(self, depth: int, num_nodes: int) -> float:
-        return float(self.predict_many(np.array([depth]), np.array([num_nodes]))[0]) if depth else 0.0
-
-    def predict_many(self, depth: np.ndarray, num_nodes: np.ndarray) -> np.ndarray:
-        """`predict` for steps that draft (depth >= 1), each deepest depth and node count at once."""
+        """Seconds of a drafting step to `depth` over `num_nodes` nodes (0 for one that drafts nothing)."""
+        if not depth:
+            return 0.0
         a, b, c = self.call.coef
         return a + b * depth + c * num_nodes + self.catch_up.coef[0]
 

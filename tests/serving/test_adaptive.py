@@ -21,6 +21,7 @@ import pytest
 
 from serving.drafters.base import DraftBudget, Drafter
 from serving.drafters.confidence import Confidence
+from serving.drafters.tree_search import Candidates, grow
 from serving.request import SamplingParams, SpecState
 from serving.spec_decode import cost
 from serving.spec_decode.adaptive import AdaptivePolicy, Estimate
@@ -122,9 +123,78 @@ def test_a_head_keeps_the_nodes_that_repay_their_row():
     budget = policy.choose(fake_scheduler(requests), requests, {"a": DraftBudget(4, 4)}, prior=[0.9] * 4)["a"]
     assert budget.depth == 4
     assert budget.min_log_survival == pytest.approx(math.log(0.1 * (1 + .9 + .81 + .729 + .6561) / 1.4))
+    assert budget.row_prices == pytest.approx([0.1 * (1 + .9 + .81 + .729 + .6561) / 1.4] * 4)
     policy.overhead_s = 0.6  # the engine's own work per step makes the step's rate lower, so the cut too
     lower = policy.choose(fake_scheduler(requests), requests, {"a": DraftBudget(4, 4)}, prior=[0.9] * 4)["a"]
     assert lower.min_log_survival == pytest.approx(math.log(0.1 * (1 + .9 + .81 + .729 + .6561) / 2.0))
+
+
+def test_each_row_is_priced_where_it_falls_in_the_step():
+    # Two further rows cost 0.01 s each, the third 0.5 s (a step's cost is uneven in its rows): the first draft's
+    # row is priced at 0.01 s of the step's rate, not at what the row past the budget costs.
+    table = StepCost(rows=[1, 2, 3, 4, 5, 6], seconds=[1.0, 1.01, 1.02, 1.52, 1.53, 1.54], per_seq=0.0, context=0)
+    policy = AdaptivePolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=True), table,
+                            free_drafting(), per_request=False)
+    requests = [decoding("a")]
+    budget = policy.choose(fake_scheduler(requests), requests, {"a": DraftBudget(4, 4)}, prior=[0.95] * 4)["a"]
+    rate = (1 + .95 + .95 ** 2 + .95 ** 3 + .95 ** 4) / 1.53
+    assert budget.depth == 4
+    assert budget.row_prices == pytest.approx([0.01 * rate, 0.01 * rate, 0.5 * rate, 0.01 * rate])
+    assert budget.min_log_survival == pytest.approx(math.log(0.01 * rate))
+
+
+def test_a_head_expands_the_nodes_whose_children_may_repay_a_forward():
+    # A calibrated head's depth d + 1 is one more forward, priced at a catch-up call's 0.2 s: a node at depth d is
+    # expanded where its survival times the drafter's acceptance at d + 1 repays that and its first child's row.
+    policy = AdaptivePolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=True),
+                            linear_cost(0.01), free_drafting(), per_request=False)
+    for rows in (3, 10, 20):
+        policy.draft_cost.add_catch_up(rows, 0.2)
+    requests = [decoding("a")]
+    prior = [0.9, 0.5, 0.25]
+    budget = policy.choose(fake_scheduler(requests), requests, {"a": DraftBudget(3, 3)}, prior=prior)["a"]
+    rate = (1 + .9 + .45 + .1125) / (1.03 + 0.2)  # the catch-up's call is paid with the drafting one
+    assert budget.depth == 3 and budget.row_prices == pytest.approx([0.01 * rate] * 3)
+    assert budget.min_log_expand == pytest.approx([math.log((0.2 + 0.01) * rate / p) for p in prior[1:]])
+    cut = math.exp(budget.min_log_expand[0])
+    assert budget.expands(1, math.log(cut * 1.01)) and not budget.expands(1, math.log(cut * 0.99))
+    assert budget.expands(3, -50.0)  # past the budget's entries nothing stops it: its depth does
+
+
+def test_the_search_expands_only_the_nodes_its_budget_says():
+    # Two requests' first drafts at 0.6 and 0.1; the second's budget asks 0.3 of a node worth its forward.
+    first = ([[math.log(0.6)], [math.log(0.1)]], [[5], [6]])
+    asked = []
+
+    def expand(depth, nodes, found):
+        asked.extend(nodes)
+        return [[math.log(0.5)] for _ in nodes], [[7] for _ in nodes]
+
+    budgets = [DraftBudget(3, 3), DraftBudget(3, 3, min_log_expand=(math.log(0.3),))]
+    found = grow(first, expand, 1, [3, 3], [-math.inf, -math.inf], budgets)
+    assert [r for r, _ in asked] == [0, 0]  # depths 2 and 3 of the first request only
+    assert found[0].depths == [1, 2, 3] and found[1].depths == [1]
+
+
+@pytest.mark.parametrize("survivals, prices, kept", [
+    ((0.6, 0.3, 0.2, 0.15), (0.05, 0.05, 0.5, 0.05), 2),  # the dear third row is not repaid
+    ((0.6, 0.5, 0.45, 0.44), (0.05, 0.05, 0.5, 0.05), 4),  # it is, by the cheap row after it
+    ((0.04, 0.03), (0.05, 0.05), 0),  # no node repays its row
+    ((0.9, 0.8, 0.7, 0.6, 0.5), (), 4),  # no prices: num_nodes of them
+    ((0.9, 0.8, 0.7, 0.6, 0.5), (0.1,), 4),  # past the prices, the last one holds; num_nodes caps
+])
+def test_a_budget_keeps_the_prefix_that_repays_its_rows_most(survivals, prices, kept):
+    assert DraftBudget(4, 4, row_prices=prices).num_kept(survivals) == kept
+
+
+def test_a_head_drafts_within_the_row_prices():
+    # A chain whose drafts survive at 0.6, 0.3, 0.2, 0.15: priced as above, the tree keeps the first two.
+    candidates = Candidates()
+    parent, score = -1, 0.0
+    for depth, survival in enumerate((0.6, 0.3, 0.2, 0.15), start=1):
+        parent = candidates.add(10 + depth, parent, depth, math.log(survival))
+    assert candidates.within(DraftBudget(4, 4, row_prices=(0.05, 0.05, 0.5, 0.05))) == DraftTree.chain([11, 12])
+    assert candidates.within(DraftBudget(3, 4)) == DraftTree.chain([11, 12, 13])
 
 
 def test_a_calibrated_drafter_is_judged_by_its_acceptance_over_all_requests():
@@ -251,8 +321,11 @@ def test_adaptive_greedy_outputs_equal_plain_decoding(name, concurrency, tiny_ll
     # rows cost 5% of a step: cheap enough that requests draft, dear enough that some do not
     monkeypatch.setattr(cost, "load_or_measure", lambda engine, remeasure=False: linear_cost(0.05))
     # A random head is unsure of every draft, so the price of a row would cut them all: here drafts must reach
-    # verification (the cut itself: test_a_head_keeps_the_nodes_that_repay_their_row, test_trees).
+    # verification (the cut itself: test_a_head_keeps_the_nodes_that_repay_their_row, test_trees, and the prices by
+    # row: test_a_budget_keeps_the_prefix_that_repays_its_rows_most).
     monkeypatch.setattr(Confidence, "log_threshold_for", lambda self, budget: self.log_threshold)
+    monkeypatch.setattr(DraftBudget, "num_kept", lambda self, survivals: min(len(survivals), self.num_nodes))
+    monkeypatch.setattr(DraftBudget, "expands", lambda self, depth, log_survival: True)
     prompts = random_prompts([3, 9, 17, 30, 41], seed=concurrency)
     prompts[1] = prompts[1] * 4  # repeated text, which prompt lookup finds
     spec = drafter_spec(name, tiny_llama, heads_root) | {"num_speculative_tokens": 3, "adaptive": True}
@@ -322,15 +395,11 @@ def test_step_cost_predicts_between_and_past_the_measured_rows():
     assert model.predict(16) == pytest.approx(3.8)  # the last slope, 0.2 per row, carried on
     assert model.predict(4, num_seqs=3) == pytest.approx(1.5)
     assert "| 8 | 2200.00 | 2200.00 | 2.20x |" in model.table()
-    rows = np.array([1, 2, 3, 7, 8, 9, 16, 40])  # the policy's vectorised prices are the same numbers
-    assert model.predict_many(rows, num_seqs=3) == pytest.approx([model.predict(int(n), num_seqs=3) for n in rows])
     # a verify step computes logits on every row, a prefill chunk on one at most
     model.per_logits_row = 0.01
     assert model.predict(8) == pytest.approx(2.2 + 7 * 0.01)
     assert model.predict(8, num_logits_rows=1) == pytest.approx(2.2)
     assert model.predict(8, num_seqs=3, num_logits_rows=3) == pytest.approx(2.2 + 0.02 + 0.1)
-    logits = np.array([1, 1, 2, 7, 8, 0, 16, 3])
-    assert model.predict_many(rows, 3, logits) == pytest.approx([model.predict(int(n), 3, int(m)) for n, m in zip(rows, logits)])
 
 
 def test_draft_cost_fits_its_calls():
