@@ -153,4 +153,5 @@ class MtpChainDrafter(Drafter):
                     drafts[r.request_id].append(token)
                     survivals[r.request_id].append(math.exp(scores[r.request_id]))
                     outputs[r.request_id] = out
-        return {rid: DraftTree.chain(chain[:budgets[rid].num_kept(survivals[rid])]) for rid, chain in drafts.items()}
+        kept = {rid: budgets[rid].num_kept(survivals[rid]) for rid in drafts}
+        return {rid: DraftTree.chain(chain[:kept[rid]], survivals=survivals[rid][:kept[rid]]) for rid, chain in drafts.items()}

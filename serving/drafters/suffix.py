@@ -37,11 +37,14 @@ from serving.spec_decode.tree import DraftTree
 
 
 class Suffix(NamedTuple):
-    """A request's draft: its tree, each node's estimated path probability (non-increasing in node order), and its
-    score (their sum: the tokens the tree expects accepted)."""
+    """A request's draft: its tree, whose survivals are each node's estimated path probability (non-increasing in
+    node order), and its score (their sum: the tokens the tree expects accepted)."""
     tree: DraftTree
-    probs: tuple[float, ...]
     score: float
+
+    @property
+    def probs(self) -> tuple[float, ...]:
+        return self.tree.survivals
 
     def cut(self, budget: DraftBudget) -> "Suffix":
         """The draft within `budget`: its first nodes whose probability is at least exp(min_log_survival) (a
@@ -50,11 +53,7 @@ class Suffix(NamedTuple):
         least = math.exp(budget.min_log_survival)
         num = budget.num_kept([p for p in self.probs if p >= least])
         tree = self.tree.prefix(num, budget.depth)
-        if tree is self.tree:
-            return self
-        kept = [i for i in range(num) if self.tree.depths[i] <= budget.depth]
-        probs = tuple(self.probs[i] for i in kept)
-        return Suffix(tree, probs, sum(probs))
+        return self if tree is self.tree else Suffix(tree, sum(tree.survivals))
 
 
 class SuffixState:
@@ -106,7 +105,7 @@ class SuffixDrafter(Drafter):
                                      self.min_token_prob)
         self.num_drafts += 1
         self.seconds += time.perf_counter() - start
-        return Suffix(DraftTree(draft.tokens, draft.parents), tuple(draft.probs), draft.score)
+        return Suffix(DraftTree(draft.tokens, draft.parents, survivals=tuple(draft.probs)), draft.score)
 
     def propose(self, ctx, requests, budgets):
         return {r.request_id: self.speculate(r, budgets[r.request_id].num_nodes).cut(budgets[r.request_id]).tree

@@ -43,7 +43,8 @@ class Candidates:
         order.sort(key=lambda i: (self.depths[i], -self.scores[i], i))
         index = {node: n for n, node in enumerate(order)}
         return DraftTree(tuple(self.tokens[i] for i in order),
-                         tuple(-1 if self.parents[i] < 0 else index[self.parents[i]] for i in order))
+                         tuple(-1 if self.parents[i] < 0 else index[self.parents[i]] for i in order),
+                         survivals=tuple(math.exp(self.scores[i]) for i in order))
 
 
 def grow(first: tuple[list, list], expand, topk: int, max_depths: list[int],

@@ -51,6 +51,9 @@ PRIOR, PRIOR_TRIES = 0.5, 8  # conditional acceptance at depth 1 before anything
 OVERHEAD_DECAY = 0.9  # weight of the steps before in the learned per-step overhead
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1 << 30)  # the summary's step-time buckets, by rows at most
 MIN_GAIN = 1e-6  # a prefix must beat a shorter one by this fraction, not tie it
+# a calibrated drafter's survivals against what verification finds, per depth: the weight of the steps before, per
+# step that drafted the depth (about the last hundred count), and the tokens of agreement assumed before any
+REALISM_DECAY, REALISM_PRIOR = 0.99, 4.0
 
 
 @dataclass
@@ -93,6 +96,9 @@ class AdaptivePolicy:
         # bucket of rows (at most) -> [steps, predicted s, measured s] summed: bounded however long the engine serves
         self.timings: dict[int, list] = defaultdict(lambda: [0, 0.0, 0.0])
         self.overhead_s = 0.0  # what an engine step takes beyond the step cost table's forward, learned as steps come
+        # per depth, decayed: the survival a calibrated drafter gave the nodes it drafted there, and the steps that
+        # accepted one of them (`realism`)
+        self.expected, self.found = [0.0] * k, [0.0] * k
 
     @property
     def overhead(self) -> float:
@@ -167,16 +173,35 @@ class AdaptivePolicy:
         # over a few rows, as a depth is) or the drafting calls' price of a depth where that is more: the drafting
         # calls are fitted on the budgets' depths, deeper than a head that stops on its confidence drafts.
         per_depth = best_rate * max(self.draft_cost.call.coef[1], self.draft_cost.catch_up.coef[0])
+        # Both are asked of the drafter's survivals, so a drafter that proves more sure than right (a head on prompts
+        # unlike its training data) is asked for more in proportion (`realism`).
+        realism = [1.0] * len(self.expected) if self.per_request else [self.realism(d) for d in range(1, len(self.expected) + 1)]
+        rank_realism = [realism[d - 1] for d in range(1, len(self.num_nodes))  # of a tree's i-th best node
+                        for _ in range(self.num_nodes[d] - self.num_nodes[d - 1])]
         budgets = {}
         for rid, num in nodes.items():
             first = best_rows - num
-            own = tuple(prices[first:first + num])
+            own = tuple(price / rank_realism[i] for i, price in enumerate(prices[first:first + num]))
             least = min(own)
             expand = () if self.per_request else tuple(
-                _log((per_depth + own[min(self.num_nodes[d], num - 1)]) / prior[d]) if prior[d] > 0 else math.inf
-                for d in range(1, depths[rid]))
+                _log((per_depth / realism[d - 1] + own[min(self.num_nodes[d], num - 1)]) / prior[d])
+                if prior[d] > 0 else math.inf for d in range(1, depths[rid]))
             budgets[rid] = DraftBudget(num, depths[rid], _log(least), own, expand)
         return budgets
+
+    def realism(self, depth: int) -> float:
+        """Steps that accepted a node at `depth` per unit of survival a calibrated drafter gave its nodes there, over
+        recent steps (1 before any): its calibration as this workload finds it."""
+        return (self.found[depth - 1] + REALISM_PRIOR) / (self.expected[depth - 1] + REALISM_PRIOR)
+
+    def record_survivals(self, tree, num_accepted: int) -> None:
+        """A verified tree that carried its drafter's survivals, of which `num_accepted` nodes were accepted."""
+        expected = [0.0] * tree.depth
+        for depth, survival in zip(tree.depths, tree.survivals):
+            expected[depth - 1] += survival
+        for d, value in enumerate(expected[:len(self.expected)]):
+            self.expected[d] = REALISM_DECAY * self.expected[d] + value
+            self.found[d] = REALISM_DECAY * self.found[d] + (num_accepted > d)
 
     @staticmethod
     def estimate(request) -> Estimate:

@@ -124,6 +124,8 @@ class Speculator:
         self.stats.record(tree, path, num_emitted)
         if self.policy:
             self.policy.record(request, depths_tried(tree, path), len(path), tree.depth)
+            if tree.survivals:
+                self.policy.record_survivals(tree, len(path))
 
     def record_invalid(self, request: Request, num_invalid: int) -> None:
         """Drafts the request's grammar forbade, cut before verification."""

@@ -5,6 +5,9 @@ node, so the nodes are in topological order and any prefix of them is a tree too
 chain is the tree whose node i hangs off node i - 1. `q[i]`, for drafters that sample, is the distribution node i
 was drawn from; without it every node is a deterministic draft (q one-hot). `forced[i]` marks a node the request's
 grammar forced (serving/spec_decode/grammar.py), counted apart from the drafter's own; empty when none is.
+`survivals[i]`, for drafters with a calibrated confidence, is their estimate that node i and every node above it are
+accepted (its path probability), which the adaptive policy holds against what verification finds; empty when none
+is given.
 
 `lookahead`, for lookahead decoding, holds rows the step computes after the nodes whose logits the drafter reads and
 that are never accepted: `len(tree)` counts the nodes (what verification sees), `num_rows` every row the step computes
@@ -13,7 +16,7 @@ after the newest token (what slots and budgets count).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +54,7 @@ class DraftTree:
     q: torch.Tensor | None = None  # [num_nodes, vocab]
     lookahead: LookaheadRows | None = None
     forced: tuple[bool, ...] = ()
+    survivals: tuple[float, ...] = field(default=(), compare=False)  # estimates: two trees are equal without them
 
     def __post_init__(self):
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
@@ -58,6 +62,8 @@ class DraftTree:
         object.__setattr__(self, "forced", tuple(bool(f) for f in self.forced) if any(self.forced) else ())
         if self.forced and len(self.forced) != len(self.tokens):
             raise ValueError(f"a draft tree's forced flags are {len(self.forced)} for {len(self.tokens)} nodes")
+        if self.survivals and len(self.survivals) != len(self.tokens):
+            raise ValueError(f"a draft tree's survivals are {len(self.survivals)} for {len(self.tokens)} nodes")
         if len(self.tokens) != len(self.parents):
             raise ValueError(f"a draft tree needs one parent per token: {len(self.tokens)} tokens, {len(self.parents)} parents")
         for i, parent in enumerate(self.parents):
@@ -68,9 +74,9 @@ class DraftTree:
             raise ValueError(f"a draft tree's q has {self.q.shape[0]} rows for {len(self.tokens)} nodes")
 
     @classmethod
-    def chain(cls, tokens, q: torch.Tensor | None = None) -> "DraftTree":
+    def chain(cls, tokens, q: torch.Tensor | None = None, survivals=()) -> "DraftTree":
         tokens = list(tokens)
-        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)), q)
+        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)), q, survivals=tuple(survivals))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -124,7 +130,8 @@ class DraftTree:
         parents = [-1 if self.parents[i] < 0 else index[self.parents[i]] for i in keep]
         q = None if self.q is None else self.q[keep]
         forced = tuple(self.forced[i] for i in keep) if self.forced else ()
-        return DraftTree(tuple(self.tokens[i] for i in keep), tuple(parents), q, lookahead, forced)
+        survivals = tuple(self.survivals[i] for i in keep) if self.survivals else ()
+        return DraftTree(tuple(self.tokens[i] for i in keep), tuple(parents), q, lookahead, forced, survivals)
 
     @property
     def num_forced(self) -> int:

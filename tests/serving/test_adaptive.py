@@ -24,7 +24,7 @@ from serving.drafters.confidence import Confidence
 from serving.drafters.tree_search import Candidates, grow
 from serving.request import SamplingParams, SpecState
 from serving.spec_decode import cost
-from serving.spec_decode.adaptive import AdaptivePolicy, Estimate
+from serving.spec_decode.adaptive import REALISM_DECAY, REALISM_PRIOR, AdaptivePolicy, Estimate
 from serving.spec_decode.config import SpeculativeConfig
 from serving.spec_decode.cost import DraftCost, LinearFit, StepCost
 from serving.spec_decode.tree import DraftTree
@@ -159,6 +159,27 @@ def test_a_head_expands_the_nodes_whose_children_may_repay_a_forward():
     cut = math.exp(budget.min_log_expand[0])
     assert budget.expands(1, math.log(cut * 1.01)) and not budget.expands(1, math.log(cut * 0.99))
     assert budget.expands(3, -50.0)  # past the budget's entries nothing stops it: its depth does
+
+
+def test_a_drafter_surer_than_right_is_asked_for_more():
+    # A calibrated head gives its chains' nodes survivals 0.8 and 0.4; verification accepts depth 1 half the time
+    # and depth 2 a tenth: over the last ~100 steps (and the prior's few tokens of agreement) its survivals are worth
+    # about 0.5 / 0.8 and 0.1 / 0.4 of what they say, and each row's price is asked of them in that proportion.
+    policy = AdaptivePolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive=True),
+                            linear_cost(0.01), free_drafting(), per_request=False)
+    requests = [decoding("a")]
+    fresh = policy.choose(fake_scheduler(requests), requests, {"a": DraftBudget(2, 2)}, prior=[0.9, 0.9])["a"]
+    assert policy.realism(1) == policy.realism(2) == 1.0  # before any verify step: the drafter's word
+    tree = DraftTree.chain([3, 4], survivals=(0.8, 0.4))
+    for step in range(2000):
+        policy.record_survivals(tree, 2 if step % 10 == 0 else 1 if step % 10 < 5 else 0)
+    steps = 1 / (1 - REALISM_DECAY)
+    first, second = policy.realism(1), policy.realism(2)
+    assert first == pytest.approx((0.5 * steps + REALISM_PRIOR) / (0.8 * steps + REALISM_PRIOR), rel=0.05)
+    assert second == pytest.approx((0.1 * steps + REALISM_PRIOR) / (0.4 * steps + REALISM_PRIOR), rel=0.05)
+    budget = policy.choose(fake_scheduler(requests), requests, {"a": DraftBudget(2, 2)}, prior=[0.9, 0.9])["a"]
+    assert budget.row_prices == pytest.approx([fresh.row_prices[0] / first, fresh.row_prices[1] / second])
+    assert DraftTree.chain([3, 4], survivals=(0.8, 0.4)).prefix(1).survivals == (0.8,)
 
 
 def test_the_search_expands_only_the_nodes_its_budget_says():

@@ -173,7 +173,7 @@ def test_a_cut_keeps_the_best_nodes_within_the_budget():
     cache = SuffixCache(8, 10)
     cache.start(0, [1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2])
     draft = cache.speculate(0, [1, 2, 3, 1, 2], 6, 3.0, 0.0)
-    suffix = Suffix(DraftTree(draft.tokens, draft.parents), tuple(draft.probs), draft.score)
+    suffix = Suffix(DraftTree(draft.tokens, draft.parents, survivals=tuple(draft.probs)), draft.score)
     cut = suffix.cut(DraftBudget(3, 1))
     assert all(d == 1 for d in cut.tree.depths) and cut.score == pytest.approx(sum(cut.probs))
     high = suffix.cut(DraftBudget(6, 8, math.log(0.5)))
