@@ -12,7 +12,7 @@
    greedy, 4 depths: plain decoding, n-gram, suffix decoding and each trained head, as a chain always drafting 4
    tokens, as EAGLE-2's dynamic tree (`TREE`; only `TREE_KINDS` without --full), as a chain with a confidence
    threshold after prompt lookup first (`prompt_lookup_first`) and, for `SUFFIX_FIRST_KINDS`, after suffix decoding
-   first (`suffix_first`), and
+   first (`suffix_first`), `ADAPTIVE_KINDS` alone under the adaptive policy (`"adaptive": true`), and
    transformers' `generate` on the same prompts (each row's "vs generate"); with --full also n-gram and each head
    after prompt lookup under the adaptive policy (`"adaptive": true`);
 5. results/bench.json, results/bench.md, results/acceptance.png and the summary over every setting and method
@@ -67,6 +67,9 @@ TREE_KINDS = ("eagle", "eagle3", "mtp", "peagle", "dflash", "dspark")
 # Suffix decoding (vLLM's defaults) beside n-gram, and the best head after suffix decoding first (suffix where its
 # tree's own frequencies expect at least a token accepted, the head elsewhere) beside it after prompt lookup first.
 SUFFIX_FIRST_KINDS = ("eagle3",)
+# The best head alone under the adaptive policy (docs/methods/adaptive.md): each step it drafts as deep as its
+# confidence in the draft in hand repays the rows and forwards, where the chain of 4 always drafts 4.
+ADAPTIVE_KINDS = ("eagle3",)
 # The online run's arrivals: about one request per 1.3 s of a request's decoding alone, so that requests overlap.
 SERVE_RATE = 0.75
 CONFIDENCE_THRESHOLD = 0.1
@@ -292,6 +295,8 @@ def bench_configs(heads: dict, full: bool) -> list:
     configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k,
                                   confidence_threshold=CONFIDENCE_THRESHOLD, suffix_first=True)
                 for kind, folder in heads.items() if kind in SUFFIX_FIRST_KINDS]
+    configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k, adaptive=True)
+                for kind, folder in heads.items() if kind in ADAPTIVE_KINDS]
     if full:  # the adaptive policy beside the fixed settings, at every concurrency (docs/methods/adaptive.md)
         configs += [SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=True)]
         configs += [SpeculativeConfig(method=kind, model=str(folder), num_speculative_tokens=k, adaptive=True,
