@@ -103,7 +103,8 @@ TABLES = {
             json.dumps({"method": "ngram", "num_speculative_tokens": 4}), json.dumps({"method": "suffix"}),
             spec("eagle3"), spec("dflash"), spec("eagle3", topk=8, num_draft_tokens=16),
             spec("eagle3", prompt_lookup_first=True, **CUT),
-            spec("eagle3", suffix_first=True, **CUT)) for arg in ("--speculative-config", c)))),
+            spec("eagle3", suffix_first=True, **CUT), spec("eagle3", adaptive=True))
+            for arg in ("--speculative-config", c)))),
     "generate": Table("training.md", "self-distillation throughput", ("-m", "benchmarks.generate")),
     "train": Table("training.md", "fit throughput by kind, offline against online", ("-m", "benchmarks.train")),
     "recipes": Table("training.md", "our configs against the published recipes", (
