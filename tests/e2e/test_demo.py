@@ -24,7 +24,9 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
         lookup_first = [f"{kind}+lookup2 p>={demo.CONFIDENCE_THRESHOLD:g}" for kind in demo.DEMO_KINDS]
         suffix_first = [f"{kind}+suffix1 p>={demo.CONFIDENCE_THRESHOLD:g}" for kind in demo.DEMO_KINDS
                         if kind in demo.SUFFIX_FIRST_KINDS]
-        assert methods == ["plain", "ngram", "suffix k24 n25", *demo.DEMO_KINDS, *trees, *lookup_first, *suffix_first]
+        adaptive = [f"{kind} adaptive" for kind in demo.DEMO_KINDS if kind in demo.ADAPTIVE_KINDS]
+        assert methods == ["plain", "ngram", "suffix k24 n25", *demo.DEMO_KINDS, *trees, *lookup_first, *suffix_first,
+                           *adaptive]
         # greedy at concurrency 1: transformers' generate ran alongside, in float32 with the same tokens (in the
         # bfloat16 compute mode, which the demo picks on a CPU with AVX512-BF16, transformers' residual stream is
         # bfloat16 and its tokens may differ)
@@ -47,6 +49,10 @@ def test_demo_pipeline_writes_every_result_file(tmp_path, monkeypatch):
                 assert row["config"]["confidence_threshold"] == demo.CONFIDENCE_THRESHOLD
                 assert row["config"]["prompt_lookup_first"] is (row["method"] in lookup_first)
                 assert row["config"]["suffix_first"] is (row["method"] in suffix_first)
+                continue
+            if row["method"] in adaptive:  # the policy's depth each step, up to the fixed chain's
+                assert row["config"]["adaptive"] is True
+                assert len(row["per_position"]) <= demo.NUM_SPECULATIVE_TOKENS
                 continue
             if row["config"]["method"] == "suffix":  # a tree up to vLLM's depth 24
                 assert 1 <= len(row["per_position"]) <= row["config"]["num_speculative_tokens"]
