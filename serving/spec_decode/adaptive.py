@@ -181,12 +181,15 @@ class AdaptivePolicy:
         budgets = {}
         for rid, num in nodes.items():
             first = best_rows - num
-            own = tuple(price / rank_realism[i] for i, price in enumerate(prices[first:first + num]))
-            least = min(own)
+            own = prices[first:first + num]
+            asked = tuple(price / rank_realism[i] for i, price in enumerate(own))
+            # a node at depth d, worth realism[d - 1] of its survival, expects its children to be accepted prior[d]
+            # of the times it is
             expand = () if self.per_request else tuple(
-                _log((per_depth / realism[d - 1] + own[min(self.num_nodes[d], num - 1)]) / prior[d])
+                _log((per_depth + own[min(self.num_nodes[d], num - 1)]) / (realism[d - 1] * prior[d]))
                 if prior[d] > 0 else math.inf for d in range(1, depths[rid]))
-            budgets[rid] = DraftBudget(num, depths[rid], _log(least), own, expand)
+            least = min(asked)
+            budgets[rid] = DraftBudget(num, depths[rid], _log(least), asked, expand)
         return budgets
 
     def realism(self, depth: int) -> float:
