@@ -22,7 +22,7 @@
 /* A decoder layer's weights (heads/layer.py), as serving/kernels.py's KernelLayer reads them once. */
 typedef struct {
     const float *input_norm, *post_norm, *q_norm, *k_norm;  /* q_norm, k_norm: NULL where the model has none */
-    const void *qkv, *o, *gate_up, *down;  /* panels, float32 or bfloat16 */
+    const void *qkv, *o, *gate_up, *down;  /* panels in `format` */
     const float *qkv_bias;  /* NULL where the model has none */
     long format;  /* the panels' format and product path: F32_PANELS, BF16_PANELS, I8_PANELS or a pair path */
     long streams;  /* 1: read from memory at every step (the target's layers), 0: kept in cache (a head's) */
@@ -104,7 +104,7 @@ typedef struct {
     long max_positions;
     const float *norm;  /* the final norm's weight */
     float eps;
-    const void *lm_head;  /* panels, float32 or bfloat16 */
+    const void *lm_head;  /* panels in `lm_format` */
     long lm_format;  /* their format, as layer_weights.format */
     float scale;  /* of the attention's scores */
     const long *ids, *positions;  /* [rows] */

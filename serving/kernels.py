@@ -297,22 +297,18 @@ class PackedLinear(_KernelModule):
         whole product (serving/drafters/markov.py)."""
         if self.lib is None:
             return self.weight_t.t().to(torch.float32 if self.format == I8_PANELS else self.weight_dtype).contiguous()
-        if self.format == I8_PANELS:
-            num_panels = -(-self.out_features // PANEL)
+        num_panels, panels, scale = -(-self.out_features // PANEL), self.panels, None
+        if self.format == I8_PANELS:  # the int8 panels, then each column's scale
             size = num_panels * self.in_features * PANEL
-            panels = self.panels[:size].view(num_panels, self.in_features, PANEL)
-            scale = self.panels[size:].view(torch.float32)[:self.out_features]
-            rows = panels.transpose(1, 2).reshape(num_panels * PANEL, -1)[:self.out_features]
-            return rows.float() * scale[:, None]
-        num_panels = self.panels.shape[0]
+            panels, scale = panels[:size], panels[size:].view(torch.float32)[:self.out_features]
         if self.format in PAIR_PATHS.values():  # [panels, pairs, (column, pair member)] back to [out, in]
-            rows = self.panels.view(num_panels, -1, PANEL, 2).transpose(1, 2).reshape(num_panels * PANEL, -1)
+            rows = panels.view(num_panels, -1, PANEL, 2).transpose(1, 2).reshape(num_panels * PANEL, -1)
         else:
-            panels = self.panels
             if self.format == BF16_PANELS:  # a bfloat16 panel's columns 0, 8, 1, 9, ... back in order
                 panels = panels.view(num_panels, -1, PANEL // 2, 2).transpose(2, 3)
             rows = panels.reshape(num_panels, -1, PANEL).transpose(1, 2).reshape(num_panels * PANEL, -1)
-        return rows[:self.out_features, :self.in_features].contiguous()
+        rows = rows[:self.out_features, :self.in_features].contiguous()
+        return rows if scale is None else rows.float() * scale[:, None]
 
     def read_pointers(self):
         if self.format in PAIR_PATHS.values():
