@@ -81,12 +81,18 @@ $(LLAMA_CPP)/build/bin/llama-bench: | setup
 	cmake --build $(LLAMA_CPP)/build --target llama-bench -j2 > $(LLAMA_CPP)/build.log
 	$(BIN)/pip install -q --target $(LLAMA_CPP)/site sentencepiece
 
+# The tests in TEST_WORKERS processes (pytest-xdist), each module's tests in one of them (--dist loadscope: a module's
+# fixtures, a served vLLM or a trained head, are made once). Each test runs torch on one thread (tests/conftest.py);
+# the kernels' OpenMP threads wait asleep (OMP_WAIT_POLICY), not spinning against the other process's.
+TEST_WORKERS ?= 2
+PYTEST := OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+
 test: setup vllm speculators
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(PYTEST) --durations=25 tests
 
 # The inner loop: every test but those marked interop, e2e, fit, law or slow (pyproject.toml); no vLLM needed.
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not (interop or e2e or fit or law or slow)" tests
+	$(PYTEST) -m "not (interop or e2e or fit or law or slow)" tests
 
 # The documentation site on http://127.0.0.1:8000, rebuilt as docs/ change.
 docs: setup

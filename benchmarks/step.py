@@ -322,17 +322,18 @@ def speculative(argv=None) -> None:
     prompt by prompt).
 
         python -m benchmarks.step speculative --speculative-config '{"method": "eagle", "model": "runs/eagle/heads/best"}' \
-            [--speculative-config ...] [--num-prompts 3] [--max-new-tokens 64] [--dtype bfloat16]
+            [--speculative-config ...] [--prompts humaneval] [--num-prompts 3] [--max-new-tokens 64] [--dtype bfloat16]
     """
     parser = argparse.ArgumentParser(prog="python -m benchmarks.step speculative", description=speculative.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--speculative-config", action="append", default=[], metavar="JSON")
-    parser.add_argument("--num-prompts", type=int, default=3, help="MT-bench first turns, one at a time")
+    parser.add_argument("--prompts", default="mt-bench", help="a prompt source of `draftheads bench --prompts`")
+    parser.add_argument("--num-prompts", type=int, default=3, help="first turns, one at a time")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the engine's compute mode (bfloat16: products of bfloat16 operands, the heads' too)")
     args = parser.parse_args(argv)
-    prompts = [first_turn(m) for m in load_prompts("mt-bench", args.num_prompts)["messages"]]
+    prompts = [first_turn(m) for m in load_prompts(args.prompts, args.num_prompts)["messages"]]
     engine = Engine(EngineConfig(args.target, max_num_seqs=1, dtype=args.dtype))
     params = SamplingParams(max_tokens=args.max_new_tokens, ignore_eos=True)
     target = Timer()

@@ -16,6 +16,8 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
+ON_CPU = not torch.cuda.is_available()
+
 
 def written(path: str) -> None:
     """Waits until the connector's writer thread, which holds the file's lock until it is done, has written `path`."""
@@ -27,7 +29,7 @@ def written(path: str) -> None:
 
 
 def connector() -> dict:
-    if torch.cuda.is_available():
+    if not ON_CPU:
         return {"kv_connector": "ExampleHiddenStatesConnector"}
     return {"kv_connector": "CpuHiddenStatesConnector", "kv_connector_module_path": "draftheads_hidden_states"}
 
@@ -35,7 +37,12 @@ def connector() -> dict:
 def main() -> None:
     settings, reply_fd = json.loads(sys.argv[1]), int(sys.argv[2])
     replies = os.fdopen(reply_fd, "w")
-    llm = LLM(model=settings["model"], skip_tokenizer_init=True, dtype=settings["dtype"],
+    # On a CPU: eager (compiling the model took ~35 s of a start there, for prefills that a CPU build without Triton
+    # runs no faster), and the model's worker inside the engine core's process (a process of its own imports vLLM
+    # again, ~12 s). The engine core keeps a process of its own: run in this one (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+    # it left the first prefill's file unwritten, and `written` waiting on its lock.
+    layout = {"enforce_eager": True, "distributed_executor_backend": "uni"} if ON_CPU else {}
+    llm = LLM(model=settings["model"], skip_tokenizer_init=True, dtype=settings["dtype"], **layout,
               max_model_len=settings["max_model_len"], enable_prefix_caching=False,
               speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                   "draft_model_config": {"hf_config": {
