@@ -37,9 +37,9 @@ def connector() -> dict:
 def main() -> None:
     settings, reply_fd = json.loads(sys.argv[1]), int(sys.argv[2])
     replies = os.fdopen(reply_fd, "w")
-    # On a CPU: eager (compiling the model took ~35 s of a start there, for prefills that a CPU build without Triton
-    # runs no faster), and the model's worker inside the engine core's process (a process of its own imports vLLM
-    # again, ~12 s). The engine core keeps a process of its own: run in this one (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+    # On a CPU: eager, as `vllm serve` runs there (serving/bench/vllm_process.py; compiling took ~35 s of each start
+    # on 2 cores), and the model's worker inside the engine core's process (a process of its own imports vLLM again,
+    # ~12 s). The engine core keeps a process of its own: run in this one (VLLM_ENABLE_V1_MULTIPROCESSING=0),
     # it left the first prefill's file unwritten, and `written` waiting on its lock.
     layout = {"enforce_eager": True, "distributed_executor_backend": "uni"} if ON_CPU else {}
     llm = LLM(model=settings["model"], skip_tokenizer_init=True, dtype=settings["dtype"], **layout,
